@@ -5,12 +5,12 @@
 set -euo pipefail
 _root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 _python=${PYTHON:-python3}
-_key=$(cat "$_root/constraints.txt" "$_root/pyproject.toml" | sha256sum | cut -c1-12)
+_key=$(sha256sum < "$_root/constraints.txt" | cut -c1-12)
 _cache=${DFLASH_CACHE_DIR:-$HOME/.cache/dflash-train}
 export DFLASH_VENV=${DFLASH_VENV:-$_cache/venv-$_key}
 # Editable installs point at one checkout; re-install when this checkout is another one.
 _stamp="$DFLASH_VENV/.dflash-stamp"
-_want="$_key $_root"
+_want="$(cat "$_root/constraints.txt" "$_root/pyproject.toml" | sha256sum | cut -c1-12) $_root"
 if [ ! -x "$DFLASH_VENV/bin/python" ]; then
   echo "bootstrap: creating $DFLASH_VENV (first run downloads PyTorch, a few minutes)" >&2
   "$_python" -m venv "$DFLASH_VENV"
