@@ -1,0 +1,143 @@
+"""Cost per phase, side by side in one run (prints ns/phase and ratios).
+
+  classic   two clock reads and a dict update (the classic ProfileStats approach)
+  off       tracing.phase with spans off (level off): clock reads + ProfileStats.add
+  traced    tracing.phase with a span + ProfileStats, through the bounded batch processor
+            to the real OTLP gRPC exporter, sending to a sink collector in a subprocess
+  nested    like traced, but parented implicitly by an enclosing phase (current phase)
+
+Usage: python bench/tracing_overhead.py [--phases N] [--repeats R]
+Goals (issue 3): off <= 1 us, traced <= 25 us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+# Run from a checkout: prefer its `tracing` over whatever the environment installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import tracing  # noqa: E402
+
+SINK = r"""
+import sys, time
+from concurrent import futures
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as rpc
+
+class Sink(rpc.TraceServiceServicer):
+    def Export(self, request, context):
+        return pb.ExportTraceServiceResponse()
+
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+rpc.add_TraceServiceServicer_to_server(Sink(), server)
+server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+server.start()
+print("ready", flush=True)
+server.wait_for_termination()
+"""
+
+
+class ClassicProfileStats:
+    """The classic approach: name -> [count, total]."""
+
+    def __init__(self) -> None:
+        self.stats: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+
+    def add(self, name: str, dt: float) -> None:
+        entry = self.stats[name]
+        entry[0] += 1
+        entry[1] += dt
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def bench_classic(n: int) -> float:
+    stats = ClassicProfileStats()
+    clock = time.perf_counter
+    start = time.perf_counter_ns()
+    for _ in range(n):
+        t0 = clock()
+        stats.add("phase", clock() - t0)
+    return (time.perf_counter_ns() - start) / n
+
+
+def bench_phase(n: int, parent: object = None) -> float:
+    phase = tracing.phase
+    start = time.perf_counter_ns()
+    for _ in range(n):
+        with phase("phase", parent=parent):
+            pass
+    return (time.perf_counter_ns() - start) / n
+
+
+def bench_nested(n: int, root: tracing.SpanHandle) -> float:
+    phase = tracing.phase
+    with phase("outer", parent=root):
+        start = time.perf_counter_ns()
+        for _ in range(n):
+            with phase("phase"):
+                pass
+        return (time.perf_counter_ns() - start) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phases", type=int, default=20000, help="phases per traced measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="measurements per mode; best kept")
+    args = parser.parse_args()
+    port = _free_port()
+    sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], stdout=subprocess.PIPE)
+    try:
+        assert sink.stdout is not None and sink.stdout.readline().strip() == b"ready"
+        results = run_all(args.phases, args.repeats, port)
+    finally:
+        sink.terminate()
+        sink.wait(5)
+    classic = results["classic"]
+    print(f"{'mode':<8} {'ns/phase':>10} {'x classic':>10}")
+    for mode, ns in results.items():
+        if mode.startswith("_"):
+            continue
+        print(f"{mode:<8} {ns:>10.0f} {ns / classic:>10.1f}")
+    print(
+        f"goals: off {results['off'] / 1e3:.2f} us (<= 1), traced {results['traced'] / 1e3:.1f} us "
+        f"(<= 25); exported {results['_exported']:.0f}, dropped {results['_dropped']:.0f}, "
+        f"shutdown {results['_shutdown_s']:.2f}s"
+    )
+
+
+def run_all(n: int, repeats: int, port: int) -> dict[str, float]:
+    cheap_n = n * 10
+    results = {"classic": min(bench_classic(cheap_n) for _ in range(repeats))}
+    tracing.setup(tracing.TracingConfig(level="off"))
+    results["off"] = min(bench_phase(cheap_n) for _ in range(repeats))
+    cfg = tracing.TracingConfig(
+        exporter="otlp", otlp_endpoint=f"http://127.0.0.1:{port}", max_queue_size=65536
+    )
+    telemetry = tracing.setup(cfg)
+    root = tracing.start_span("batch")
+    bench_phase(1000, parent=root)  # warm up: gRPC channel, code paths
+    telemetry.force_flush(5.0)
+    results["traced"] = min(bench_phase(n, parent=root) for _ in range(repeats))
+    results["nested"] = min(bench_nested(n, root) for _ in range(repeats))
+    root.end()
+    report = telemetry.shutdown(timeout_s=5.0)
+    results["_exported"] = report.spans_exported
+    results["_dropped"] = report.spans_dropped + report.spans_not_delivered
+    results["_shutdown_s"] = report.duration_s
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+import tracing
+from tracing import TracingConfig, TracingConfigError
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"exporter": "jaeger"}, "'jaeger'"),
+        ({"otlp_protocol": "udp"}, "'udp'"),
+        ({"exporter": "otlp", "otlp_endpoint": "http://host:notaport"}, "notaport"),
+        ({"exporter": "otlp", "otlp_endpoint": "ftp://host:4317"}, "ftp://host:4317"),
+        ({"exporter": "otlp"}, "needs an endpoint"),
+        ({"exporter": "file"}, "trace_file"),
+        ({"cuda_timing": "cupti"}, "'cupti'"),
+        ({"level": "verbose"}, "'verbose'"),
+        ({"sample_ratio": 1.5}, "1.5"),
+        ({"report_interval_s": -1}, "-1"),
+        ({"export_timeout_s": 0}, "export_timeout_s"),
+    ],
+)
+def test_bad_values_raise_one_line_errors(kwargs, needle):
+    with pytest.raises(TracingConfigError) as info:
+        TracingConfig(**kwargs)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_env_is_honored_and_explicit_values_win():
+    env = {
+        "OTEL_SERVICE_NAME": "svc",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_EXPORTER_OTLP_HEADERS": "api-key=abc",
+        "OTEL_RESOURCE_ATTRIBUTES": "team=ml,site=a",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.25",
+    }
+    cfg = TracingConfig.from_env(env, resource_attributes={"site": "b"}, level=None)
+    assert cfg.service_name == "svc" and cfg.exporter == ("otlp",)
+    assert cfg.otlp_protocol == "http" and cfg.otlp_headers == {"api-key": "abc"}
+    assert cfg.sample_ratio == 0.25 and cfg.level == "phase"
+    assert cfg.resource_attributes == {"team": "ml", "site": "b"}
+    explicit = TracingConfig.from_env(env, service_name="cli", exporter="none")
+    assert explicit.service_name == "cli" and explicit.exporter == ("none",)
+    assert TracingConfig.from_env({}).exporter == ("none",)  # no endpoint: no network
+    disabled = TracingConfig.from_env({**env, "OTEL_SDK_DISABLED": "true"})
+    assert disabled.level == "off" and disabled.exporter == ("none",)
+
+
+def test_no_exporter_means_no_provider():
+    telemetry = tracing.setup(TracingConfig())
+    try:
+        assert telemetry.provider is None
+        with tracing.phase("x"):
+            pass
+        assert telemetry.stats.get("x").count == 1
+    finally:
+        telemetry.shutdown()
+
+
+def test_file_exporter_writes_otlp_json_lines(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    telemetry = tracing.setup(TracingConfig(exporter="file", trace_file=str(path), rank=2))
+    root = tracing.start_span("batch")
+    with tracing.phase("drafter.step", parent=root):
+        pass
+    root.end()
+    report = telemetry.shutdown(timeout_s=2.0)
+    assert report.spans_exported == 2 and report.clean
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    resource_spans = lines[0]["resourceSpans"][0]
+    spans = {s["name"]: s for s in resource_spans["scopeSpans"][0]["spans"]}
+    assert len(spans["batch"]["traceId"]) == 32 and len(spans["batch"]["spanId"]) == 16
+    assert spans["drafter.step"]["parentSpanId"] == spans["batch"]["spanId"]
+    attrs = {a["key"]: a["value"] for a in resource_spans["resource"]["attributes"]}
+    assert attrs["rank"] == {"intValue": "2"}
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_bounded_shutdown_against_closed_port():
+    cfg = TracingConfig(
+        exporter="otlp",
+        otlp_endpoint=f"http://127.0.0.1:{_closed_port()}",
+        schedule_delay_s=0.05,
+        max_queue_size=100,
+    )
+    telemetry = tracing.setup(cfg)
+    started = time.monotonic()
+    for _ in range(300):
+        with tracing.phase("work"):
+            pass
+    assert time.monotonic() - started < 2.0  # span creation never waits on the collector
+    time.sleep(0.3)
+    report = telemetry.shutdown(timeout_s=3.0)
+    assert report.duration_s < 3.0
+    assert report.spans_exported == 0
+    assert report.spans_dropped + report.spans_not_delivered == 300
+    assert "not delivered" in report.summary()
+    assert telemetry.stats.get("work").count == 300

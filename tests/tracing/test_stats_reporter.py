@@ -1,0 +1,154 @@
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+import pytest
+
+import tracing
+from tracing import PhaseStats, ProfileStats, Reporter, StatsSnapshot
+
+
+def test_percentiles_within_a_bucket():
+    stats = ProfileStats()
+    for ms in range(1, 101):
+        stats.add("step", ms / 1e3)
+    s = stats.get("step")
+    assert s.count == 100 and s.total_s == pytest.approx(5.05)
+    assert s.min_s == pytest.approx(0.001) and s.max_s == pytest.approx(0.1)
+    assert s.p50_s == pytest.approx(0.050, rel=0.1)
+    assert s.p95_s == pytest.approx(0.095, rel=0.1)
+    assert s.mean_s == pytest.approx(0.0505)
+
+
+def test_concurrent_adds_are_exact():
+    stats = ProfileStats()
+    per_thread = 100_000
+
+    def work():
+        for _ in range(per_thread):
+            stats.add("x", 0.5)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s = stats.get("x")
+    assert s.count == 8 * per_thread
+    assert s.total_s == 0.5 * 8 * per_thread  # exact: sums of 0.5 are exact in binary
+    assert len(s.threads) == 8
+
+
+def test_interval_and_cumulative_views():
+    stats = ProfileStats()
+    stats.add("a", 1.0)
+    first = stats.take_interval()
+    stats.add("a", 3.0)
+    stats.add("b", 2.0)
+    second = stats.take_interval()
+    assert first.phases["a"].count == 1
+    assert second.phases["a"].count == 1 and second.phases["a"].min_s == 3.0
+    assert second.phases["b"].total_s == 2.0
+    total = stats.snapshot()
+    assert total.phases["a"].count == 2 and total.phases["a"].total_s == 4.0
+    assert stats.take_interval().phases == {}
+
+
+def test_snapshot_round_trip_and_merge_across_ranks():
+    snaps = []
+    for rank in range(3):
+        stats = ProfileStats(rank=rank)
+        for _ in range(rank + 1):
+            stats.add("drafter.step", 0.1 * (rank + 1))
+        data = json.loads(json.dumps(stats.snapshot().to_dict()))
+        snaps.append(StatsSnapshot.from_dict(data))
+    merged = StatsSnapshot.merge(snaps)
+    step = merged.phases["drafter.step"]
+    assert step.count == 6 and step.max_s == pytest.approx(0.3)
+    assert len(step.threads) == 3  # one thread per rank, kept apart
+    table = tracing.format_table(merged, rank_snapshots=snaps)
+    row = next(line for line in table.splitlines() if line.startswith("drafter.step"))
+    assert "100.00ms (r0)" in row and "900.00ms (r2)" in row
+
+
+def test_table_content_and_share():
+    snap = StatsSnapshot(
+        phases={
+            "hs_queue.wait": PhaseStats(4, 2.0, 0.5, 0.5, {-8: 4}, {"t1": 4}),
+            "batch": PhaseStats(2, 1.0, 0.5, 0.5, {-8: 2}, {}),
+        },
+        wall_s=10.0,
+    )
+    lines = tracing.format_table(snap, title="T").splitlines()
+    assert lines[0] == "T"
+    assert lines[1].split() == ["phase", "count", "total", "mean", "p50", "p95", "max", "share"]
+    wait = lines[3].split()
+    assert wait[:4] == ["hs_queue.wait", "4", "2.00s", "500.00ms"] and wait[-1] == "20.0%"
+    assert lines[2].split()[-1] == "-"  # cross-thread span: no share
+
+
+def test_classic_usage_prints_one_line_per_name():
+    stats = ProfileStats()
+    stats.add("fwd", 0.25)
+    stats.add("fwd", 0.75)
+    assert str(stats) == "fwd: n=2 total=1.00s mean=500.00ms min=250.00ms max=750.00ms"
+
+
+def test_reporter_interval_throughput_verdict_and_final():
+    stats = ProfileStats()
+    out = io.StringIO()
+    tokens = {"n": 0}
+    reporter = Reporter(stats, interval_s=60.0, stream=out, verdict=lambda s: "target-bound")
+    reporter.add_rate("target", lambda: tokens["n"], unit="tok/s")
+    reporter.add_gauge("hs_queue depth", lambda: 3)
+    reporter.add_gauge("broken", lambda: 1 / 0)
+    stats.add("target.forward", 0.2)
+    tokens["n"] = 1000
+    text = reporter.report_interval()
+    assert "target.forward" in text and "200.00ms" in text
+    assert "tok/s" in text and "hs_queue depth 3" in text and "broken n/a" in text
+    assert text.splitlines()[-1] == "verdict: target-bound"
+    stats.add("target.forward", 0.4)
+    reporter.stop(final=True)
+    final = out.getvalue().split("tracing: total")[1]
+    assert final.splitlines()[2].split()[:3] == ["target.forward", "2", "600.00ms"]
+    reporter.stop(final=True)  # the final table prints once
+    assert out.getvalue().count("tracing: total") == 1
+
+
+def test_reporter_thread_prints_every_interval():
+    stats = ProfileStats()
+    out = io.StringIO()
+    reporter = Reporter(stats, interval_s=0.05, stream=out).start()
+    stats.add("x", 0.001)
+    deadline = threading.Event()
+    deadline.wait(0.3)
+    reporter.stop(final=False)
+    assert out.getvalue().count("tracing: last") >= 2
+
+
+def test_excepthook_prints_final_table_then_chains():
+    stats = ProfileStats()
+    stats.add("drafter.step", 0.1)
+    out = io.StringIO()
+    seen = []
+    import sys
+
+    previous = sys.excepthook
+    sys.excepthook = lambda *args: seen.append(args[0])
+    reporter = Reporter(stats, interval_s=1.0, stream=out)
+    try:
+        reporter.install_exit_hooks()
+        sys.excepthook(RuntimeError, RuntimeError("boom"), None)
+    finally:
+        reporter.uninstall_exit_hooks()
+        sys.excepthook = previous
+    assert "(stopped by RuntimeError)" in out.getvalue() and "drafter.step" in out.getvalue()
+    assert seen == [RuntimeError]
+
+
+def test_bad_interval_is_rejected():
+    with pytest.raises(tracing.TracingConfigError, match="got 0"):
+        Reporter(ProfileStats(), interval_s=0)

@@ -1,0 +1,211 @@
+"""Device timing: clocks that record device events, and the thread that resolves them.
+
+A `DeviceClock` records an event on a device's stream, says whether it completed and
+the time between two completed events. `CudaClock` uses torch.cuda events (torch is
+imported here only); `HostClock` is a host-clock stand-in with the same interface so
+the resolution path runs, and is tested, on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+logger = logging.getLogger("tracing")
+
+
+class DeviceClock(Protocol):
+    """Thread contract: `record`/`synchronize` run on the phase's thread, `query` and
+    `elapsed_s` on the resolver thread."""
+
+    def applies_to(self, device: object) -> bool:
+        """Whether phases on `device` get device timing (False for e.g. a CPU device)."""
+        ...
+
+    def record(self, device: object) -> Any: ...
+
+    def query(self, event: Any) -> bool: ...
+
+    def elapsed_s(self, start: Any, end: Any) -> float: ...
+
+    def synchronize(self, device: object) -> None: ...
+
+
+class CudaClock:
+    """torch.cuda events on the device's current stream."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self._torch = torch
+        self._applies: dict[object, bool] = {}
+
+    def applies_to(self, device: object) -> bool:
+        known = self._applies.get(device)
+        if known is None:
+            known = self._applies[device] = self._torch.device(device).type == "cuda"
+        return known
+
+    def record(self, device: object) -> Any:
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record(self._torch.cuda.current_stream(device))
+        return event
+
+    def query(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) / 1e3
+
+    def synchronize(self, device: object) -> None:
+        self._torch.cuda.synchronize(device)
+
+
+class HostEvent:
+    __slots__ = ("time_ns", "done")
+
+    def __init__(self, time_ns: int, done: bool) -> None:
+        self.time_ns = time_ns
+        self.done = done
+
+
+class HostClock:
+    """Host-clock fake: an event "completes" when the test says so (or at once)."""
+
+    def __init__(self, auto_complete: bool = True) -> None:
+        self.auto_complete = auto_complete
+        self.events: list[HostEvent] = []
+        self.synchronize_calls = 0
+
+    def applies_to(self, device: object) -> bool:
+        return device is not None
+
+    def record(self, device: object) -> HostEvent:
+        event = HostEvent(time.perf_counter_ns(), self.auto_complete)
+        self.events.append(event)
+        return event
+
+    def complete_all(self) -> None:
+        for event in self.events:
+            event.done = True
+
+    def query(self, event: HostEvent) -> bool:
+        return event.done
+
+    def elapsed_s(self, start: HostEvent, end: HostEvent) -> float:
+        return (end.time_ns - start.time_ns) / 1e9
+
+    def synchronize(self, device: object) -> None:
+        self.synchronize_calls += 1
+
+
+def cuda_clock_or_none(mode: str) -> CudaClock | None:
+    """A CudaClock for `sync`/`events`, or None (with one warning) when CUDA is absent."""
+    if mode == "off":
+        return None
+    try:
+        import torch
+
+        available = torch.cuda.is_available()
+    except ImportError:
+        available = False
+    if not available:
+        warnings.warn(
+            f"tracing: cuda_timing={mode!r} needs CUDA, which is not available; using 'off'",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return CudaClock()
+
+
+# (start event, end event, on_resolved(device_s or None))
+_Pending = tuple[Any, Any, Callable[[float | None], None]]
+
+
+class EventResolver:
+    """One daemon thread that waits for event pairs to complete, then calls back.
+
+    `submit` never blocks. Callbacks run on the resolver thread, with the device
+    duration in seconds, or None when the pair could not be resolved before `stop`.
+    """
+
+    def __init__(self, clock: DeviceClock, poll_interval_s: float = 0.001) -> None:
+        self.clock = clock
+        self._poll_interval_s = poll_interval_s
+        self._pending: deque[_Pending] = deque()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.resolved = 0
+        self.unresolved = 0
+        self._thread = threading.Thread(
+            target=self._run, name="tracing-device-resolver", daemon=True
+        )
+        self._thread.start()
+
+    def submit(self, start: Any, end: Any, on_resolved: Callable[[float | None], None]) -> None:
+        self._pending.append((start, end, on_resolved))
+        if not self._wake.is_set():
+            self._wake.set()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._pending:
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            if not self._resolve_ready():
+                time.sleep(self._poll_interval_s)
+
+    def _resolve_ready(self) -> bool:
+        """Resolves completed pairs in submission order; False when the oldest is not done."""
+        progressed = False
+        while self._pending:
+            start, end, callback = self._pending[0]
+            try:
+                if not self.clock.query(end):
+                    return progressed
+                device_s = self.clock.elapsed_s(start, end)
+            except Exception:  # a broken event must not stall the others
+                logger.exception("tracing: device event could not be resolved")
+                device_s = None
+            self._pending.popleft()
+            self.resolved += device_s is not None
+            _call(callback, device_s)
+            progressed = True
+        return progressed
+
+    def stop(self, timeout_s: float) -> int:
+        """Resolves what completes within `timeout_s`; ends the rest without device time.
+
+        Returns how many pairs stayed unresolved.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(self._poll_interval_s)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        left = 0
+        while self._pending:
+            _, _, callback = self._pending.popleft()
+            _call(callback, None)
+            left += 1
+        self.unresolved += left
+        return left
+
+
+def _call(callback: Callable[[float | None], None], device_s: float | None) -> None:
+    try:
+        callback(device_s)
+    except Exception:
+        logger.exception("tracing: device timing callback raised")

@@ -1,0 +1,301 @@
+"""Span processor with bounded waits and delivery counts, and the exporters `setup` builds.
+
+The SDK's BatchSpanProcessor waits up to 30 s on shutdown, has a force_flush without a
+bound and does not tell how many spans it lost. This one keeps the same shape (bounded
+deque, one named daemon worker, stop event) and adds: every wait bounded, counts of
+exported / dropped (queue full) / failed / still queued spans.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from tracing.config import TracingConfig
+
+logger = logging.getLogger("tracing")
+
+
+@dataclass
+class DeliveryCounts:
+    """What became of the sampled spans handed to one processor."""
+
+    exported: int = 0
+    dropped: int = 0
+    """Refused because the queue was full (collector too slow or gone)."""
+    failed: int = 0
+    """Handed to the exporter, which reported an error."""
+    pending: int = 0
+    """Still queued or in flight when shutdown gave up."""
+
+    def __iadd__(self, other: DeliveryCounts) -> DeliveryCounts:
+        self.exported += other.exported
+        self.dropped += other.dropped
+        self.failed += other.failed
+        self.pending += other.pending
+        return self
+
+
+class BoundedBatchSpanProcessor(SpanProcessor):
+    """Batches ended spans to an exporter on one worker thread.
+
+    Thread contract: `on_end` runs on the thread that ends a span; it never blocks and
+    never raises (a full queue drops the span and counts it). `force_flush` and
+    `shutdown` wait at most their timeout.
+    """
+
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        *,
+        max_queue_size: int = 8192,
+        max_batch_size: int = 512,
+        schedule_delay_s: float = 1.0,
+        name: str = "tracing-export",
+    ) -> None:
+        self.exporter = exporter
+        self._queue: deque[ReadableSpan] = deque()
+        self._max_queue_size = max_queue_size
+        self._max_batch_size = max_batch_size
+        self._schedule_delay_s = schedule_delay_s
+        self._counts = DeliveryCounts()
+        self._counts_lock = threading.Lock()
+        self._in_flight = 0
+        self._last_export_ok = True
+        self._shutdown_counts: DeliveryCounts | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._flush_waiters: list[threading.Event] = []
+        self._worker = threading.Thread(target=self._run, name=name, daemon=True)
+        self._worker.start()
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self._stop.is_set() or not span.context.trace_flags.sampled:
+            return
+        queue = self._queue
+        if len(queue) >= self._max_queue_size:
+            with self._counts_lock:
+                self._counts.dropped += 1
+            return
+        queue.append(span)
+        if len(queue) >= self._max_batch_size and not self._wake.is_set():
+            self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._schedule_delay_s)
+            self._wake.clear()
+            self._export_all()
+            self._release_flush_waiters()
+        self._export_all()
+        self._release_flush_waiters()
+
+    def _export_all(self) -> None:
+        while self._queue:
+            if self._stop.is_set() and not self._last_export_ok:
+                return  # shutting down and the collector is failing: do not burn the budget
+            batch = []
+            while self._queue and len(batch) < self._max_batch_size:
+                batch.append(self._queue.popleft())
+            self._export_batch(batch)
+
+    def _export_batch(self, batch: list[ReadableSpan]) -> None:
+        self._in_flight = len(batch)
+        try:
+            ok = self.exporter.export(batch) == SpanExportResult.SUCCESS
+        except Exception:  # telemetry never crashes the host program
+            logger.exception("tracing: exporter %s raised", type(self.exporter).__name__)
+            ok = False
+        self._last_export_ok = ok
+        with self._counts_lock:
+            if ok:
+                self._counts.exported += len(batch)
+            else:
+                self._counts.failed += len(batch)
+            self._in_flight = 0
+
+    def _release_flush_waiters(self) -> None:
+        waiters, self._flush_waiters = self._flush_waiters, []
+        for waiter in waiters:
+            waiter.set()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Asks the worker to export everything queued; waits at most `timeout_millis`."""
+        if self._stop.is_set() or not self._worker.is_alive():
+            return False
+        done = threading.Event()
+        self._flush_waiters.append(done)
+        self._wake.set()
+        return done.wait(timeout_millis / 1e3)
+
+    def shutdown(self, timeout_millis: int = 4000) -> None:
+        self.shutdown_counted(timeout_millis / 1e3)
+
+    def shutdown_counted(self, timeout_s: float) -> DeliveryCounts:
+        """Exports what it can within `timeout_s`, closes the exporter, returns the counts.
+
+        When the last export failed (collector down), it does not wait for the queue to
+        drain: closing the exporter at once aborts its retries. Later calls return the
+        first result without waiting.
+        """
+        if self._shutdown_counts is not None:
+            return self._shutdown_counts
+        deadline = time.monotonic() + timeout_s
+        self._stop.set()
+        self._wake.set()
+        if self._last_export_ok:
+            # Leave a slice of the budget for closing the exporter (aborts a hung request).
+            self._worker.join(max(0.0, deadline - time.monotonic()) * 0.8)
+        _call_bounded(self.exporter.shutdown, max(0.0, deadline - time.monotonic()))
+        self._worker.join(max(0.0, deadline - time.monotonic()))
+        self._shutdown_counts = self.counts()
+        return self._shutdown_counts
+
+    def counts(self) -> DeliveryCounts:
+        with self._counts_lock:
+            counts = DeliveryCounts(**vars(self._counts))
+            counts.pending = len(self._queue) + self._in_flight
+        return counts
+
+
+def _call_bounded(fn: object, timeout_s: float) -> None:
+    """Runs `fn()` on a daemon thread and waits at most `timeout_s` for it."""
+
+    def target() -> None:
+        try:
+            fn()  # type: ignore[operator]
+        except Exception:
+            logger.exception("tracing: exporter shutdown raised")
+
+    thread = threading.Thread(target=target, name="tracing-exporter-close", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+
+
+class OtlpJsonFileExporter(SpanExporter):
+    """Appends one OTLP/JSON `ExportTraceServiceRequest` object per line (ids in hex).
+
+    The format of the collector's file exporter; Jaeger's UI can load such a file.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in shutdown
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        from google.protobuf.json_format import MessageToDict
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+        message = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+        _ids_to_hex(message)
+        with self._lock:
+            if self._file.closed:
+                return SpanExportResult.FAILURE
+            self._file.write(json.dumps(message, separators=(",", ":")) + "\n")
+            self._file.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+def _ids_to_hex(message: dict) -> None:
+    # Protobuf's JSON mapping writes bytes in base64; OTLP/JSON wants hex ids.
+    for resource_spans in message.get("resourceSpans", []):
+        for scope_spans in resource_spans.get("scopeSpans", []):
+            for span in scope_spans.get("spans", []):
+                for item in [span, *span.get("links", [])]:
+                    for key in ("traceId", "spanId", "parentSpanId"):
+                        if item.get(key):
+                            item[key] = base64.b64decode(item[key]).hex()
+
+
+class _RateLimitFilter(logging.Filter):
+    """Lets one record per message template through every `period_s`: a dead collector
+    would otherwise log an error for every batch, all through training."""
+
+    def __init__(self, period_s: float = 60.0) -> None:
+        super().__init__()
+        self.period_s = period_s
+        self._last_s: dict[tuple[str, object], float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = (record.name, record.msg)
+        now_s = time.monotonic()
+        if now_s - self._last_s.get(key, -self.period_s) < self.period_s:
+            return False
+        self._last_s[key] = now_s
+        return True
+
+
+_OTLP_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.http._common",
+    "opentelemetry.exporter.http_transport",
+)
+_rate_limit = _RateLimitFilter()
+
+
+def _quiet_otlp_loggers() -> None:
+    for name in _OTLP_LOGGERS:
+        otel_logger = logging.getLogger(name)
+        if _rate_limit not in otel_logger.filters:
+            otel_logger.addFilter(_rate_limit)
+
+
+def build_exporters(cfg: TracingConfig) -> list[SpanExporter]:
+    """The exporters named in `cfg.exporter`; imports each SDK exporter only when used."""
+    exporters: list[SpanExporter] = []
+    for name in cfg.exporter:
+        if name == "otlp":
+            exporters.append(_otlp_exporter(cfg))
+        elif name == "console":
+            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+            exporters.append(ConsoleSpanExporter())
+        elif name == "file":
+            assert cfg.trace_file is not None  # checked by TracingConfig
+            exporters.append(OtlpJsonFileExporter(cfg.trace_file))
+    return exporters
+
+
+def _otlp_exporter(cfg: TracingConfig) -> SpanExporter:
+    assert cfg.otlp_endpoint is not None  # checked by TracingConfig
+    _quiet_otlp_loggers()
+    headers = dict(cfg.otlp_headers) or None
+    if cfg.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(
+            endpoint=cfg.otlp_endpoint,
+            insecure=cfg.otlp_endpoint.startswith("http://"),
+            headers=headers,
+            timeout=cfg.export_timeout_s,
+        )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpSpanExporter,
+    )
+
+    endpoint = cfg.otlp_endpoint.rstrip("/")
+    if not endpoint.endswith("/v1/traces"):
+        endpoint += "/v1/traces"  # the base URL names the collector; the signal path is fixed
+    return HttpSpanExporter(endpoint=endpoint, headers=headers, timeout=cfg.export_timeout_s)

@@ -1,0 +1,179 @@
+"""Reporter: prints the last interval's phase table, throughput figures and a verdict."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from typing import IO, Any
+
+from tracing.config import TracingConfigError
+from tracing.format import format_table
+from tracing.stats import ProfileStats, StatsSnapshot
+
+logger = logging.getLogger("tracing")
+
+Verdict = Callable[[StatsSnapshot], "str | None"]
+
+
+class _Rate:
+    """Turns a monotonically increasing counter into a per-second rate over each window."""
+
+    def __init__(self, counter: Callable[[], float], unit: str) -> None:
+        self.counter = counter
+        self.unit = unit
+        # Baseline at registration: the counter's value when the reporter starts watching.
+        self.first = self.last = float(counter())
+
+    def sample(self, wall_s: float, cumulative: bool) -> str:
+        value = float(self.counter())
+        base = self.first if cumulative else self.last
+        if not cumulative:
+            self.last = value
+        rate = (value - base) / wall_s if wall_s > 0 else 0.0
+        return f"{rate:,.1f} {self.unit}".rstrip()
+
+
+class Reporter:
+    """Every `interval_s` prints the last interval's table to `stream` (or `log`).
+
+    Thread contract: callbacks (`add_rate`, `add_gauge`, `verdict`) run on the reporter
+    thread and at `stop`; an exception in one shows as "n/a" and never stops the report.
+    """
+
+    def __init__(
+        self,
+        stats: ProfileStats,
+        interval_s: float = 30.0,
+        *,
+        stream: IO[str] | None = None,
+        log: logging.Logger | None = None,
+        verdict: Verdict | None = None,
+        title: str = "tracing",
+    ) -> None:
+        if not isinstance(interval_s, (int, float)) or not interval_s > 0:
+            raise TracingConfigError(
+                f"report interval must be a positive number of seconds, got {interval_s!r}"
+            )
+        self.stats = stats
+        self.interval_s = float(interval_s)
+        self._stream = stream
+        self._log = log
+        self._verdict = verdict
+        self._title = title
+        self._rates: dict[str, _Rate] = {}
+        self._gauges: dict[str, tuple[Callable[[], Any], str]] = {}
+        self._stop = threading.Event()
+        self._print_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._final_printed = False
+        self._previous_excepthook: Any = None
+
+    def add_rate(self, name: str, counter: Callable[[], float], unit: str = "/s") -> None:
+        """Shows the growth of `counter()` per second over each interval (e.g. tokens)."""
+        self._rates[name] = _Rate(counter, unit)
+
+    def add_gauge(self, name: str, value: Callable[[], Any], unit: str = "") -> None:
+        """Shows `value()` as sampled at print time (e.g. a queue depth)."""
+        self._gauges[name] = (value, unit)
+
+    def set_verdict(self, verdict: Verdict | None) -> None:
+        """`verdict(snapshot)` returns one line naming the bottleneck, or None."""
+        self._verdict = verdict
+
+    def start(self) -> Reporter:
+        if self._thread is None:
+            self.stats.take_interval()  # the first interval starts now
+            self._thread = threading.Thread(target=self._run, name="tracing-reporter", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.report_interval()
+
+    def report_interval(self) -> str:
+        """Prints (and returns) the table of the interval since the previous one."""
+        snapshot = self.stats.take_interval()
+        return self._emit(self.render(snapshot, f"{self._title}: last {snapshot.wall_s:.1f}s"))
+
+    def report_final(self, note: str = "") -> str:
+        """Prints (and returns) the cumulative table; later calls print nothing."""
+        with self._print_lock:
+            if self._final_printed:
+                return ""
+            self._final_printed = True
+        snapshot = self.stats.snapshot()
+        title = f"{self._title}: total {snapshot.wall_s:.1f}s{note}"
+        return self._emit(self.render(snapshot, title, cumulative=True))
+
+    def render(self, snapshot: StatsSnapshot, title: str, cumulative: bool = False) -> str:
+        lines = [format_table(snapshot, title=title)]
+        figures = [
+            f"{name} {_call_text(lambda r=rate: r.sample(snapshot.wall_s, cumulative))}"
+            for name, rate in self._rates.items()
+        ]
+        for name, (fn, unit) in self._gauges.items():
+            figures.append(f"{name} {_call_text(lambda fn=fn: _number(fn()))}{unit}")
+        if figures:
+            lines.append("throughput: " + " | ".join(figures))
+        if self._verdict is not None:
+            verdict = _call_text(lambda: self._verdict(snapshot))  # type: ignore[misc]
+            if verdict and verdict != "None":
+                lines.append(f"verdict: {verdict}")
+        return "\n".join(lines)
+
+    def _emit(self, text: str) -> str:
+        with self._print_lock:
+            if self._log is not None:
+                self._log.info("%s", text)
+            else:
+                stream = self._stream if self._stream is not None else sys.stderr
+                print(text, file=stream, flush=True)
+        return text
+
+    def stop(self, final: bool = True, timeout_s: float = 2.0) -> None:
+        """Stops the thread; with `final`, prints the cumulative table (once)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        if final:
+            self.report_final()
+
+    def install_exit_hooks(self) -> None:
+        """Prints the final table at interpreter exit and before an uncaught exception's
+        traceback (chaining the previous sys.excepthook). Signals stay the app's job."""
+        atexit.register(self._at_exit)
+        self._previous_excepthook = sys.excepthook
+        sys.excepthook = self._excepthook
+
+    def uninstall_exit_hooks(self) -> None:
+        atexit.unregister(self._at_exit)
+        if self._previous_excepthook is not None and sys.excepthook == self._excepthook:
+            sys.excepthook = self._previous_excepthook
+        self._previous_excepthook = None
+
+    def _at_exit(self) -> None:
+        self.stop(final=True, timeout_s=0.5)
+
+    def _excepthook(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        try:
+            self.stop(final=False, timeout_s=0.5)
+            self.report_final(note=f" (stopped by {exc_type.__name__})")
+        finally:
+            previous = self._previous_excepthook or sys.__excepthook__
+            previous(exc_type, exc, tb)
+
+
+def _number(value: Any) -> str:
+    return f"{value:,.1f}" if isinstance(value, float) else str(value)
+
+
+def _call_text(fn: Callable[[], Any]) -> str:
+    try:
+        return str(fn())
+    except Exception:
+        logger.exception("tracing: reporter callback raised")
+        return "n/a"

@@ -1,0 +1,252 @@
+"""`setup`: builds the tracer provider, exporters and device timing from a TracingConfig
+and installs them for `phase`; `Telemetry.shutdown` undoes it within a time bound."""
+
+from __future__ import annotations
+
+import atexit
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+from tracing import spans
+from tracing.config import TracingConfig
+from tracing.device import DeviceClock, EventResolver, cuda_clock_or_none
+from tracing.export import BoundedBatchSpanProcessor, DeliveryCounts, build_exporters
+from tracing.stats import ProfileStats
+
+_lock = threading.Lock()
+_active: Telemetry | None = None
+
+
+@dataclass(frozen=True)
+class ShutdownReport:
+    """What became of the spans of one Telemetry, and how long shutdown took."""
+
+    spans_exported: int
+    spans_dropped: int
+    """Never queued: the export queue was full (collector too slow or unreachable)."""
+    spans_failed: int
+    """Sent, but the exporter reported an error."""
+    spans_pending: int
+    """Still queued when the time bound ran out."""
+    device_unresolved: int
+    """Device-timed phases whose events did not complete in time (ended without device time)."""
+    duration_s: float
+
+    @property
+    def spans_not_delivered(self) -> int:
+        return self.spans_failed + self.spans_pending
+
+    @property
+    def clean(self) -> bool:
+        return not (self.spans_dropped or self.spans_not_delivered or self.device_unresolved)
+
+    def summary(self) -> str:
+        """One line for the log."""
+        text = (
+            f"tracing: shutdown in {self.duration_s:.2f}s; spans exported {self.spans_exported}, "
+            f"dropped {self.spans_dropped} (queue full), not delivered {self.spans_not_delivered} "
+            f"(failed {self.spans_failed}, pending {self.spans_pending})"
+        )
+        if self.device_unresolved:
+            text += f", device timings unresolved {self.device_unresolved}"
+        return text
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+class Telemetry:
+    """The installed tracing state of this process. Create with `setup`."""
+
+    def __init__(
+        self,
+        cfg: TracingConfig,
+        stats: ProfileStats,
+        provider: TracerProvider | None,
+        processors: list[BoundedBatchSpanProcessor],
+        resolver: EventResolver | None,
+    ) -> None:
+        self.cfg = cfg
+        self.stats = stats
+        self.provider = provider
+        self.processors = processors
+        self.resolver = resolver
+        self._report: ShutdownReport | None = None
+        self._shutdown_lock = threading.Lock()
+
+    @property
+    def tracing_spans(self) -> bool:
+        """Whether phases create spans (a provider exists and the level is not off)."""
+        return self.provider is not None
+
+    def force_flush(self, timeout_s: float = 1.0) -> bool:
+        """Exports what is queued; waits at most `timeout_s`."""
+        if self.provider is None:
+            return True
+        return self.provider.force_flush(int(timeout_s * 1e3))
+
+    def delivery_counts(self) -> DeliveryCounts:
+        total = DeliveryCounts()
+        for processor in self.processors:
+            total += processor.counts()
+        return total
+
+    def shutdown(self, timeout_s: float | None = None) -> ShutdownReport:
+        """Flushes and closes everything within `timeout_s` (default cfg.shutdown_timeout_s).
+
+        Idempotent: later calls return the first report. After it, `phase` only feeds
+        the default ProfileStats.
+        """
+        with self._shutdown_lock:
+            if self._report is None:
+                self._report = self._shutdown(
+                    self.cfg.shutdown_timeout_s if timeout_s is None else timeout_s
+                )
+        return self._report
+
+    def _shutdown(self, timeout_s: float) -> ShutdownReport:
+        started = time.monotonic()
+        deadline = started + timeout_s * 0.95  # headroom for the bookkeeping below
+        global _active
+        with _lock:
+            if _active is self:
+                spans.install(spans.Runtime(spans.DEFAULT_STATS))
+                _active = None
+        atexit.unregister(self._shutdown_at_exit)
+        unresolved = 0
+        if self.resolver is not None:
+            # Device events get at most a third of the budget; spans still need exporting.
+            unresolved = self.resolver.stop(max(0.0, deadline - time.monotonic()) / 3)
+        total = DeliveryCounts()
+        for index, processor in enumerate(self.processors):
+            share_s = max(0.0, deadline - time.monotonic()) / (len(self.processors) - index)
+            total += processor.shutdown_counted(share_s)
+        if self.provider is not None:
+            # Our processors return at once now; others (e.g. a test's) get what is left.
+            _shutdown_provider(self.provider, max(0.0, deadline - time.monotonic()))
+        return ShutdownReport(
+            spans_exported=total.exported,
+            spans_dropped=total.dropped,
+            spans_failed=total.failed,
+            spans_pending=total.pending,
+            device_unresolved=unresolved,
+            duration_s=time.monotonic() - started,
+        )
+
+    def _shutdown_at_exit(self) -> None:
+        self.shutdown()
+
+
+def _shutdown_provider(provider: TracerProvider, timeout_s: float) -> None:
+    thread = threading.Thread(target=provider.shutdown, name="tracing-provider-close", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+
+
+def _resource(cfg: TracingConfig) -> Resource:
+    attributes = {
+        **cfg.resource_attributes,
+        "service.name": cfg.service_name,
+        "service.instance.id": cfg.service_instance_id,
+        "host.name": socket.gethostname(),
+        "run.id": cfg.run_id,
+        "rank": cfg.rank,
+    }
+    # Resource(...) rather than Resource.create(...): the config already merged the
+    # environment, and explicit values must win over it.
+    return Resource(attributes)
+
+
+def setup(
+    cfg: TracingConfig | None = None,
+    *,
+    stats: ProfileStats | None = None,
+    exporters: Sequence[SpanExporter] = (),
+    span_processors: Sequence[SpanProcessor] = (),
+    device_clock: DeviceClock | None = None,
+    install_global_provider: bool = False,
+) -> Telemetry:
+    """Configures tracing for this process and makes `phase(...)` use it.
+
+    `exporters` are extra exporters behind bounded batch processors (counted in the
+    shutdown report); `span_processors` are added as they are (e.g. a
+    SimpleSpanProcessor around an InMemorySpanExporter in tests). `device_clock`
+    replaces the CUDA clock (a HostClock in tests). A previous setup is shut down first.
+    """
+    cfg = TracingConfig.from_env() if cfg is None else cfg
+    previous = _active
+    if previous is not None:
+        previous.shutdown(timeout_s=1.0)
+    stats = stats if stats is not None else ProfileStats(rank=cfg.rank)
+    all_exporters = [*build_exporters(cfg), *exporters]
+    provider = None
+    processors: list[BoundedBatchSpanProcessor] = []
+    if cfg.level != "off" and (all_exporters or span_processors):
+        provider = TracerProvider(
+            resource=_resource(cfg),
+            sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
+            shutdown_on_exit=False,  # its atexit hook would wait the SDK's 30 s default
+        )
+        for index, exporter in enumerate(all_exporters):
+            processor = BoundedBatchSpanProcessor(
+                exporter,
+                max_queue_size=cfg.max_queue_size,
+                schedule_delay_s=cfg.schedule_delay_s,
+                name=f"tracing-export-{index}",
+            )
+            processors.append(processor)
+            provider.add_span_processor(processor)
+        for processor in span_processors:
+            provider.add_span_processor(processor)
+        if install_global_provider:
+            trace.set_tracer_provider(provider)
+    clock = None
+    if cfg.cuda_timing != "off":
+        clock = device_clock if device_clock is not None else cuda_clock_or_none(cfg.cuda_timing)
+    resolver = EventResolver(clock) if clock is not None and cfg.cuda_timing == "events" else None
+    telemetry = Telemetry(cfg, stats, provider, processors, resolver)
+    _install(telemetry, clock)
+    return telemetry
+
+
+def _install(telemetry: Telemetry, clock: DeviceClock | None) -> None:
+    global _active
+    cfg = telemetry.cfg
+    tracer = telemetry.provider.get_tracer("tracing") if telemetry.provider else None
+    runtime = spans.Runtime(
+        telemetry.stats,
+        tracer=tracer,
+        level_rank=spans.LEVEL_RANK[cfg.level],
+        clock=clock,
+        sync=cfg.cuda_timing == "sync",
+        resolver=telemetry.resolver,
+    )
+    with _lock:
+        _active = telemetry
+        spans.install(runtime)
+    atexit.register(telemetry._shutdown_at_exit)
+
+
+def active() -> Telemetry | None:
+    """The Telemetry installed by the last `setup`, or None."""
+    return _active
+
+
+def get_stats() -> ProfileStats:
+    """The ProfileStats that `phase` feeds now (the default one before `setup`)."""
+    return spans.runtime().stats
+
+
+def shutdown(timeout_s: float | None = None) -> ShutdownReport | None:
+    """Shuts down the active Telemetry, if any."""
+    telemetry = _active
+    return None if telemetry is None else telemetry.shutdown(timeout_s)
