@@ -1,0 +1,246 @@
+"""End to end: `dflash-train train` exports its phase spans to the real Jaeger.
+
+Each run trains a few steps of the embedded default on the CPU, exporting over OTLP
+gRPC or HTTP (and writing a --trace-file), then reads Jaeger's query API: the service
+is listed, the operations include every phase, and each batch trace is the whole tree
+of DESIGN.md §5 with its attributes. The last test stops Jaeger mid-run, waits and
+restarts it: training goes on, spans after the return arrive, and the final summary
+counts what was lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import JaegerProcess
+from spantree import (
+    PHASES,
+    batch_tree_problems,
+    merge_otlp_json_lines,
+    root_of,
+    service_of,
+    spans_by_name,
+    tags,
+)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+RUN_TIMEOUT_S = 420
+# Small and fast: the point is the spans, not the drafter.
+FAST_FLAGS = (
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "64",
+    "--eval-prompts",
+    "1",
+    "--eval-new-tokens",
+    "8",
+)
+# Attribute keys on the spans, by meaning; the first one present is used.
+STEP_KEYS = ("step",)
+BATCH_ID_KEYS = ("batch.id", "batch_id")
+TOKENS_KEYS = ("tokens",)
+DEVICE_KEYS = ("device",)
+
+
+def dflash_train() -> str:
+    """The console script of the environment running the tests."""
+    beside_python = Path(sys.executable).parent / "dflash-train"
+    return str(beside_python) if beside_python.exists() else "dflash-train"
+
+
+def trainer_supports_otlp() -> bool:
+    done = subprocess.run(
+        [dflash_train(), "train", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    return "--otlp-endpoint" in done.stdout
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _require_otlp_flags() -> None:
+    if not trainer_supports_otlp():
+        pytest.skip("dflash-train train has no --otlp-endpoint yet (tracing not wired)")
+
+
+def train(tmp_path: Path, service: str, *extra: str, steps: int = STEPS) -> subprocess.Popen[str]:
+    """Starts `dflash-train train` in the background; output goes to tmp_path/train.log."""
+    env = {**os.environ, "OTEL_SERVICE_NAME": service}
+    log = (tmp_path / "train.log").open("w")
+    return subprocess.Popen(
+        [
+            dflash_train(),
+            "train",
+            "--steps",
+            str(steps),
+            "--output-dir",
+            str(tmp_path / "run"),
+            *FAST_FLAGS,
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+
+
+def finish(process: subprocess.Popen[str], tmp_path: Path) -> str:
+    try:
+        process.wait(timeout=RUN_TIMEOUT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = (tmp_path / "train.log").read_text()
+    assert process.returncode == 0, f"dflash-train failed:\n{output[-4000:]}"
+    return output
+
+
+def first_tag(span_tags: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        if key in span_tags:
+            return span_tags[key]
+    raise AssertionError(f"none of {keys} among the span's attributes {sorted(span_tags)}")
+
+
+def batch_traces(traces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # Checkpoint and evaluation spans form traces of their own; keep the batches.
+    return [t for t in traces if root_of(t)["operationName"] == "batch"]
+
+
+def assert_batch_traces(traces: list[dict[str, Any]], service: str, steps: int) -> None:
+    batches = batch_traces(traces)
+    assert len(batches) == steps, f"{len(batches)} batch traces for {steps} steps"
+    seen_steps, seen_batches = [], set()
+    for found in batches:
+        assert batch_tree_problems(found) == [], found["traceID"]
+        root = root_of(found)
+        assert service_of(found, root) == service
+        by_name = spans_by_name(found)
+        root_tags = tags(root)
+        # The step is known once the drafter takes the batch; either span may carry it.
+        step_tags = {**root_tags, **tags(by_name["drafter.step"][0])}
+        seen_steps.append(int(first_tag(step_tags, STEP_KEYS)))
+        seen_batches.add(first_tag(root_tags, BATCH_ID_KEYS))
+        assert int(first_tag(root_tags, TOKENS_KEYS)) > 0
+        for name in ("target.forward", "drafter.step"):
+            assert first_tag(tags(by_name[name][0]), DEVICE_KEYS) == "cpu", name
+    assert sorted(seen_steps) == list(range(steps))
+    assert len(seen_batches) == steps
+
+
+def wait_for_batches(jaeger: JaegerProcess, service: str, count: int) -> list[dict[str, Any]]:
+    return jaeger.wait_for(
+        lambda: jaeger.traces(service),
+        lambda found: (
+            len(batch_traces(found)) >= count
+            and all(len(t["spans"]) >= len(PHASES) for t in batch_traces(found))
+        ),
+        timeout_s=60,
+        waiting_for=f"{count} complete batch traces of {service}",
+    )
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_training_exports_whole_batch_trees(
+    jaeger: JaegerProcess, tmp_path: Path, protocol: str
+) -> None:
+    service = f"dflash-train-e2e-{protocol}-{uuid.uuid4().hex[:6]}"
+    endpoint = jaeger.otlp_grpc_endpoint if protocol == "grpc" else jaeger.otlp_http_endpoint
+    trace_file = tmp_path / "spans.jsonl"
+    process = train(
+        tmp_path,
+        service,
+        "--otlp-endpoint",
+        endpoint,
+        "--otlp-protocol",
+        protocol,
+        "--trace-file",
+        str(trace_file),
+    )
+    finish(process, tmp_path)
+
+    assert service in jaeger.wait_for(
+        jaeger.services,
+        lambda found: service in found,
+        waiting_for=f"service {service} (does `train` export to --otlp-endpoint?)",
+    )
+    operations = jaeger.wait_for(
+        lambda: jaeger.operations(service), lambda found: set(PHASES) <= set(found)
+    )
+    assert set(PHASES) <= set(operations)
+    exported = wait_for_batches(jaeger, service, STEPS)
+    assert_batch_traces(exported, service, STEPS)
+
+    # The trace file of the same run, through Jaeger's OTLP->Jaeger transform, is the
+    # same set of trees (same trace ids, same spans).
+    from_file = jaeger.transform(merge_otlp_json_lines(trace_file))
+    assert_batch_traces(from_file, service, STEPS)
+    span_ids = {t["traceID"]: {s["spanID"] for s in t["spans"]} for t in batch_traces(exported)}
+    assert {t["traceID"]: {s["spanID"] for s in t["spans"]} for t in batch_traces(from_file)} == (
+        span_ids
+    )
+
+
+SUMMARY_RE = re.compile(r"dropped (\d+)\D.*?not delivered (\d+)")
+
+
+def test_collector_outage_loses_spans_but_not_training(
+    own_jaeger: JaegerProcess, tmp_path: Path
+) -> None:
+    service = f"dflash-train-outage-{uuid.uuid4().hex[:6]}"
+    steps = 30
+    process = train(
+        tmp_path,
+        service,
+        "--otlp-endpoint",
+        own_jaeger.otlp_grpc_endpoint,
+        "--otlp-protocol",
+        "grpc",
+        "--profile-interval",
+        "2",
+        steps=steps,
+    )
+    try:
+        wait_for_batches(own_jaeger, service, 2)  # training runs and exports
+        own_jaeger.stop()
+        stopped_at_us = time.time_ns() // 1000
+        time.sleep(5.0)
+        assert process.poll() is None, "training ended during the outage; raise `steps`"
+        own_jaeger.start()
+        back_at_us = time.time_ns() // 1000
+        output = finish(process, tmp_path)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["steps"] == steps
+    # Memory storage restarted empty: all that is there arrived after the return.
+    after = batch_traces(own_jaeger.wait_for(lambda: own_jaeger.traces(service), bool))
+    assert after, "no batch trace arrived after Jaeger came back"
+    for found in after:
+        assert batch_tree_problems(found) == []
+    latest_root_us = max(root_of(t)["startTime"] for t in after)
+    assert latest_root_us > back_at_us, "only spans from before the outage arrived"
+    # Batches that ran while Jaeger was away never reach it; the summary counts them.
+    match = SUMMARY_RE.search(output)
+    assert match, f"no dropped/not-delivered summary in the output:\n{output[-3000:]}"
+    assert int(match[1]) + int(match[2]) > 0, match[0]
+    assert stopped_at_us < back_at_us

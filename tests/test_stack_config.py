@@ -1,0 +1,737 @@
+"""Static checks of the local observability stack (docker-compose.yml and docker/).
+
+Docker does not run in the test suite, so whatever would make `docker compose up`
+come up broken is checked here from the files: collector pipelines that name
+undefined components, ports that disagree between compose and the service configs,
+datasources pointing nowhere, unpinned images, and dashboard queries on metric names
+the spanmetrics connector does not emit. Each checker returns a list of problems; the
+tests run it on the real files (expecting none) and on a broken copy (expecting the
+problem to be named), so every check is known to be able to fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DOCKER = REPO_ROOT / "docker"
+COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
+GO_MOD = REPO_ROOT / "tools" / "jaeger" / "go.mod"
+
+PHASES = (
+    "batch",
+    "batch_queue.wait",
+    "target.forward",
+    "hs_queue.wait",
+    "drafter.step",
+    "drafter.anchor_selection",
+    "drafter.block_prediction",
+    "drafter.loss",
+    "drafter.backward",
+    "drafter.optimizer",
+)
+ALL_INTERFACES = {"0.0.0.0", "", "::", "[::]"}
+# Grafana datasource type -> image repository of the service it must point at.
+DATASOURCE_IMAGES = {
+    "prometheus": "prom/prometheus",
+    "tempo": "grafana/tempo",
+    "jaeger": "jaegertracing/jaeger",
+}
+Stack = dict[str, Any]
+
+
+# --- loading -----------------------------------------------------------------------
+
+
+def load_stack() -> Stack:
+    """Every stack file, parsed; keys name the file's role."""
+    dashboards_dir = DOCKER / "grafana" / "dashboards"
+    return {
+        "compose": yaml.safe_load(COMPOSE_FILE.read_text()),
+        "collector": yaml.safe_load((DOCKER / "otel-collector" / "config.yaml").read_text()),
+        "jaeger": yaml.safe_load((DOCKER / "jaeger" / "config.yaml").read_text()),
+        "tempo": yaml.safe_load((DOCKER / "tempo" / "config.yaml").read_text()),
+        "prometheus": yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text()),
+        "datasources": yaml.safe_load(
+            (DOCKER / "grafana" / "provisioning" / "datasources" / "datasources.yaml").read_text()
+        ),
+        "dashboard_providers": yaml.safe_load(
+            (DOCKER / "grafana" / "provisioning" / "dashboards" / "dashboards.yaml").read_text()
+        ),
+        "dashboards": {p.name: json.loads(p.read_text()) for p in dashboards_dir.glob("*.json")},
+        "dockerfiles": {
+            str(p.relative_to(REPO_ROOT)): p.read_text() for p in DOCKER.rglob("Dockerfile")
+        },
+        "go_mod": GO_MOD.read_text(),
+    }
+
+
+@pytest.fixture
+def stack() -> Stack:
+    return load_stack()
+
+
+def services(stack: Stack) -> dict[str, dict[str, Any]]:
+    return stack["compose"]["services"]
+
+
+def service_with_image(stack: Stack, repository: str) -> str:
+    for name, service in services(stack).items():
+        if str(service.get("image", "")).split(":")[0] == repository:
+            return name
+    raise AssertionError(f"no compose service runs {repository}")
+
+
+def resolve_env(value: Any, env: dict[str, str]) -> str:
+    """Expands the collector's `${env:NAME:-default}` and `${env:NAME}` placeholders."""
+
+    def expand(match: re.Match[str]) -> str:
+        return env.get(match["name"], match["default"] or "")
+
+    return re.sub(r"\$\{env:(?P<name>\w+)(?::-(?P<default>[^}]*))?\}", expand, str(value))
+
+
+def host_port(endpoint: str) -> tuple[str, int]:
+    if "//" in endpoint:
+        parts = urlsplit(endpoint)
+        return parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
+    host, _, port = endpoint.rpartition(":")
+    return host, int(port)
+
+
+def env_of(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {key: str(value) for key, value in env.items()}
+
+
+# --- listen addresses of each service, from its own config --------------------------
+
+
+def otlp_receiver_listens(receivers: dict[str, Any], env: dict[str, str]) -> dict[str, str]:
+    """protocol ("grpc"/"http") -> listen endpoint of the first OTLP receiver."""
+    for name, receiver in receivers.items():
+        if name.split("/")[0] == "otlp":
+            protocols = receiver["protocols"]
+            return {
+                p: resolve_env((cfg or {}).get("endpoint", ""), env) for p, cfg in protocols.items()
+            }
+    return {}
+
+
+def listens(stack: Stack) -> dict[str, dict[int, str]]:
+    """compose service -> {port: listen host} of the servers its config opens."""
+    result: dict[str, dict[int, str]] = {}
+    jaeger_service = service_with_image(stack, "jaegertracing/jaeger")
+    jaeger_env = env_of(services(stack)[jaeger_service])
+    jaeger_cfg = stack["jaeger"]
+    endpoints = list(otlp_receiver_listens(jaeger_cfg["receivers"], jaeger_env).values())
+    query = jaeger_cfg["extensions"]["jaeger_query"]
+    endpoints += [query["http"]["endpoint"], query["grpc"]["endpoint"]]
+    endpoints.append(jaeger_cfg["extensions"]["healthcheckv2"]["http"]["endpoint"])
+    result[jaeger_service] = {}
+    for endpoint in endpoints:
+        host, port = host_port(resolve_env(endpoint, jaeger_env))
+        result[jaeger_service][port] = host
+
+    collector_service = service_with_image(stack, "otel/opentelemetry-collector-contrib")
+    collector = stack["collector"]
+    ports: dict[int, str] = {}
+    for endpoint in otlp_receiver_listens(collector["receivers"], {}).values():
+        host, port = host_port(endpoint)
+        ports[port] = host
+    for name, exporter in collector["exporters"].items():
+        if name.split("/")[0] == "prometheus":
+            host, port = host_port(exporter["endpoint"])
+            ports[port] = host
+    for reader in collector["service"].get("telemetry", {}).get("metrics", {}).get("readers", []):
+        prom = reader.get("pull", {}).get("exporter", {}).get("prometheus")
+        if prom:
+            ports[int(prom["port"])] = str(prom.get("host", "localhost"))
+    result[collector_service] = ports
+
+    tempo_service = service_with_image(stack, "grafana/tempo")
+    tempo = stack["tempo"]
+    ports = {int(tempo["server"]["http_listen_port"]): "0.0.0.0"}
+    for endpoint in otlp_receiver_listens(tempo["distributor"]["receivers"], {}).values():
+        host, port = host_port(endpoint)
+        ports[port] = host
+    result[tempo_service] = ports
+
+    prom_service = service_with_image(stack, "prom/prometheus")
+    address = ":9090"
+    for arg in services(stack)[prom_service].get("command") or []:
+        if arg.startswith("--web.listen-address="):
+            address = arg.split("=", 1)[1]
+    host, port = host_port(address)
+    result[prom_service] = {port: host}
+
+    grafana_service = service_with_image(stack, "grafana/grafana")
+    port = int(env_of(services(stack)[grafana_service]).get("GF_SERVER_HTTP_PORT", 3000))
+    result[grafana_service] = {port: "0.0.0.0"}
+    return result
+
+
+def reachable_problem(stack: Stack, what: str, endpoint: str) -> str | None:
+    """Why `endpoint` (host:port or URL) does not reach a compose service, or None."""
+    host, port = host_port(endpoint)
+    servers = listens(stack)
+    if host not in services(stack):
+        return f"{what}: host {host!r} is not a compose service"
+    if port not in servers.get(host, {}):
+        return f"{what}: {host} does not listen on port {port} ({sorted(servers.get(host, {}))})"
+    if servers[host][port] not in ALL_INTERFACES:
+        where = f"{servers[host][port]}:{port}"
+        return f"{what}: {host} listens on {where}, unreachable from other containers"
+    return None
+
+
+# --- checkers ----------------------------------------------------------------------
+
+
+def pipeline_problems(config: dict[str, Any]) -> list[str]:
+    """Components a collector (or Jaeger v2) pipeline names but does not define."""
+    problems = []
+    connectors = config.get("connectors") or {}
+    service = config["service"]
+    for extension in service.get("extensions") or []:
+        if extension not in (config.get("extensions") or {}):
+            problems.append(f"service.extensions: {extension} is not defined")
+    as_exporter, as_receiver = set(), set()
+    for pipeline_name, pipeline in service["pipelines"].items():
+        if not pipeline.get("receivers") or not pipeline.get("exporters"):
+            problems.append(f"pipeline {pipeline_name}: needs receivers and exporters")
+        for kind in ("receivers", "processors", "exporters"):
+            defined = config.get(kind) or {}
+            for name in pipeline.get(kind) or []:
+                if name in connectors and kind != "processors":
+                    (as_receiver if kind == "receivers" else as_exporter).add(name)
+                elif name not in defined:
+                    problems.append(f"pipeline {pipeline_name}: {kind[:-1]} {name} is not defined")
+    for name in sorted(as_exporter ^ as_receiver):
+        problems.append(
+            f"connector {name} must be an exporter of one pipeline and a receiver of another"
+        )
+    return problems
+
+
+def image_problems(stack: Stack) -> list[str]:
+    problems = []
+    images = [
+        (f"service {name}", s["image"]) for name, s in services(stack).items() if "build" not in s
+    ]
+    for path, text in stack["dockerfiles"].items():
+        images += [(path, m) for m in re.findall(r"^FROM\s+(\S+)", text, re.MULTILINE)]
+    for where, image in images:
+        if "@sha256:" in image:
+            continue
+        _, _, tag = image.rpartition(":") if ":" in image.split("/")[-1] else ("", "", "")
+        if not tag or tag == "latest" or not re.search(r"\d", tag):
+            problems.append(f"{where}: image {image} is not pinned to a version")
+    for name, service in services(stack).items():
+        if "build" not in service and "image" not in service:
+            problems.append(f"service {name}: neither image nor build")
+    return problems
+
+
+def jaeger_version_problems(stack: Stack) -> list[str]:
+    """The compose image and the Go module the tests build are one Jaeger release.
+
+    Jaeger ships v1.N.P and v2.(N-63).P together (v1.63.0 / v2.0.0 onwards).
+    """
+    image = services(stack)[service_with_image(stack, "jaegertracing/jaeger")]["image"]
+    tag = image.rpartition(":")[2]
+    module = re.search(r"github\.com/jaegertracing/jaeger v1\.(\d+)\.(\d+)", stack["go_mod"])
+    if module is None:
+        return ["tools/jaeger/go.mod does not require github.com/jaegertracing/jaeger v1.x"]
+    expected = f"2.{int(module[1]) - 63}.{module[2]}"
+    if tag != expected:
+        return [
+            f"Jaeger image {image}, but tools/jaeger builds v1.{module[1]}.{module[2]} = {expected}"
+        ]
+    return []
+
+
+def published_port_problems(stack: Stack) -> list[str]:
+    """Every published container port is one the service's config listens on."""
+    problems = []
+    servers = listens(stack)
+    for name, service in services(stack).items():
+        for mapping in service.get("ports") or []:
+            container_port = int(str(mapping).split(":")[-1].split("/")[0])
+            if name in servers and container_port not in servers[name]:
+                problems.append(
+                    f"service {name}: publishes {container_port}, listens {sorted(servers[name])}"
+                )
+            elif servers.get(name, {}).get(container_port, "0.0.0.0") not in ALL_INTERFACES:
+                problems.append(f"service {name}: port {container_port} listens on localhost only")
+    return problems
+
+
+def wiring_problems(stack: Stack) -> list[str]:
+    """Collector exporters, Prometheus targets, datasources and the trainer reach their peers."""
+    problems: list[str | None] = []
+    for name, exporter in stack["collector"]["exporters"].items():
+        if name.split("/")[0] in ("otlp", "otlphttp"):
+            problems.append(
+                reachable_problem(stack, f"collector exporter {name}", exporter["endpoint"])
+            )
+            host, port = host_port(exporter["endpoint"])
+            peer = {
+                "jaeger": stack["jaeger"]["receivers"],
+                "tempo": stack["tempo"]["distributor"]["receivers"],
+            }
+            env = env_of(services(stack).get(host, {}))
+            listen = otlp_receiver_listens(peer.get(host, {}), env)
+            protocol = "grpc" if name.split("/")[0] == "otlp" else "http"
+            if host in peer and (protocol not in listen or host_port(listen[protocol])[1] != port):
+                problems.append(
+                    f"collector exporter {name}: port {port} is not {host}'s OTLP {protocol} port"
+                )
+    for job in stack["prometheus"]["scrape_configs"]:
+        for static in job.get("static_configs", []):
+            for target in static["targets"]:
+                problems.append(
+                    reachable_problem(stack, f"prometheus job {job['job_name']}", target)
+                )
+    for source in stack["datasources"]["datasources"]:
+        where = f"datasource {source['name']}"
+        problems.append(reachable_problem(stack, where, source["url"]))
+        host = urlsplit(source["url"]).hostname
+        wanted = DATASOURCE_IMAGES.get(source["type"])
+        image = str(services(stack).get(host, {}).get("image", ""))
+        if wanted and image.split(":")[0] != wanted:
+            problems.append(
+                f"{where}: type {source['type']} points at {host} ({image or 'no image'})"
+            )
+    command = [str(arg) for arg in services(stack).get("trainer", {}).get("command") or []]
+    if "--otlp-endpoint" in command:
+        endpoint = command[command.index("--otlp-endpoint") + 1]
+        problems.append(reachable_problem(stack, "trainer --otlp-endpoint", endpoint))
+        protocol = (
+            command[command.index("--otlp-protocol") + 1]
+            if "--otlp-protocol" in command
+            else "grpc"
+        )
+        listen = otlp_receiver_listens(stack["collector"]["receivers"], {})
+        if host_port(listen.get(protocol, ":0"))[1] != host_port(endpoint)[1]:
+            problems.append(
+                f"trainer --otlp-endpoint {endpoint} is not the collector's OTLP {protocol} port"
+            )
+    return [p for p in problems if p]
+
+
+def mount_problems(stack: Stack) -> list[str]:
+    """Bind-mounted files exist, and each service's --config flag names a mounted file."""
+    problems = []
+    for name, service in services(stack).items():
+        targets = set()
+        for volume in service.get("volumes") or []:
+            source, target = str(volume).split(":")[:2]
+            targets.add(target)
+            # Read-only mounts are the stack's configs; writable ones (./runs) are outputs
+            # that docker creates.
+            read_only = str(volume).endswith(":ro")
+            if read_only and source.startswith(".") and not (REPO_ROOT / source).exists():
+                problems.append(f"service {name}: mounts {source}, which does not exist")
+        for arg in service.get("command") or []:
+            match = re.match(r"-{1,2}config(?:\.file)?=(.+)", str(arg))
+            if match and not any(match[1] == t or match[1].startswith(t + "/") for t in targets):
+                problems.append(f"service {name}: {arg} is not a mounted file")
+    grafana = services(stack)[service_with_image(stack, "grafana/grafana")]
+    grafana_targets = {str(v).split(":")[1] for v in grafana.get("volumes") or []}
+    for provider in stack["dashboard_providers"]["providers"]:
+        if provider["options"]["path"] not in grafana_targets:
+            problems.append(
+                f"dashboard provider {provider['name']}: {provider['options']['path']} not mounted"
+            )
+    return problems
+
+
+def duration_ms(text: str) -> float:
+    units = {"ns": 1e-6, "us": 1e-3, "µs": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4, "h": 3.6e6}
+    total = 0.0
+    for number, unit in re.findall(r"([\d.]+)(ns|us|µs|ms|s|m|h)", text):
+        total += float(number) * units[unit]
+    return total
+
+
+def spanmetrics_config(stack: Stack) -> dict[str, Any]:
+    connectors = stack["collector"].get("connectors") or {}
+    found = [cfg or {} for name, cfg in connectors.items() if name.split("/")[0] == "spanmetrics"]
+    assert len(found) == 1, "the collector needs exactly one spanmetrics connector"
+    return found[0]
+
+
+def bucket_problems(stack: Stack) -> list[str]:
+    """Histogram buckets cover phases from 0.1 ms to 30 s, in increasing order."""
+    buckets = spanmetrics_config(stack).get("histogram", {}).get("explicit", {}).get("buckets")
+    if not buckets:
+        return ["spanmetrics: no explicit buckets (the defaults start at 2 ms)"]
+    bounds = [duration_ms(str(b)) for b in buckets]
+    problems = []
+    if bounds != sorted(set(bounds)):
+        problems.append(f"spanmetrics buckets not strictly increasing: {buckets}")
+    if bounds[0] > 0.1:
+        problems.append(f"spanmetrics: first bucket {buckets[0]} is above 0.1 ms")
+    if bounds[-1] < 30_000:
+        problems.append(f"spanmetrics: last bucket {buckets[-1]} is below 30 s")
+    return problems
+
+
+def emitted_metrics(stack: Stack) -> tuple[set[str], set[str]]:
+    """(metric names, label names) Prometheus gets from the spanmetrics connector.
+
+    Mirrors the connector (contrib v0.140): `<namespace>.calls` (monotonic sum) and
+    `<namespace>.duration` (histogram in `histogram.unit`), and the prometheus
+    exporter's translation: dots to underscores, then the unit word and `_total`.
+    """
+    connector = spanmetrics_config(stack)
+    namespace = connector.get("namespace", "traces.span.metrics")
+    unit = connector.get("histogram", {}).get("unit", "ms")
+    exporters = [
+        e or {}
+        for n, e in stack["collector"]["exporters"].items()
+        if n.split("/")[0] == "prometheus"
+    ]
+    assert len(exporters) == 1, "the collector needs exactly one prometheus exporter"
+    exporter = exporters[0]
+    strategy = exporter.get("translation_strategy") or (
+        "UnderscoreEscapingWithSuffixes"
+        if exporter.get("add_metric_suffixes", True)
+        else "UnderscoreEscapingWithoutSuffixes"
+    )
+    suffixes = strategy.endswith("WithSuffixes")
+    escape = strategy.startswith("UnderscoreEscaping")
+
+    def prom(name: str, unit_name: str, counter: bool) -> str:
+        if escape:
+            name = re.sub(r"[^a-zA-Z0-9_:]", "_", name)
+        if suffixes:
+            word = {"ms": "milliseconds", "s": "seconds"}.get(unit_name, "")
+            name += f"_{word}" if word else ""
+            name += "_total" if counter else ""
+        prefix = exporter.get("namespace")
+        return f"{prefix}_{name}" if prefix else name
+
+    prefix = f"{namespace}." if namespace else ""
+    names = {prom(f"{prefix}calls", "", True)}
+    if not connector.get("histogram", {}).get("disable"):
+        duration = prom(f"{prefix}duration", unit, False)
+        names |= {f"{duration}_bucket", f"{duration}_sum", f"{duration}_count"}
+    dimensions = ["service.name", "span.name", "span.kind", "status.code"]
+    dimensions += [d["name"] for d in connector.get("dimensions") or []]
+    excluded = set(connector.get("exclude_dimensions") or [])
+    labels = {re.sub(r"[^a-zA-Z0-9_]", "_", d) for d in dimensions if d not in excluded}
+    return names, labels | {"le", "job", "instance"}
+
+
+def prometheus_queries(stack: Stack) -> list[tuple[str, str]]:
+    """(where, PromQL) of every dashboard target, template variable and datasource link."""
+    queries = []
+    for file_name, dashboard in stack["dashboards"].items():
+        panels = list(dashboard.get("panels", []))
+        for panel in panels:
+            panels += panel.get("panels", [])  # collapsed rows nest their panels
+            for target in panel.get("targets", []):
+                if "expr" in target:
+                    queries.append((f"{file_name} panel {panel.get('title')!r}", target["expr"]))
+        for variable in dashboard.get("templating", {}).get("list", []):
+            query = variable.get("query")
+            query = query.get("query") if isinstance(query, dict) else query
+            if query:
+                queries.append((f"{file_name} variable {variable['name']}", query))
+    for source in stack["datasources"]["datasources"]:
+        for link in source.get("jsonData", {}).get("tracesToMetrics", {}).get("queries", []):
+            queries.append((f"datasource {source['name']} link {link['name']!r}", link["query"]))
+    return queries
+
+
+IDENT = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
+LABEL_VALUES = rf"label_values\(\s*({IDENT})\s*,\s*(\w+)\s*\)"
+
+
+def without_grafana_variables(query: str) -> str:
+    # Grafana macros and variables ($__tags, $$__rate_interval, ${service}) are not PromQL.
+    return re.sub(r"\$+\{?[\w.]+\}?", "", query)
+
+
+def metric_names_in(query: str) -> set[str]:
+    """Metric names a PromQL query (with Grafana variables) selects."""
+    plain = without_grafana_variables(query)
+    used = set(re.findall(rf"({IDENT})\s*\{{", plain))
+    used |= set(re.findall(rf"({IDENT})\s*\[", plain))
+    used |= {metric for metric, _ in re.findall(LABEL_VALUES, plain)}
+    return used
+
+
+def dashboard_problems(stack: Stack) -> list[str]:
+    """Queries name only metrics and labels the spanmetrics connector emits, and real phases."""
+    names, labels = emitted_metrics(stack)
+    problems = []
+    queries = prometheus_queries(stack)
+    if not queries:
+        problems.append("no Prometheus queries in the provisioned dashboards")
+    for where, query in queries:
+        plain = without_grafana_variables(query)
+        used = metric_names_in(query)
+        used_labels = {label for _, label in re.findall(LABEL_VALUES, plain)}
+        if not used:
+            problems.append(f"{where}: no metric selector in {query!r}")
+        for metric in sorted(used - names):
+            problems.append(f"{where}: metric {metric} is not emitted (emitted: {sorted(names)})")
+        for body in re.findall(r"\{([^}]*)\}", plain):
+            used_labels |= set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", body))
+        for group in re.findall(r"\b(?:by|without)\s*\(([^)]*)\)", plain):
+            used_labels |= {label.strip() for label in group.split(",") if label.strip()}
+        for label in sorted(used_labels - labels):
+            problems.append(f"{where}: label {label} is not emitted (emitted: {sorted(labels)})")
+        for phase in re.findall(r'span_name\s*=\s*"([^"]*)"', query):
+            if phase not in PHASES:
+                problems.append(f"{where}: span_name {phase!r} is not a dflash-train phase")
+    for file_name, dashboard in stack["dashboards"].items():
+        uids = {s.get("uid") for s in stack["datasources"]["datasources"]}
+        for panel in dashboard.get("panels", []):
+            uid = (panel.get("datasource") or {}).get("uid")
+            if uid and uid not in uids and not uid.startswith("$"):
+                problems.append(
+                    f"{file_name} panel {panel.get('title')!r}: datasource {uid} not provisioned"
+                )
+    return problems
+
+
+def load_integration_conftest() -> Any:
+    path = REPO_ROOT / "tests" / "integration" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("integration_conftest_for_stack_check", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses resolve string annotations through sys.modules.
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def jaeger_test_config_problems(stack: Stack) -> list[str]:
+    """The Jaeger the tests start is docker/jaeger/config.yaml, with all its ports moved."""
+    module = load_integration_conftest()
+    problems = []
+    mounted = [
+        v.split(":")[0]
+        for v in services(stack)[service_with_image(stack, "jaegertracing/jaeger")].get(
+            "volumes", []
+        )
+    ]
+    compose_file = (REPO_ROOT / mounted[0]).resolve() if mounted else None
+    if Path(module.JAEGER_CONFIG).resolve() != compose_file:
+        problems.append(f"tests start {module.JAEGER_CONFIG}, compose mounts {compose_file}")
+    referenced = set(re.findall(r"\$\{env:(\w+)", yaml.safe_dump(stack["jaeger"])))
+    set_by_tests = set(module.JaegerPorts(1, 2, 3, 4, 5, 6).environment())
+    for name in sorted(referenced - set_by_tests):
+        problems.append(f"docker/jaeger/config.yaml reads {name}, which the tests do not set")
+    return problems
+
+
+# --- tests ---------------------------------------------------------------------------
+
+
+def test_every_stack_file_parses() -> None:
+    files = [COMPOSE_FILE, *sorted(p for p in DOCKER.rglob("*") if p.is_file())]
+    parsed = 0
+    for path in files:
+        if path.suffix in (".yaml", ".yml"):
+            assert isinstance(yaml.safe_load(path.read_text()), dict), path
+            parsed += 1
+        elif path.suffix == ".json":
+            assert isinstance(json.loads(path.read_text()), dict), path
+            parsed += 1
+        else:
+            assert path.name == "Dockerfile", f"{path}: no check knows this kind of file"
+    assert parsed >= 8
+
+
+def test_real_stack_has_no_problems(stack: Stack) -> None:
+    problems = (
+        pipeline_problems(stack["collector"])
+        + pipeline_problems(stack["jaeger"])
+        + image_problems(stack)
+        + jaeger_version_problems(stack)
+        + published_port_problems(stack)
+        + wiring_problems(stack)
+        + mount_problems(stack)
+        + bucket_problems(stack)
+        + dashboard_problems(stack)
+        + jaeger_test_config_problems(stack)
+    )
+    assert problems == []
+
+
+def test_dashboard_covers_required_views(stack: Stack) -> None:
+    queries = " ".join(q for _, q in prometheus_queries(stack))
+    assert "histogram_quantile(0.5" in queries and "histogram_quantile(0.95" in queries
+    assert 'span_name="batch"' in queries  # batches per second
+    assert 'span_name="hs_queue.wait"' in queries and 'span_name="batch_queue.wait"' in queries
+
+
+def test_pipeline_check_catches_undefined_components(stack: Stack) -> None:
+    collector = copy.deepcopy(stack["collector"])
+    collector["service"]["pipelines"]["traces"]["exporters"].append("otlp/zipkin")
+    del collector["processors"]["batch"]
+    collector["service"]["pipelines"]["metrics/spanmetrics"]["receivers"] = ["otlp"]
+    problems = pipeline_problems(collector)
+    assert "pipeline traces: exporter otlp/zipkin is not defined" in problems
+    assert "pipeline traces: processor batch is not defined" in problems
+    assert any("connector spanmetrics must be" in p for p in problems)
+    jaeger = copy.deepcopy(stack["jaeger"])
+    jaeger["service"]["extensions"].append("pprof")
+    assert pipeline_problems(jaeger) == ["service.extensions: pprof is not defined"]
+
+
+@pytest.mark.parametrize(
+    "image", ["grafana/grafana", "grafana/grafana:latest", "grafana/grafana:main"]
+)
+def test_image_check_catches_unpinned(stack: Stack, image: str) -> None:
+    broken = copy.deepcopy(stack)
+    services(broken)["grafana"]["image"] = image
+    assert image_problems(broken) == [f"service grafana: image {image} is not pinned to a version"]
+    broken["dockerfiles"]["docker/trainer/Dockerfile"] = (
+        "FROM python:3.12-slim AS base\nFROM python\n"
+    )
+    assert "docker/trainer/Dockerfile: image python is not pinned to a version" in image_problems(
+        broken
+    )
+
+
+def test_jaeger_version_check_catches_drift(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    services(broken)["jaeger"]["image"] = "jaegertracing/jaeger:2.12.0"
+    assert len(jaeger_version_problems(broken)) == 1
+
+
+def test_port_checks_catch_disagreement(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    broken["collector"]["exporters"]["otlp/jaeger"]["endpoint"] = "jaeger:14250"
+    broken["collector"]["exporters"]["otlp/tempo"]["endpoint"] = "tempo-db:4317"
+    broken["prometheus"]["scrape_configs"][0]["static_configs"][0]["targets"] = [
+        "otel-collector:9999"
+    ]
+    problems = wiring_problems(broken)
+    assert any(
+        p.startswith("collector exporter otlp/jaeger: jaeger does not listen on port 14250")
+        for p in problems
+    )
+    assert "collector exporter otlp/tempo: host 'tempo-db' is not a compose service" in problems
+    assert any(
+        p.startswith("prometheus job spanmetrics: otel-collector does not listen on port 9999")
+        for p in problems
+    )
+
+    broken = copy.deepcopy(stack)
+    services(broken)["jaeger"]["environment"] = {}  # Jaeger back on localhost only
+    assert any("unreachable from other containers" in p for p in wiring_problems(broken))
+    assert any("localhost only" in p for p in published_port_problems(broken))
+
+    broken = copy.deepcopy(stack)
+    broken["tempo"]["distributor"]["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"] = (
+        "0.0.0.0:4320"
+    )
+    services(broken)["otel-collector"]["ports"].append("55679:55679")
+    assert any(
+        "port 4317 is not tempo's OTLP grpc port" in p or "tempo does not listen on port 4317" in p
+        for p in wiring_problems(broken)
+    )
+    assert any("publishes 55679" in p for p in published_port_problems(broken))
+
+    broken = copy.deepcopy(stack)
+    command = services(broken)["trainer"]["command"]
+    command[command.index("--otlp-protocol") + 1] = "http"
+    assert any("is not the collector's OTLP http port" in p for p in wiring_problems(broken))
+
+
+def test_datasource_check_catches_wrong_targets(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    by_type = {s["type"]: s for s in broken["datasources"]["datasources"]}
+    by_type["tempo"]["url"] = "http://localhost:3200"
+    by_type["prometheus"]["url"] = "http://tempo:3200"
+    problems = wiring_problems(broken)
+    assert "datasource Tempo: host 'localhost' is not a compose service" in problems
+    assert any(
+        p.startswith("datasource Prometheus: type prometheus points at tempo") for p in problems
+    )
+
+
+def test_mount_check_catches_missing_files(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    services(broken)["tempo"]["volumes"] = ["./docker/tempo/tempo.yaml:/etc/tempo/config.yaml:ro"]
+    services(broken)["jaeger"]["command"] = ["--config=/etc/jaeger/other.yaml"]
+    broken["dashboard_providers"]["providers"][0]["options"]["path"] = "/dashboards"
+    problems = mount_problems(broken)
+    assert "service tempo: mounts ./docker/tempo/tempo.yaml, which does not exist" in problems
+    assert "service jaeger: --config=/etc/jaeger/other.yaml is not a mounted file" in problems
+    assert "dashboard provider dflash-train: /dashboards not mounted" in problems
+
+
+def test_bucket_check_catches_coarse_buckets(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    spanmetrics_config(broken)["histogram"]["explicit"]["buckets"] = ["2ms", "1ms", "15s"]
+    problems = bucket_problems(broken)
+    assert len(problems) == 3
+    assert duration_ms("2500us") == pytest.approx(2.5) and duration_ms("1m30s") == 90_000
+
+
+def test_dashboard_check_catches_wrong_metric_names(stack: Stack) -> None:
+    # Renaming the connector's namespace or unit changes every emitted name.
+    for mutate in (
+        lambda s: spanmetrics_config(s).update(namespace="spanmetrics"),
+        lambda s: spanmetrics_config(s)["histogram"].update(unit="s"),
+        lambda s: s["collector"]["exporters"]["prometheus"].update(
+            translation_strategy="UnderscoreEscapingWithoutSuffixes"
+        ),
+    ):
+        broken = copy.deepcopy(stack)
+        mutate(broken)
+        assert any("is not emitted" in p for p in dashboard_problems(broken))
+
+    broken = copy.deepcopy(stack)
+    panel = next(iter(broken["dashboards"].values()))["panels"][0]
+    panel["targets"][0]["expr"] = (
+        'sum(rate(calls_total{service_name="x", span_name="hs_queue_wait", phase="y"}[1m]))'
+    )
+    problems = dashboard_problems(broken)
+    assert any("metric calls_total is not emitted" in p for p in problems)
+    assert any("label phase is not emitted" in p for p in problems)
+    assert any("'hs_queue_wait' is not a dflash-train phase" in p for p in problems)
+
+
+def test_emitted_names_follow_connector_and_exporter(stack: Stack) -> None:
+    names, labels = emitted_metrics(stack)
+    assert names == {
+        "traces_span_metrics_calls_total",
+        "traces_span_metrics_duration_milliseconds_bucket",
+        "traces_span_metrics_duration_milliseconds_sum",
+        "traces_span_metrics_duration_milliseconds_count",
+    }
+    assert {"service_name", "span_name", "status_code", "le"} <= labels
+
+
+def test_jaeger_test_config_check_catches_drift(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    broken["jaeger"]["extensions"]["jaeger_query"]["grpc"]["endpoint"] = (
+        "${env:JAEGER_GRPC:-localhost:16685}"
+    )
+    services(broken)["jaeger"]["volumes"] = [
+        "./docker/jaeger/all-in-one.yaml:/etc/jaeger/config.yaml:ro"
+    ]
+    problems = jaeger_test_config_problems(broken)
+    assert len(problems) == 2
+    assert "reads JAEGER_GRPC" in problems[1]
