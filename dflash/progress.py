@@ -1,0 +1,119 @@
+"""Progress bar, startup lines and the end-of-run summary.
+
+A tqdm bar when stderr is a terminal; plain periodic lines otherwise, so logs of
+batch jobs stay readable and grep-able.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from dflash.config import TrainConfig
+
+
+def format_loss_config(cfg: TrainConfig) -> str:
+    """The objective on one line (issue 5 prints the telemetry line right after it)."""
+    obj = cfg.objective
+    gamma_src = "set" if obj.loss_decay_gamma is not None else "by block size"
+    soft = (
+        f"soft labels on (KL T={obj.kl_temperature:g}, weight {obj.kl_weight:g})"
+        if obj.use_soft_labels
+        else "soft labels off"
+    )
+    streak = "streak weighting off"
+    if obj.streak_alpha is not None:
+        streak = f"streak α {obj.streak_alpha:g}"
+    return (
+        f"loss: block size {cfg.drafter.block_size}, γ {cfg.gamma:g} ({gamma_src}), {soft}, "
+        f"{streak}, up to {obj.num_anchors} anchors/sequence, noise: all non-anchor masked"
+    )
+
+
+def format_run_config(cfg: TrainConfig, target_desc: str, device: str) -> str:
+    """Which model, data and budget the run uses, on one line."""
+    return (
+        f"run: target {target_desc}, drafter {cfg.drafter.num_layers} layer(s), "
+        f"data {cfg.data.source}, {cfg.run.steps} steps × {cfg.data.batch_size} × "
+        f"{cfg.data.seq_len} tokens, lr {cfg.optim.lr:g}, device {device}, "
+        f"output {cfg.run.output_dir}"
+    )
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """Human summary of summary.json's figures."""
+    tau = summary.get("tau")
+    tau_txt = f"{tau:.3f}" if isinstance(tau, float) else "n/a"
+    lines = [
+        f"summary: {summary['steps']} steps, {summary['wall_s']:.1f} s in all, "
+        f"{summary['tokens_per_s']:,.0f} tokens/s training, final loss {summary['final_loss']:.4f}",
+        f"summary: τ on held-out {tau_txt} (block size {summary.get('block_size', '?')})",
+    ]
+    if summary.get("acceptance_per_position"):
+        rates = " ".join(f"{r:.2f}" for r in summary["acceptance_per_position"])
+        lines.append(f"summary: acceptance per block position {rates}")
+    return "\n".join(lines)
+
+
+def _format_eta(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+class Progress:
+    """Step, loss, tokens/s and ETA: a bar on a terminal, lines elsewhere."""
+
+    def __init__(
+        self,
+        total_steps: int,
+        start_step: int = 0,
+        stream: TextIO | None = None,
+        interval_s: float = 10.0,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.total_steps, self.start_step = total_steps, start_step
+        self.stream = stream if stream is not None else sys.stderr
+        self.interval_s = interval_s
+        self.log = log or (lambda line: print(line, file=self.stream, flush=True))
+        self.every_steps = max(1, (total_steps - start_step) // 10)
+        self.start_time_s = time.perf_counter()
+        self.last_print_s = self.start_time_s
+        self.tokens = 0
+        self.bar = None
+        if self._is_tty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total_steps, initial=start_step, file=self.stream, unit="step",
+                dynamic_ncols=True, desc="train",
+            )  # fmt: skip
+
+    def _is_tty(self) -> bool:
+        isatty = getattr(self.stream, "isatty", None)
+        return bool(isatty and isatty())
+
+    def update(self, step: int, loss: float, num_tokens: int) -> None:
+        """Record that `step` (1-based, global) finished with `loss` on `num_tokens`."""
+        self.tokens += num_tokens
+        now_s = time.perf_counter()
+        tokens_per_s = self.tokens / max(now_s - self.start_time_s, 1e-9)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            return
+        done = step - self.start_step
+        due = now_s - self.last_print_s >= self.interval_s or done % self.every_steps == 0
+        if due or step == self.total_steps or done == 1:
+            eta_s = (now_s - self.start_time_s) / done * (self.total_steps - step)
+            self.log(
+                f"step {step}/{self.total_steps}  loss {loss:.4f}  "
+                f"{tokens_per_s:,.0f} tokens/s  eta {_format_eta(eta_s)}"
+            )
+            self.last_print_s = now_s
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

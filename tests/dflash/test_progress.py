@@ -1,0 +1,47 @@
+import io
+
+from dflash.config import config_from_options
+from dflash.progress import Progress, format_loss_config, format_summary
+
+
+def test_plain_lines_when_not_a_terminal() -> None:
+    stream = io.StringIO()
+    progress = Progress(total_steps=20, stream=stream, interval_s=1e9)
+    for step in range(1, 21):
+        progress.update(step, loss=2.0 / step, num_tokens=100)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("step 1/20  loss 2.0000")
+    assert lines[-1].startswith("step 20/20") and "tokens/s" in lines[-1]
+    assert "eta 0:00" in lines[-1]
+    assert 3 <= len(lines) <= 12  # periodic, not one per step
+
+
+def test_bar_on_a_terminal() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    progress = Progress(total_steps=5, stream=stream)
+    for step in range(1, 6):
+        progress.update(step, loss=1.0, num_tokens=10)
+    progress.close()
+    assert "5/5" in stream.getvalue() and "loss=1.0000" in stream.getvalue()
+
+
+def test_loss_line_names_every_setting() -> None:
+    cfg = config_from_options(
+        {"block_size": 16, "use_soft_labels": True, "kl_temperature": 2.0, "streak_alpha": 0.3}
+    )
+    line = format_loss_config(cfg)
+    for fragment in ("block size 16", "γ 7", "KL T=2", "streak α 0.3", "anchors"):
+        assert fragment in line
+    assert "\n" not in line
+
+
+def test_summary_text() -> None:
+    text = format_summary(
+        {"steps": 3, "wall_s": 1.5, "tokens_per_s": 1234.0, "final_loss": 2.5, "tau": 1.75}
+    )
+    assert "3 steps" in text and "1,234 tokens/s training" in text and "τ on held-out 1.750" in text
