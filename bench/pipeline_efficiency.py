@@ -122,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     telemetry = NullTelemetry()
     if args.tracing:
         import tracing
+        from dflash.observe import Observer
 
-        telemetry = tracing
+        cfg = tracing.TracingConfig()
+        telemetry = Observer(cfg, tracing.setup(cfg), world_size=1)
     base_s = args.base_ms / 1000
     cases = [
         Case("1:1", base_s, base_s),

@@ -112,7 +112,8 @@ _TRAIN_OPTIONS: dict[str, tuple[Any, str]] = {
     ),
     "otlp_protocol": (
         click.Choice(["grpc", "http"]),
-        "OTLP transport: grpc (port 4317) or http/protobuf (port 4318).",
+        "OTLP transport: grpc (port 4317) or http/protobuf (port 4318); unset uses "
+        "OTEL_EXPORTER_OTLP_PROTOCOL, else grpc.",
     ),
     "trace_level": (
         click.Choice(["off", "step", "phase"]),
@@ -120,9 +121,13 @@ _TRAIN_OPTIONS: dict[str, tuple[Any, str]] = {
     ),
     "trace_sample_ratio": (
         float,
-        "Share of batch traces exported, in [0, 1]; interval tables always count every phase.",
+        "Share of batch traces exported, in [0, 1]; interval tables always count every phase. "
+        "Unset uses OTEL_TRACES_SAMPLER[_ARG], else 1.0.",
     ),
-    "trace_file": (str, "Also write spans as JSON lines to this file."),
+    "trace_file": (
+        str,
+        "Also write spans to this file as OTLP JSON, one request per line (Jaeger loads it).",
+    ),
     "cuda_timing": (
         click.Choice(["off", "sync", "events"]),
         "Device timing of phases: host wall time, synchronize at phase ends, or CUDA events.",
@@ -229,12 +234,14 @@ def _report_errors(debug: bool, run: Callable[[], Any]) -> Any:
     from dflash.checkpoint import CheckpointError
     from dflash.data import DataError
     from dflash.devices import DeviceError
+    from dflash.distributed import DistributedError
     from dflash.drafter import DrafterError
     from dflash.objective import ObjectiveError
+    from dflash.observe import ObserveError
     from dflash.target import TargetError
 
     known = (ConfigError, DataError, CheckpointError, DeviceError, TargetError, DrafterError)
-    known += (ObjectiveError,)
+    known += (ObjectiveError, DistributedError, ObserveError)
     try:
         return run()
     except known as exc:
@@ -288,13 +295,29 @@ _DEBUG_HELP = "Show full tracebacks instead of one-line errors."
 )  # fmt: skip
 def train(config_file: str | None, debug: bool, **options: Any) -> None:
     """Train a drafter: final drafter in OUTPUT_DIR/drafter/, figures in summary.json."""
-    from dflash.trainer import train_reference
+    from dflash.distributed import dist_info_from_env
+    from dflash.observe import start_observer
+    from dflash.pipeline import PipelineError, run_pipeline
+
+    def log(line: str) -> None:
+        click.echo(line, err=True)
 
     def go() -> None:
         cfg = config_from_options({**options, "debug": debug})
-        train_reference(cfg, log=lambda line: click.echo(line, err=True))
+        info = dist_info_from_env()
+        observer = start_observer(cfg.telemetry, info.rank, info.world_size)
+        try:
+            run_pipeline(cfg, log=log, telemetry=observer, on_start=observer.attach)
+        finally:
+            observer.close(log, gather_ranks=False)  # no-op after a normal finish
 
-    _report_errors(debug, go)
+    try:
+        _report_errors(debug, go)
+    except PipelineError as exc:
+        if debug:
+            raise
+        # A stage failed at run time: one line (the traceback is in the log file), exit 1.
+        raise click.ClickException(str(exc).splitlines()[0]) from None
 
 
 @cli.command("eval")

@@ -231,12 +231,14 @@ class TelemetryConfig:
 
     otlp_endpoint: str | None = None
     """OTLP collector address; None sends nothing over the network (`--otlp-endpoint`)."""
-    otlp_protocol: str = "grpc"
-    """`grpc` (port 4317) or `http` (protobuf, port 4318) (`--otlp-protocol`)."""
+    otlp_protocol: str | None = None
+    """`grpc` (port 4317) or `http` (protobuf, port 4318) (`--otlp-protocol`); None uses
+    OTEL_EXPORTER_OTLP_PROTOCOL, else grpc."""
     trace_level: str = "phase"
     """`off`, `step` or `phase` (`--trace-level`)."""
-    trace_sample_ratio: float = 1.0
-    """Share of batch traces exported; tables always see every phase."""
+    trace_sample_ratio: float | None = None
+    """Share of batch traces exported; tables always see every phase. None uses
+    OTEL_TRACES_SAMPLER[_ARG], else 1.0."""
     trace_file: str | None = None
     """Also write spans as JSON lines to this file (`--trace-file`)."""
     cuda_timing: str = "off"
@@ -247,9 +249,11 @@ class TelemetryConfig:
     """OpenTelemetry service.name; None uses OTEL_SERVICE_NAME or dflash-train."""
 
     def __post_init__(self) -> None:
-        _check_choice("--otlp-protocol", self.otlp_protocol, ("grpc", "http"))
+        if self.otlp_protocol is not None:
+            _check_choice("--otlp-protocol", self.otlp_protocol, ("grpc", "http"))
         _check_choice("--trace-level", self.trace_level, ("off", "step", "phase"))
-        _check_unit_interval("--trace-sample-ratio", self.trace_sample_ratio)
+        if self.trace_sample_ratio is not None:
+            _check_unit_interval("--trace-sample-ratio", self.trace_sample_ratio)
         _check_choice("--cuda-timing", self.cuda_timing, ("off", "sync", "events"))
         if not self.profile_interval_s > 0:
             _fail("--profile-interval", self.profile_interval_s, "must be > 0 seconds")

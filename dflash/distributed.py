@@ -168,6 +168,18 @@ class GradAverager:
         self._barrier = StopAwareBarrier(len(replicas), stop)
         self._world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._average: torch.Tensor | None = None
+        self.sideband: Any = None
+        """Rank tables (dflash.observe.RankTables): `request_flag()` and `gather()`."""
+
+    def _all_reduce_with_sideband(self, total: torch.Tensor) -> torch.Tensor:
+        # One extra element carries rank 0's request for the interval tables, so all
+        # ranks see it at the same step and gather with no extra collective per step.
+        flag = self.sideband.request_flag() if self.sideband is not None else 0.0
+        total = torch.cat([total, total.new_tensor([flag])])
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        if self.sideband is not None and total[-1].item() > 0:
+            self.sideband.gather()
+        return total[:-1]
 
     @property
     def needed(self) -> bool:
@@ -193,7 +205,7 @@ class GradAverager:
             for other in range(1, len(self._params)):
                 total += self._flat_grads(other, device)
             if self._world_size > 1:
-                dist.all_reduce(total, op=dist.ReduceOp.SUM)
+                total = self._all_reduce_with_sideband(total)
             total /= len(self._params) * self._world_size
             self._average = total
         self._barrier.wait()  # the average is ready; nobody overwrites it before the next step

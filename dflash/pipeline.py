@@ -200,7 +200,10 @@ class TargetForwardLoop(StageThread):
                     target_out = self.forward(item.batch)
                 self.counters.add_target(item.batch.num_tokens)
                 self.enter("hs_queue.put")
+                put_start_s = time.perf_counter()
                 self.out_q.put(HiddenItem(item.batch, target_out, item.span))
+                # A full hs_queue blocks here: the drafter-bound half of the verdict.
+                tel.record("hs_queue.put", time.perf_counter() - put_start_s)
             except BaseException as exc:
                 _end_span(item.span, exc)
                 raise
@@ -364,8 +367,10 @@ DEFAULT_STALL_TIMEOUT_S = 600.0
 class _StepBook:
     """Losses per step; replica 0 advances the run, reports progress and checkpoints."""
 
-    def __init__(self, run: Any, progress: Any, info: DistInfo, num_replicas: int):
-        self.run, self.progress, self.info = run, progress, info
+    def __init__(
+        self, run: Any, progress: Any, info: DistInfo, num_replicas: int, telemetry: Telemetry
+    ):
+        self.run, self.progress, self.info, self.telemetry = run, progress, info, telemetry
         self.start_step, self.start_index = run.step, run.next_batch_index
         self.batches_per_step = info.world_size * num_replicas
         self.losses: dict[int, list[float]] = {}
@@ -384,7 +389,10 @@ class _StepBook:
         self.progress.update(run.step, result.loss, batch.num_tokens * self.batches_per_step)
         every = run.cfg.run.save_every
         if self.info.is_main and every and run.step % every == 0 and run.step < run.cfg.run.steps:
-            save_run_checkpoint(run)  # replica 0's weights cannot move while it is here
+            # replica 0's weights cannot move while it is here
+            attrs = {"step": run.step}
+            with self.telemetry.phase("checkpoint.save", level="step", attributes=attrs):
+                save_run_checkpoint(run)
 
     def mean_losses(self) -> list[float]:
         with self._lock:
@@ -398,6 +406,7 @@ class _Setup:
     book: _StepBook
     progress: Any
     figures: Callable[[], dict[str, Any]]
+    telemetry: Telemetry
 
 
 def run_pipeline(
@@ -448,6 +457,7 @@ def _setup(cfg, log, info, targets, drafters, telemetry, progress_stream) -> _Se
     from dflash.trainer import build_run
 
     quiet = log if info.is_main else (lambda _: None)
+    tel = telemetry if telemetry is not None else NullTelemetry()
     run = build_run(cfg, quiet)
     if (run.target_device, run.drafter_device) != (targets[0], drafters[0]):
         placed = f"{run.target_device}/{run.drafter_device}"
@@ -458,16 +468,20 @@ def _setup(cfg, log, info, targets, drafters, telemetry, progress_stream) -> _Se
     group = StageGroup()
     replicas = build_replicas(run, drafters)
     averager = GradAverager([r.drafter for r in replicas], group.stop)
+    # Cross-rank interval tables ride on the gradient all-reduce (Observer.ranks).
+    averager.sideband = getattr(tel, "ranks", None)
     for i, replica in enumerate(replicas):
         replica.trainer.grad_sync = averager.hook(i) if averager.needed else None
     names = {side: ",".join(map(str, devs)) for side, devs in (("t", targets), ("d", drafters))}
     ranks = f" x {info.world_size} ranks" if info.enabled else ""
     quiet(format_loss_config(cfg))
+    if hasattr(tel, "describe"):
+        quiet(tel.describe())
     quiet(format_run_config(cfg, f"{cfg.target.spec} layers {run.layer_ids}",
                             f"targets {names['t']}, drafters {names['d']}{ranks}"))  # fmt: skip
     progress = Progress(cfg.run.steps, run.step, log=None,
                         stream=progress_stream if info.is_main else io.StringIO())  # fmt: skip
-    book = _StepBook(run, progress, info, len(replicas))
+    book = _StepBook(run, progress, info, len(replicas), tel)
     pipe = Pipeline.build(
         make_batch=run.train_data.batch,
         indices=rank_batch_indices(cfg.run.steps - run.step, info.rank, info.world_size,
@@ -477,7 +491,7 @@ def _setup(cfg, log, info, targets, drafters, telemetry, progress_stream) -> _Se
         on_step=book.on_step,
         batch_queue_size=cfg.pipeline.batch_queue_size,
         hs_queue_size=cfg.pipeline.hs_queue_size,
-        telemetry=telemetry,
+        telemetry=tel,
         span_attributes={"rank": info.rank},
         pin_memory=torch.cuda.is_available() and any(d.type == "cuda" for d in targets),
         group=group,
@@ -495,7 +509,7 @@ def _setup(cfg, log, info, targets, drafters, telemetry, progress_stream) -> _Se
             "queue_depth_mean": {name: mean for name, (_, mean, _) in snap.queue_depths.items()},
         }
 
-    return _Setup(run, pipe, book, progress, figures)
+    return _Setup(run, pipe, book, progress, figures, tel)
 
 
 def _step_fn(trainer: Any) -> StepFn:
@@ -506,7 +520,9 @@ def _finish(setup: _Setup, info: DistInfo, log: Callable[[str], None], train_s: 
             started_s: float, signum: int | None, stuck: list[str]) -> dict[str, Any]:  # fmt: skip
     run, failure = setup.run, setup.pipe.group.failure
     figures = setup.figures()  # now: the counters' clock must not include evaluation
+    tel = setup.telemetry
     if failure is not None:
+        tel.close(log, gather_ranks=False)  # the final table, before the one-line error
         log_path = _write_error_log(run.output_dir, info, failure)
         raise failure.to_error().with_log(log_path or "") from failure.error
     if stuck:
@@ -514,15 +530,22 @@ def _finish(setup: _Setup, info: DistInfo, log: Callable[[str], None], train_s: 
     stats = RunStats(setup.book.mean_losses(), setup.book.tokens, train_s)
     if signum is not None:
         summary = _after_signal(run, info, stats, started_s, signum, stuck, log)
+        closed = tel.close(log, gather_ranks=False)
         if summary is not None:
             summary["pipeline"] = figures
+            if closed is not None:
+                summary["telemetry"] = closed
             write_json_atomic(run.output_dir / "summary.json", summary)
             log(format_summary(summary))
         raise TrainingInterrupted(signum, summary)
     if not info.is_main:
+        tel.close(log, gather_ranks=True)
         return {"rank": info.rank, "steps": run.step, "pipeline": figures}
-    summary = finish_run(run, stats, log, started_s)
+    summary = finish_run(run, stats, log, started_s, phase=lambda n: tel.phase(n, level="step"))
     summary["pipeline"] = figures
+    closed = tel.close(log, gather_ranks=True)
+    if closed is not None:
+        summary["telemetry"] = closed
     write_json_atomic(run.output_dir / "summary.json", summary)
     return summary
 

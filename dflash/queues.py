@@ -402,7 +402,7 @@ class SpanLike(Protocol):
 
 
 class Telemetry(Protocol):
-    """What the pipeline needs from tracing; the `tracing` module itself satisfies it."""
+    """What the pipeline needs from tracing; dflash.observe.Observer implements it."""
 
     def phase(
         self,
@@ -418,6 +418,13 @@ class Telemetry(Protocol):
     def start_span(
         self, name: str, attributes: Mapping[str, Any] | None = None, *, level: str = "step"
     ) -> SpanLike: ...
+
+    def record(self, name: str, seconds: float) -> None:
+        """Adds a duration to the tables without a span (e.g. time blocked on a put)."""
+
+    def close(self, log: Callable[[str], None], gather_ranks: bool) -> dict[str, Any] | None:
+        """Final table and bounded export shutdown (idempotent); figures for the summary.
+        `gather_ranks`: every rank calls it at the same point (one collective)."""
 
 
 class _NullSpan:
@@ -443,3 +450,9 @@ class NullTelemetry:
 
     def start_span(self, name: str, attributes: Any = None, **_: Any) -> SpanLike:
         return self._span
+
+    def record(self, name: str, seconds: float) -> None:
+        pass
+
+    def close(self, log: Callable[[str], None], gather_ranks: bool) -> dict[str, Any] | None:
+        return None

@@ -328,15 +328,23 @@ def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
 
 
 def finish_run(
-    run: Run, stats: RunStats, log: Callable[[str], None] = print, started_s: float | None = None
+    run: Run,
+    stats: RunStats,
+    log: Callable[[str], None] = print,
+    started_s: float | None = None,
+    phase: PhaseFn = null_phase,
 ) -> dict[str, Any]:
-    """Final checkpoint and drafter, τ on held-out, summary printed and in summary.json."""
+    """Final checkpoint and drafter, τ on held-out, summary printed and in summary.json.
+
+    `phase(name)` wraps the checkpoint save and the evaluation (spans of their own)."""
     from dflash.drafter import save_drafter
 
-    save_run_checkpoint(run)
-    save_drafter(run.drafter, run.output_dir / "drafter")
+    with phase("checkpoint.save"):
+        save_run_checkpoint(run)
+        save_drafter(run.drafter, run.output_dir / "drafter")
     eval_start_s = time.perf_counter()
-    result = evaluate_run(run)
+    with phase("eval"):
+        result = evaluate_run(run)
     eval_s = time.perf_counter() - eval_start_s
     last = stats.losses[-1] if stats.losses else run.trainer.last_loss
     wall_s = time.perf_counter() - started_s if started_s is not None else float("nan")

@@ -26,7 +26,7 @@ def assert_one_line_error(result, *fragments):
 def captured(monkeypatch):
     """Replace training by recording the config the CLI built."""
     seen: list[TrainConfig] = []
-    monkeypatch.setattr("dflash.trainer.train_reference", lambda cfg, log: seen.append(cfg))
+    monkeypatch.setattr("dflash.pipeline.run_pipeline", lambda cfg, **_: seen.append(cfg))
     return seen
 
 

@@ -146,6 +146,13 @@ class RecordingTelemetry:
         yield
         entry["end_ns"] = time.time_ns()
 
+    def record(self, name, seconds):
+        with self.lock:
+            self.spans.append({"name": name, "seconds": seconds, "stats_only": True})
+
+    def close(self, log, gather_ranks):
+        return None
+
     def start_span(self, name, attributes=None, *, level="step"):
         telemetry = self
 
@@ -186,6 +193,9 @@ def test_one_trace_per_batch_with_waits_under_the_batch_they_received() -> None:
         assert children["drafter.step"]["end_ns"] <= root.end_ns
     # The trainer's phases are opened without a parent: they nest under drafter.step.
     assert any(s["name"] == "drafter.loss" and s["parent"] is None for s in tel.spans)
+    # Time blocked on hs_queue.put feeds the tables (the verdict), not the trace.
+    puts = [s for s in tel.spans if s["name"] == "hs_queue.put"]
+    assert len(puts) == 5 and all(s["stats_only"] for s in puts)
 
 
 def test_failing_batch_trace_is_ended_with_the_error() -> None:
@@ -205,11 +215,13 @@ def test_real_tracing_gives_one_trace_per_batch() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     import tracing
+    from dflash.observe import Observer
 
     exporter = InMemorySpanExporter()
-    tracing.setup(tracing.TracingConfig(), span_processors=[SimpleSpanProcessor(exporter)])
+    cfg = tracing.TracingConfig()
+    telemetry = tracing.setup(cfg, span_processors=[SimpleSpanProcessor(exporter)])
     try:
-        pipe = build(n=4, targets=2, telemetry=tracing)
+        pipe = build(n=4, targets=2, telemetry=Observer(cfg, telemetry, world_size=1))
         pipe.run()
         pipe.raise_if_failed()
     finally:
