@@ -3,7 +3,9 @@
 The SDK's BatchSpanProcessor waits up to 30 s on shutdown, has a force_flush without a
 bound and does not tell how many spans it lost. This one keeps the same shape (bounded
 deque, one named daemon worker, stop event) and adds: every wait bounded, counts of
-exported / dropped (queue full) / failed / still queued spans.
+exported / dropped (queue full) / failed / still queued spans, and a second entry,
+`on_end_record`, for the spans `phase` records without the SDK (`tracing.record`): their
+SDK spans are built here, on the worker thread, not on the thread that ended them.
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tracing.spans import SpanHandle
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from tracing.config import TracingConfig
+from tracing.record import to_readable
 
 logger = logging.getLogger("tracing")
 
@@ -49,9 +56,9 @@ class DeliveryCounts:
 class BoundedBatchSpanProcessor(SpanProcessor):
     """Batches ended spans to an exporter on one worker thread.
 
-    Thread contract: `on_end` runs on the thread that ends a span; it never blocks and
-    never raises (a full queue drops the span and counts it). `force_flush` and
-    `shutdown` wait at most their timeout.
+    Thread contract: `on_end` and `on_end_record` run on the thread that ends a span;
+    they never block and never raise (a full queue drops the span and counts it).
+    `force_flush` and `shutdown` wait at most their timeout.
     """
 
     def __init__(
@@ -64,7 +71,8 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         name: str = "tracing-export",
     ) -> None:
         self.exporter = exporter
-        self._queue: deque[ReadableSpan] = deque()
+        # Ended spans: SDK spans (from other tracers) or our handles, converted on export.
+        self._queue: deque[ReadableSpan | SpanHandle] = deque()
         self._max_queue_size = max_queue_size
         self._max_batch_size = max_batch_size
         self._schedule_delay_s = schedule_delay_s
@@ -75,6 +83,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._shutdown_counts: DeliveryCounts | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._stopping = False  # mirrors _stop for the hot path: a bool reads faster
         self._flush_waiters: list[threading.Event] = []
         self._worker = threading.Thread(target=self._run, name=name, daemon=True)
         self._worker.start()
@@ -83,7 +92,12 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
-        if self._stop.is_set() or not span.context.trace_flags.sampled:
+        if span.context.trace_flags.sampled:
+            self.on_end_record(span)
+
+    def on_end_record(self, span: ReadableSpan | SpanHandle) -> None:
+        """Queues an ended, sampled span: an SDK span or a handle from `tracing.spans`."""
+        if self._stopping:
             return
         queue = self._queue
         if len(queue) >= self._max_queue_size:
@@ -112,10 +126,11 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                 batch.append(self._queue.popleft())
             self._export_batch(batch)
 
-    def _export_batch(self, batch: list[ReadableSpan]) -> None:
+    def _export_batch(self, batch: list[ReadableSpan | SpanHandle]) -> None:
         self._in_flight = len(batch)
         try:
-            ok = self.exporter.export(batch) == SpanExportResult.SUCCESS
+            spans = [s if isinstance(s, ReadableSpan) else to_readable(s) for s in batch]
+            ok = self.exporter.export(spans) == SpanExportResult.SUCCESS
         except Exception:  # telemetry never crashes the host program
             logger.exception("tracing: exporter %s raised", type(self.exporter).__name__)
             ok = False
@@ -154,6 +169,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         if self._shutdown_counts is not None:
             return self._shutdown_counts
         deadline = time.monotonic() + timeout_s
+        self._stopping = True
         self._stop.set()
         self._wake.set()
         if self._last_export_ok:

@@ -1,10 +1,13 @@
 """Phase spans: the hot path. `phase(...)` times a block, feeds ProfileStats, and (at an
 enabled level, with a configured provider) records an OTel span.
 
-Cost notes: spans are started with an explicit parent Context and explicit start/end
-times (no attach/detach of the OTel context, no extra clock reads); the innermost open
-phase of the current thread/task is kept in one ContextVar of our own, and its OTel
-Context is built only when a child asks for it.
+Cost notes: a recorded span is the handle itself: ids from `random.getrandbits`, two
+clock reads, the name, parent, attributes and status, appended to the export queue when
+it ends; the export thread builds the SDK span from it (see `tracing.record`). No OTel
+context is attached or detached, and no SDK object is built on the hot path: the
+innermost open phase of the current thread/task is kept in one ContextVar of our own,
+and an OTel Context is built only when someone asks for `.context`. With no span to
+record, a phase is two clock reads and one `ProfileStats.add`.
 """
 
 from __future__ import annotations
@@ -13,44 +16,52 @@ import functools
 import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from threading import get_ident
 from typing import Any, TypeVar
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.trace import SpanContext, Status
 
+from tracing import record
 from tracing.config import TracingConfigError
 from tracing.device import DeviceClock, EventResolver
 from tracing.format import DEVICE_SUFFIX
+from tracing.record import Recorder
 from tracing.stats import NO_THREAD, ProfileStats
 
 LEVEL_RANK = {"off": 0, "step": 1, "phase": 2}
 _EMPTY_CONTEXT = Context()
 _time_ns = time.time_ns
+_new_span_id = record.new_span_id
+# Phase._mode: what `__exit__` has to undo (identity-compared small ints).
+_PLAIN, _SPAN, _DEVICE = 0, 1, 2
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Runtime:
     """What `setup` installs for `phase` to read; replaced as a whole, never mutated."""
 
-    __slots__ = ("tracer", "level_rank", "stats", "clock", "sync", "resolver")
+    __slots__ = ("recorder", "level_rank", "stats", "clock", "sync", "resolver", "plain")
 
     def __init__(
         self,
         stats: ProfileStats,
-        tracer: trace.Tracer | None = None,
+        recorder: Recorder | None = None,
         level_rank: int = 0,
         clock: DeviceClock | None = None,
         sync: bool = False,
         resolver: EventResolver | None = None,
     ) -> None:
         self.stats = stats
-        self.tracer = tracer
+        # None when no span can be recorded at any level: phases then skip all span work.
+        self.recorder = recorder if level_rank > 0 else None
         self.level_rank = level_rank
         self.clock = clock
         self.sync = sync
         self.resolver = resolver
+        # Phases can take the minimal path: nothing but clock reads and one `add`.
+        self.plain = self.recorder is None and clock is None
 
 
 DEFAULT_STATS = ProfileStats()
@@ -74,67 +85,109 @@ def _level_rank(level: str) -> int:
     return rank
 
 
-def _parent_context(parent: object) -> Context | None:
-    if parent is None:
-        current = _current.get()
-        return None if current is None else current.context
-    if isinstance(parent, SpanHandle):
-        return parent.context
-    if isinstance(parent, Context):
-        return parent
-    raise TypeError(f"parent must be an OTel Context or a SpanHandle, got {type(parent).__name__}")
-
-
-def _mark_error(span: trace.Span, exc: BaseException) -> None:
-    span.record_exception(exc)
-    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-
-
 class SpanHandle:
     """A span that may be ended on another thread; `.context` is a parent for other threads.
 
-    With tracing off the handle still measures its duration for ProfileStats.
+    With tracing off the handle still measures its duration for ProfileStats. When it
+    has a span (`_rec` set), the handle is also the span's record: the processors queue
+    the ended handle itself and build the SDK span from it on their own thread.
     """
 
-    __slots__ = ("span", "name", "start_time_ns", "_context", "_ended", "_stats")
+    __slots__ = ("name", "start_time_ns", "end_time_ns", "trace_id", "span_id", "sampled",
+                 "_rec", "_parent_link", "_trace_state", "_attributes", "_events", "_status",
+                 "_ended", "_stats", "_span_context", "_context", "_readable")  # fmt: skip
 
     def __init__(
         self,
-        span: trace.Span | None,
         name: str,
         start_time_ns: int,
         stats: ProfileStats | None = None,
     ) -> None:
-        self.span = span
         self.name = name
         self.start_time_ns = start_time_ns
-        self._context: Context | None = None
+        self._rec: Recorder | None = None
         self._ended = False
         self._stats = stats
+
+    # --- recording (hot path) --------------------------------------------------------
+
+    def _begin(self, recorder: Recorder, parent: object, attributes: Mapping | None) -> None:
+        """Gives the handle a span under `parent` (a SpanHandle, a SpanContext or None
+        for a new trace): ids, sampling decision, a private copy of the attributes."""
+        if parent is None:
+            trace_id = record.new_trace_id()
+            self.sampled = recorder.root_sampled(trace_id)
+            self._trace_state = None
+        elif isinstance(parent, SpanHandle):
+            trace_id = parent.trace_id
+            self.sampled = parent.sampled
+            self._trace_state = parent._trace_state
+        else:  # a SpanContext from another tracer's (possibly remote) span
+            assert isinstance(parent, SpanContext)
+            trace_id = parent.trace_id
+            self.sampled = parent.trace_flags.sampled
+            self._trace_state = parent.trace_state
+        self.trace_id = trace_id
+        self.span_id = _new_span_id()
+        self._parent_link = parent
+        self._attributes = dict(attributes) if attributes and self.sampled else None
+        self._events: list[Event] | None = None
+        self._status: Status | None = None
+        self._span_context: SpanContext | None = None
+        self._context: Context | None = None
+        self._readable: ReadableSpan | None = None
+        self._rec = recorder
+
+    def _mark_error(self, exc: BaseException) -> None:
+        if self.sampled:
+            recorder = self._rec
+            assert recorder is not None
+            event = recorder.exception_event(exc, _time_ns())
+            if self._events is None:
+                self._events = [event]
+            else:
+                self._events.append(event)
+            self._status = record.error_status(exc)
+
+    # --- public face -----------------------------------------------------------------
 
     @property
     def context(self) -> Context | None:
         """OTel Context holding this span (None without a span: children then use the
         current phase or start their own trace)."""
-        span = self.span
-        if span is None:
+        if self._rec is None:
             return None
-        if self._context is None:
-            self._context = trace.set_span_in_context(span, _EMPTY_CONTEXT)
-        return self._context
+        context = self._context
+        if context is None:
+            span = trace.NonRecordingSpan(record.span_context(self))
+            context = self._context = trace.set_span_in_context(span, _EMPTY_CONTEXT)
+        return context
+
+    @property
+    def span_context(self) -> SpanContext | None:
+        return None if self._rec is None else record.span_context(self)
+
+    @property
+    def span(self) -> trace.Span | None:
+        """A read-only OTel view of the span (change it through this handle's methods)."""
+        return None if self._rec is None else trace.NonRecordingSpan(record.span_context(self))
 
     @property
     def recording(self) -> bool:
-        return self.span is not None and self.span.is_recording()
+        return self._rec is not None and self.sampled and not self._ended
 
     def set_attribute(self, key: str, value: Any) -> None:
-        if self.span is not None:
-            self.span.set_attribute(key, value)
+        if self._rec is None or not self.sampled or self._ended:
+            return  # no span, not sampled, or ended (the SDK ignores these too)
+        if self._attributes is None:
+            self._attributes = {key: value}
+        else:
+            self._attributes[key] = value
 
     def record_exception(self, exc: BaseException) -> None:
         """Marks the span ERROR with an exception event."""
-        if self.span is not None:
-            _mark_error(self.span, exc)
+        if self._rec is not None and not self._ended:
+            self._mark_error(exc)
 
     def end(self, end_time_ns: int | None = None) -> None:
         """Ends the span (from any thread; a second call does nothing) and records its
@@ -145,8 +198,26 @@ class SpanHandle:
         end_ns = _time_ns() if end_time_ns is None else end_time_ns
         if self._stats is not None:
             self._stats.add(self.name, (end_ns - self.start_time_ns) / 1e9, thread=NO_THREAD)
-        if self.span is not None:
-            self.span.end(end_time=end_ns)
+        self._finish(end_ns)
+
+    def _finish(self, end_ns: int) -> None:
+        self.end_time_ns = end_ns
+        recorder = self._rec
+        if recorder is not None and self.sampled:
+            recorder.finish(self)
+
+
+def _resolve_parent(parent: object) -> SpanHandle | SpanContext | None:
+    """The parent a new span hangs under: a SpanHandle with a span, a foreign valid
+    SpanContext, or None (a new trace). A handle without a span, like None, falls back
+    to the current OTel context (as the SDK's start_span(context=None) does)."""
+    if isinstance(parent, SpanHandle):
+        if parent._rec is not None:
+            return parent
+        return record.foreign_parent(None)
+    if isinstance(parent, Context):
+        return record.foreign_parent(parent)
+    raise TypeError(f"parent must be an OTel Context or a SpanHandle, got {type(parent).__name__}")
 
 
 def start_span(
@@ -164,20 +235,18 @@ def start_span(
     """
     rt = _runtime
     start_ns = _time_ns() if start_time_ns is None else start_time_ns
-    span = None
-    if rt.tracer is not None and _level_rank(level) <= rt.level_rank:
-        context = _EMPTY_CONTEXT if parent is None else _parent_context(parent)
-        span = rt.tracer.start_span(
-            name, context=context, attributes=attributes, start_time=start_ns
-        )
-    return SpanHandle(span, name, start_ns, stats if stats is not None else rt.stats)
+    handle = SpanHandle(name, start_ns, stats if stats is not None else rt.stats)
+    recorder = rt.recorder
+    if recorder is not None and _level_rank(level) <= rt.level_rank:
+        handle._begin(recorder, None if parent is None else _resolve_parent(parent), attributes)
+    return handle
 
 
 class Phase(SpanHandle):
     """Context manager returned by `phase`; also usable as a decorator."""
 
-    __slots__ = ("_level", "_parent", "_attributes", "_device", "_token", "_rt", "_timed",
-                 "_start_event")  # fmt: skip
+    __slots__ = ("_level", "_parent", "_given_attributes", "_device", "_token", "_rt",
+                 "_mode", "_start_event")  # fmt: skip
 
     def __init__(
         self,
@@ -191,64 +260,81 @@ class Phase(SpanHandle):
         stats: ProfileStats | None = None,
     ) -> None:
         """Times the block as phase `name` (see the package docstring for the arguments)."""
-        # Only what the level-off path needs is set here; the rest when a span starts.
+        # Only stores: at level off this object lives for two clock reads and one add.
         self.name = name
-        self.span = None
         self.start_time_ns = start_time_ns  # type: ignore[assignment]  # None until entered
         self._level = level
         self._parent = parent
-        self._attributes = attributes
+        self._given_attributes = attributes
         self._device = device
         self._stats = stats
+        self._rec = None
 
     def __enter__(self) -> Phase:
         rt = self._rt = _runtime
+        if rt.plain:  # no span, no device timing: the level-off path, kept minimal
+            self._mode = _PLAIN
+            if self.start_time_ns is None:
+                self.start_time_ns = _time_ns()
+            return self
+        self._mode = _SPAN
+        self._rec = None
         if rt.clock is not None and self._device is not None:
             self._enter_device(rt)
-        else:
-            self._timed = False
         if self.start_time_ns is None:
             self.start_time_ns = _time_ns()
-        if rt.tracer is not None and _level_rank(self._level) <= rt.level_rank:
-            self._start_span(rt.tracer)
+        recorder = rt.recorder
+        if recorder is not None and _level_rank(self._level) <= rt.level_rank:
+            self._start_span(recorder)
         return self
 
     def _enter_device(self, rt: Runtime) -> None:
         clock = rt.clock
-        self._timed = clock.applies_to(self._device)  # type: ignore[union-attr]
-        if self._timed:
+        if clock.applies_to(self._device):  # type: ignore[union-attr]
+            self._mode = _DEVICE
             if rt.sync:
                 clock.synchronize(self._device)  # type: ignore[union-attr]
             else:
                 self._start_event = clock.record(self._device)  # type: ignore[union-attr]
 
-    def _start_span(self, tracer: trace.Tracer) -> None:
-        attributes = self._attributes
+    def _start_span(self, recorder: Recorder) -> None:
+        parent = self._parent
+        if parent is None:
+            parent = _current.get()
+            if parent is None:
+                parent = record.foreign_parent(None)
+        else:
+            parent = _resolve_parent(parent)
+        attributes = self._given_attributes
         if self._device is not None:
             attributes = {**attributes} if attributes else {}
             attributes["device"] = str(self._device)
-        self.span = tracer.start_span(
-            self.name,
-            context=_parent_context(self._parent),
-            attributes=attributes,
-            start_time=self.start_time_ns,
-        )
-        self._context = None
+        self._begin(recorder, parent, attributes)
+        self._ended = False
         self._token = _current.set(self)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
-        if self._timed:
+        mode = self._mode
+        if mode is _PLAIN:
+            stats = self._stats
+            if stats is None:
+                stats = self._rt.stats
+            stats.add(self.name, (_time_ns() - self.start_time_ns) / 1e9)
+            return False
+        if mode is _DEVICE:
             self._exit_device(exc)
             return False
         end_ns = _time_ns()
-        stats = self._stats if self._stats is not None else self._rt.stats
+        stats = self._stats
+        if stats is None:
+            stats = self._rt.stats
         stats.add(self.name, (end_ns - self.start_time_ns) / 1e9)
-        span = self.span
-        if span is not None:
+        if self._rec is not None:
             _current.reset(self._token)
             if exc is not None:
-                _mark_error(span, exc)
-            span.end(end_time=end_ns)
+                self._mark_error(exc)
+            self._ended = True
+            self._finish(end_ns)
         return False
 
     def _exit_device(self, exc: BaseException | None) -> None:
@@ -259,32 +345,32 @@ class Phase(SpanHandle):
         else:
             end_event = rt.clock.record(self._device)  # type: ignore[union-attr]
         end_ns = _time_ns()
-        if self._stats is None:
-            self._stats = rt.stats
-        self._stats.add(self.name, (end_ns - self.start_time_ns) / 1e9)
-        span = self.span
-        if span is not None:
+        stats = self._stats if self._stats is not None else rt.stats
+        stats.add(self.name, (end_ns - self.start_time_ns) / 1e9)
+        if self._rec is not None:
             _current.reset(self._token)
             if exc is not None:
-                _mark_error(span, exc)
+                self._mark_error(exc)
         if end_event is not None:
-            self._submit_device_timing(end_event, end_ns)
-        elif span is not None:
-            span.set_attribute("timing.mode", "sync")
-            span.end(end_time=end_ns)
+            self._submit_device_timing(end_event, end_ns, stats)
+        elif self._rec is not None:
+            self.set_attribute("timing.mode", "sync")
+            self._ended = True
+            self._finish(end_ns)
 
-    def _submit_device_timing(self, end_event: object, end_ns: int) -> None:
+    def _submit_device_timing(self, end_event: object, end_ns: int, stats: ProfileStats) -> None:
         """Hands the event pair to the resolver, which ends the span at `end_ns` later."""
-        span, stats, name, thread = self.span, self._stats, self.name, get_ident()
+        name, thread = self.name, stats.thread_key()
 
         def on_resolved(device_s: float | None) -> None:
             if device_s is not None:
                 stats.add(name + DEVICE_SUFFIX, device_s, thread=thread)
-            if span is not None:
+            if self._rec is not None:
                 if device_s is not None:
-                    span.set_attribute("device.duration_ms", device_s * 1e3)
-                span.set_attribute("timing.mode", "events")
-                span.end(end_time=end_ns)
+                    self.set_attribute("device.duration_ms", device_s * 1e3)
+                self.set_attribute("timing.mode", "events")
+                self._ended = True
+                self._finish(end_ns)
 
         self._rt.resolver.submit(self._start_event, end_event, on_resolved)  # type: ignore[union-attr]
 
@@ -297,7 +383,7 @@ class Phase(SpanHandle):
             "level": self._level,
             "parent": self._parent,
             "start_time_ns": self.start_time_ns,
-            "attributes": self._attributes,
+            "attributes": self._given_attributes,
             "device": self._device,
             "stats": self._stats,
         }

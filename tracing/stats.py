@@ -9,9 +9,11 @@ convert to and from dicts, and merge across ranks.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from math import floor, log2
@@ -21,9 +23,29 @@ from typing import Any
 # 8 buckets per doubling: bucket b covers [2**(b/8), 2**((b+1)/8)) seconds.
 BUCKETS_PER_OCTAVE = 8
 _MIN_BUCKET = -30 * BUCKETS_PER_OCTAVE  # ~1 ns; shorter (or zero) durations land here
+_TINY_S = 2.0 ** (_MIN_BUCKET / BUCKETS_PER_OCTAVE)  # durations up to this: bucket _MIN_BUCKET
+_FOLD_AT = 1024
+"""Pending durations per (thread, name) that `add` lets pile up before folding them."""
 NO_THREAD = None
 """Pass as `thread=` for durations that belong to no single thread (cross-thread spans)."""
 _CURRENT_THREAD = object()
+_thread_serials = itertools.count()  # next() is atomic under the GIL
+
+
+def _bucket_edge_s(bucket: int) -> float:
+    """Lower edge of `bucket`: bucket b covers [edge(b), edge(b + 1))."""
+    return 2.0 ** (bucket / BUCKETS_PER_OCTAVE)
+
+
+def _bucket(seconds: float) -> int:
+    """The bucket of a duration above _TINY_S, consistent with `_bucket_edge_s` even
+    where log2 rounds across an edge."""
+    bucket = floor(log2(seconds) * BUCKETS_PER_OCTAVE)
+    if seconds >= _bucket_edge_s(bucket + 1):
+        bucket += 1
+    elif seconds < _bucket_edge_s(bucket):
+        bucket -= 1
+    return bucket
 
 
 def _bucket_mid_s(bucket: int) -> float:
@@ -148,7 +170,7 @@ class StatsSnapshot:
 
 
 class _Live:
-    """Figures of one name in the current interval, updated under the lock (hot path)."""
+    """Figures of one name in the current interval, updated under the lock."""
 
     __slots__ = ("count", "total_s", "min_s", "max_s", "buckets", "threads")
 
@@ -159,6 +181,30 @@ class _Live:
         self.max_s = 0.0
         self.buckets: dict[int, int] = {}
         self.threads: dict[Any, int] = {}
+
+    def fold(self, values: list[float], thread: object) -> None:
+        """Adds a chunk of durations of one thread. Sorting (C) then bisecting bucket
+        edges costs far less per value than computing each value's bucket: this runs
+        for every duration ever added."""
+        values.sort()
+        n = len(values)
+        self.count += n
+        self.total_s += sum(values)
+        if values[0] < self.min_s:
+            self.min_s = values[0]
+        if values[-1] > self.max_s:
+            self.max_s = values[-1]
+        buckets = self.buckets
+        start = bisect_right(values, _TINY_S)
+        if start:
+            buckets[_MIN_BUCKET] = buckets.get(_MIN_BUCKET, 0) + start
+        while start < n:
+            bucket = _bucket(values[start])
+            end = bisect_left(values, _bucket_edge_s(bucket + 1), start)
+            buckets[bucket] = buckets.get(bucket, 0) + end - start
+            start = end
+        if thread is not None:
+            self.threads[thread] = self.threads.get(thread, 0) + n
 
     def frozen(self) -> PhaseStats:
         threads = {str(key): n for key, n in self.threads.items()}
@@ -179,12 +225,22 @@ def _copy(stats: PhaseStats) -> PhaseStats:
 
 
 class ProfileStats:
-    """Thread-safe named-duration accumulator; `add(name, seconds)` from any thread."""
+    """Thread-safe named-duration accumulator; `add(name, seconds)` from any thread.
+
+    `add` only appends the duration to a pending list of its (thread, name); the lists
+    are folded into the figures in chunks (when one grows long, and before every read),
+    with C-level loops. A lock around per-call figure updates cost more than the rest
+    of a level-off phase together. Appends are atomic and only folding removes from a
+    list (under the lock), so no duration is lost or counted twice.
+    """
 
     def __init__(self, rank: int | None = None) -> None:
         self.rank = rank
         self._lock = threading.Lock()
-        # `add` touches only the current interval; finished intervals fold into `_done`.
+        # thread key -> name -> durations not folded yet (a thread appends to its own).
+        self._pending: dict[object, dict[str, list[float]]] = {}
+        self._local = threading.local()  # .key and .pending of the calling thread
+        # `_live` holds the current interval; finished intervals fold into `_done`.
         self._live: dict[str, _Live] = {}
         self._done: dict[str, PhaseStats] = {}
         self._start_s = time.monotonic()
@@ -193,27 +249,56 @@ class ProfileStats:
     def add(self, name: str, seconds: float, thread: object = _CURRENT_THREAD) -> None:
         """Records one duration. `thread` defaults to the calling thread (for the share column)."""
         if thread is _CURRENT_THREAD:
-            thread = get_ident()
-        bucket = _MIN_BUCKET if seconds <= 1e-9 else floor(log2(seconds) * BUCKETS_PER_OCTAVE)
-        with self._lock:
+            try:
+                values = self._local.pending[name]
+            except (AttributeError, KeyError):
+                values = self._thread_pending().setdefault(name, [])
+            if len(values) >= _FOLD_AT:
+                with self._lock:
+                    self._fold(self._local.key, name, values)
+        else:
+            # setdefault is atomic: two threads adding the same NO_THREAD name share a list.
+            values = self._pending.setdefault(thread, {}).setdefault(name, [])
+            if len(values) >= _FOLD_AT:
+                with self._lock:
+                    self._fold(thread, name, values)
+        values.append(seconds)
+
+    def _thread_pending(self) -> dict[str, list[float]]:
+        """This thread's pending lists, registered on first use under `thread_key()`."""
+        local = self._local
+        if not hasattr(local, "pending"):
+            local.key = f"{get_ident()}.{next(_thread_serials)}"
+            local.pending = self._pending.setdefault(local.key, {})
+        return local.pending
+
+    def thread_key(self) -> str:
+        """The key under which this thread's durations are counted (unique per thread:
+        thread idents are reused once a thread ends)."""
+        self._thread_pending()
+        return self._local.key
+
+    def _fold(self, thread: object, name: str, values: list[float]) -> None:
+        """Moves a pending list into `_live`; the caller holds the lock."""
+        n = len(values)  # appends after this point stay for the next fold
+        if n:
+            chunk = values[:n]
+            del values[:n]
             live = self._live.get(name)
             if live is None:
                 live = self._live[name] = _Live()
-            live.count += 1
-            live.total_s += seconds
-            if seconds < live.min_s:
-                live.min_s = seconds
-            if seconds > live.max_s:
-                live.max_s = seconds
-            buckets = live.buckets
-            buckets[bucket] = buckets.get(bucket, 0) + 1
-            if thread is not None:
-                threads = live.threads
-                threads[thread] = threads.get(thread, 0) + 1
+            live.fold(chunk, thread)
+
+    def _fold_all(self) -> None:
+        # list(...) copies in one step: adders may insert new threads and names meanwhile.
+        for thread, by_name in list(self._pending.items()):
+            for name, values in list(by_name.items()):
+                self._fold(thread, name, values)
 
     def snapshot(self) -> StatsSnapshot:
         """Cumulative figures since creation (or `reset`)."""
         with self._lock:
+            self._fold_all()
             phases = {name: _copy(stats) for name, stats in self._done.items()}
             for name, live in self._live.items():
                 phases.setdefault(name, PhaseStats()).merge(live.frozen())
@@ -223,6 +308,7 @@ class ProfileStats:
     def take_interval(self) -> StatsSnapshot:
         """Figures since the previous call (or creation); the next interval starts now."""
         with self._lock:
+            self._fold_all()
             now_s = time.monotonic()
             live, self._live = self._live, {}
             wall_s = now_s - self._interval_start_s
@@ -234,6 +320,7 @@ class ProfileStats:
 
     def reset(self) -> None:
         with self._lock:
+            self._fold_all()
             self._live.clear()
             self._done.clear()
             self._start_s = self._interval_start_s = time.monotonic()
@@ -244,10 +331,13 @@ class ProfileStats:
 
     def names(self) -> list[str]:
         with self._lock:
+            self._fold_all()
             return list(dict.fromkeys([*self._done, *self._live]))
 
     def __contains__(self, name: object) -> bool:
-        return name in self._live or name in self._done
+        with self._lock:
+            self._fold_all()
+            return name in self._live or name in self._done
 
     def format_compact(self) -> str:
         from tracing.format import format_compact

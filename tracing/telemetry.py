@@ -20,6 +20,7 @@ from tracing import spans
 from tracing.config import TracingConfig
 from tracing.device import DeviceClock, EventResolver, cuda_clock_or_none
 from tracing.export import BoundedBatchSpanProcessor, DeliveryCounts, build_exporters
+from tracing.record import Recorder
 from tracing.stats import ProfileStats
 
 _lock = threading.Lock()
@@ -152,6 +153,22 @@ def _shutdown_provider(provider: TracerProvider, timeout_s: float) -> None:
     thread.join(timeout_s)
 
 
+class _HashOnceResource(Resource):
+    """A Resource that computes its hash once. The OTLP encoder groups spans by resource
+    and so hashes it for every span, and Resource's hash JSON-dumps all its attributes:
+    about a tenth of the export thread's time per span. A Resource never changes."""
+
+    def __init__(self, attributes: dict[str, object], schema_url: str | None = None) -> None:
+        super().__init__(attributes, schema_url)  # type: ignore[arg-type]
+        self._hash = super().__hash__()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return super().__eq__(other)
+
+
 def _resource(cfg: TracingConfig) -> Resource:
     attributes = {
         **cfg.resource_attributes,
@@ -163,7 +180,7 @@ def _resource(cfg: TracingConfig) -> Resource:
     }
     # Resource(...) rather than Resource.create(...): the config already merged the
     # environment, and explicit values must win over it.
-    return Resource(attributes)
+    return _HashOnceResource(attributes)
 
 
 def setup(
@@ -179,7 +196,9 @@ def setup(
 
     `exporters` are extra exporters behind bounded batch processors (counted in the
     shutdown report); `span_processors` are added as they are (e.g. a
-    SimpleSpanProcessor around an InMemorySpanExporter in tests). `device_clock`
+    SimpleSpanProcessor around an InMemorySpanExporter in tests): they get each sampled
+    phase span through `on_end`, on the ending thread (phases do not call `on_start`:
+    they are not SDK spans until they end). `device_clock`
     replaces the CUDA clock (a HostClock in tests). A previous setup is shut down first.
     """
     cfg = TracingConfig.from_env() if cfg is None else cfg
@@ -189,8 +208,11 @@ def setup(
     stats = stats if stats is not None else ProfileStats(rank=cfg.rank)
     all_exporters = [*build_exporters(cfg), *exporters]
     provider = None
+    recorder = None
     processors: list[BoundedBatchSpanProcessor] = []
     if cfg.level != "off" and (all_exporters or span_processors):
+        # The provider serves other tracers (install_global_provider) and flush/shutdown;
+        # phases record through `recorder`, with the same resource, sampling and processors.
         provider = TracerProvider(
             resource=_resource(cfg),
             sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
@@ -207,6 +229,12 @@ def setup(
             provider.add_span_processor(processor)
         for processor in span_processors:
             provider.add_span_processor(processor)
+        recorder = Recorder(
+            cfg.sample_ratio,
+            provider.resource,
+            appends=[processor.on_end_record for processor in processors],
+            sync_processors=span_processors,
+        )
         if install_global_provider:
             trace.set_tracer_provider(provider)
     clock = None
@@ -214,17 +242,16 @@ def setup(
         clock = device_clock if device_clock is not None else cuda_clock_or_none(cfg.cuda_timing)
     resolver = EventResolver(clock) if clock is not None and cfg.cuda_timing == "events" else None
     telemetry = Telemetry(cfg, stats, provider, processors, resolver)
-    _install(telemetry, clock)
+    _install(telemetry, recorder, clock)
     return telemetry
 
 
-def _install(telemetry: Telemetry, clock: DeviceClock | None) -> None:
+def _install(telemetry: Telemetry, recorder: Recorder | None, clock: DeviceClock | None) -> None:
     global _active
     cfg = telemetry.cfg
-    tracer = telemetry.provider.get_tracer("tracing") if telemetry.provider else None
     runtime = spans.Runtime(
         telemetry.stats,
-        tracer=tracer,
+        recorder=recorder,
         level_rank=spans.LEVEL_RANK[cfg.level],
         clock=clock,
         sync=cfg.cuda_timing == "sync",

@@ -11,7 +11,6 @@ import pytest
 # The editable install may predate tracing/__init__.py; import this checkout's package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
     InMemorySpanExporter,
 )
@@ -24,14 +23,3 @@ def memory() -> Iterator[InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     yield exporter
     tracing.shutdown(timeout_s=1.0)
-
-
-def setup_memory(
-    exporter: InMemorySpanExporter, device_clock: object = None, **cfg: object
-) -> tracing.Telemetry:
-    """Tracing with spans going synchronously to `exporter`."""
-    return tracing.setup(
-        tracing.TracingConfig(**cfg),  # type: ignore[arg-type]
-        span_processors=[SimpleSpanProcessor(exporter)],
-        device_clock=device_clock,  # type: ignore[arg-type]
-    )

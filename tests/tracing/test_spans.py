@@ -4,7 +4,7 @@ import threading
 import time
 
 import pytest
-from conftest import setup_memory
+from memory_setup import setup_memory
 from opentelemetry.trace import StatusCode
 
 import tracing

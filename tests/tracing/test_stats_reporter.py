@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import io
 import json
+import math
+import random
 import threading
 
 import pytest
@@ -152,3 +154,38 @@ def test_excepthook_prints_final_table_then_chains():
 def test_bad_interval_is_rejected():
     with pytest.raises(tracing.TracingConfigError, match="got 0"):
         Reporter(ProfileStats(), interval_s=0)
+
+
+def test_chunked_folding_matches_per_value_figures():
+    from tracing.stats import _FOLD_AT, _MIN_BUCKET, _bucket, _bucket_edge_s
+
+    rng = random.Random(3)
+    edges = [_bucket_edge_s(b) for b in range(-100, 20)]
+    values = [rng.lognormvariate(-7, 3) for _ in range(3 * _FOLD_AT)]
+    values += edges + [math.nextafter(e, 0.0) for e in edges] + [0.0, -1e-3, 1e-12, 5e-10]
+    rng.shuffle(values)
+    stats = ProfileStats()
+    expected: dict[int, int] = {}
+    first = None
+    for index, seconds in enumerate(values):
+        stats.add("x", seconds)
+        bucket = _bucket(seconds) if seconds > _bucket_edge_s(_MIN_BUCKET) else _MIN_BUCKET
+        expected[bucket] = expected.get(bucket, 0) + 1
+        if index == len(values) // 2:
+            first = stats.take_interval()  # a read in the middle folds what is pending
+    for seconds in edges:  # an edge opens its bucket
+        assert _bucket_edge_s(_bucket(seconds)) == seconds
+    total = stats.snapshot().phases["x"]
+    assert first is not None and first.phases["x"].count == len(values) // 2 + 1
+    assert total.count == len(values) and total.buckets == expected
+    assert total.total_s == pytest.approx(math.fsum(values), rel=1e-12)
+    assert total.min_s == min(values) and total.max_s == max(values)
+
+
+def test_thread_keys_stay_distinct_when_idents_are_reused():
+    stats = ProfileStats()
+    for _ in range(4):  # one after another: the OS may hand out the same ident again
+        thread = threading.Thread(target=stats.add, args=("x", 0.25))
+        thread.start()
+        thread.join()
+    assert len(stats.get("x").threads) == 4
