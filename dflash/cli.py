@@ -373,23 +373,17 @@ def eval_command(
 @cli.command("prepare-target")
 @_option(
     "target",
-    "Target to prepare: builtin:tiny trains and caches the tiny LM; a Hugging Face id or "
-    "directory is loaded once (downloaded where the machine has internet).",
+    "Target to prepare: builtin:tiny trains and caches the tiny LM (always with seed 0, so "
+    "every run finds the same one) under $DFLASH_CACHE_DIR, else ~/.cache/dflash-train; a "
+    "Hugging Face id or directory is loaded once (downloaded where the machine has internet).",
 )
-@_option("seed", "Seed of the built-in tiny target's training.")
-@click.option(
-    "--cache-dir", default=None, type=click.Path(file_okay=False),
-    show_default="$DFLASH_CACHE_DIR, else ~/.cache/dflash-train",
-    help="Directory where prepared targets are cached.",
-)  # fmt: skip
 @click.option("--debug/--no-debug", default=False, show_default=True, help=_DEBUG_HELP)
-def prepare_target(target: str, seed: int, cache_dir: str | None, debug: bool) -> None:
+def prepare_target(target: str, debug: bool) -> None:
     """Prepare (train or download) and cache a target so that `train` starts at once."""
     from dflash.trainer import prepare_target_spec
 
     def go() -> None:
-        path = prepare_target_spec(target, seed, cache_dir, log=lambda s: click.echo(s, err=True))
-        click.echo(str(path))
+        click.echo(str(prepare_target_spec(target, log=lambda s: click.echo(s, err=True))))
 
     _report_errors(debug, go)
 

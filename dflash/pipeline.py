@@ -125,13 +125,20 @@ class Prefetcher(StageThread):
 
     def loop(self) -> None:
         for index in self.indices:
+            # The root starts before the batch is built: a consumer already waiting for
+            # this batch then has its wait inside the batch's trace.
+            span = self.telemetry.start_span("batch", self.span_attributes, level="step")
             self.enter("data.batch")
-            batch = self.make_batch(index)
-            if self.pin_memory:  # lets the target thread's host-to-device copy run async
-                batch = type(batch)(batch.batch_id, *(t.pin_memory() for t in _tensors(batch)))
-            attributes = {**self.span_attributes, "batch.id": batch.batch_id}
-            attributes["tokens"] = batch.num_tokens
-            span = self.telemetry.start_span("batch", attributes, level="step")
+            try:
+                batch = self.make_batch(index)
+                if self.pin_memory:  # lets the target thread's host-to-device copy run async
+                    tensors = (t.pin_memory() for t in _tensors(batch))
+                    batch = type(batch)(batch.batch_id, *tensors)
+            except BaseException as exc:
+                _end_span(span, exc)
+                raise
+            span.set_attribute("batch.id", batch.batch_id)
+            span.set_attribute("tokens", batch.num_tokens)
             self.enter("batch_queue.put")
             try:
                 self.out_q.put(BatchItem(batch, span))
@@ -191,6 +198,9 @@ class TargetForwardLoop(StageThread):
                 break
             self.counters.queue_depth("batch_queue", depth)
             attrs = {"queue.depth": depth, "device": str(self.device)}
+            # With several target threads one may have begun waiting before the batch it
+            # got existed: the span starts with its batch so it stays inside the trace.
+            wait_start_ns = max(wait_start_ns, item.span.start_time_ns)
             with tel.phase("batch_queue.wait", parent=item.span, start_time_ns=wait_start_ns,
                            attributes=attrs):  # fmt: skip
                 pass
@@ -254,6 +264,7 @@ class DrafterTrainLoop(StageThread):
                 return
             self.counters.queue_depth("hs_queue", depth)
             attrs = {"queue.depth": depth, "device": str(self.device)}
+            wait_start_ns = max(wait_start_ns, item.span.start_time_ns)  # inside the trace
             with tel.phase("hs_queue.wait", parent=item.span, start_time_ns=wait_start_ns,
                            attributes=attrs):  # fmt: skip
                 pass

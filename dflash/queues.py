@@ -394,6 +394,8 @@ class SignalStop:
 
 
 class SpanLike(Protocol):
+    start_time_ns: int
+
     @property
     def context(self) -> Any: ...
     def set_attribute(self, key: str, value: Any) -> None: ...
@@ -429,6 +431,7 @@ class Telemetry(Protocol):
 
 class _NullSpan:
     context = None
+    start_time_ns = 0
 
     def set_attribute(self, key: str, value: Any) -> None:
         pass

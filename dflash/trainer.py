@@ -465,14 +465,12 @@ def evaluate_drafter_dir(
     return figures
 
 
-def prepare_target_spec(
-    spec: str, seed: int, cache_dir: str | None, log: Callable[[str], None] = print
-) -> Path | str:
+def prepare_target_spec(spec: str, log: Callable[[str], None] = print) -> Path | str:
     """`dflash-train prepare-target`: train/cache builtin:tiny, or load a HF target once."""
     from dflash.target import load_target, prepare_builtin_target
 
     if spec == "builtin:tiny":
-        return prepare_builtin_target(cache_dir=cache_dir, seed=seed, log=log)
+        return prepare_builtin_target(log=log)  # the seed and cache `train` will look for
     target = load_target(spec, torch.device("cpu"), torch.float32)
     log(f"target {spec}: {target.num_layers} layers, hidden size {target.hidden_size}")
     return spec

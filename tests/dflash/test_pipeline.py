@@ -158,6 +158,7 @@ class RecordingTelemetry:
 
         class Handle:
             context = object()
+            start_time_ns = time.time_ns()
 
             def set_attribute(self, key, value):
                 self.attributes[key] = value

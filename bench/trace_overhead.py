@@ -1,0 +1,102 @@
+"""Tracing overhead on the default training config, runs interleaved in one script.
+
+Each pair runs `dflash-train train` twice on the same config: once with
+`--trace-level off`, once with `--trace-level phase` exporting OTLP/gRPC to a live
+receiver (a sink process on 127.0.0.1 that accepts and discards spans). Training
+tokens/s come from each run's summary.json (training time only, no setup or eval).
+Prints each pair and the median ratio traced/off; the goal (issue 5) is >= 0.99.
+
+Usage: python bench/trace_overhead.py [--pairs 4] [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SINK = r"""
+import sys
+from concurrent import futures
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as rpc
+
+class Sink(rpc.TraceServiceServicer):
+    spans = 0
+    def Export(self, request, context):
+        for rs in request.resource_spans:
+            for ss in rs.scope_spans:
+                Sink.spans += len(ss.spans)
+        return pb.ExportTraceServiceResponse()
+
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+rpc.add_TraceServiceServicer_to_server(Sink(), server)
+server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+server.start()
+print("ready", flush=True)
+for line in sys.stdin:  # any line: report the count so far
+    print(Sink.spans, flush=True)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def train(out: Path, steps: int, extra: list[str]) -> float:
+    cmd = [sys.executable, "-m", "dflash.cli", "train", "--steps", str(steps), "--output-dir",
+           str(out), "--eval-prompts", "0", "--save-every", "0", *extra]  # fmt: skip
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return float(json.loads((out / "summary.json").read_text())["tokens_per_s"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=4, help="interleaved off/phase pairs")
+    parser.add_argument("--steps", type=int, default=300, help="training steps per run")
+    args = parser.parse_args(argv)
+    port = free_port()
+    sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert sink.stdout is not None and sink.stdin is not None
+    if sink.stdout.readline().strip() != "ready":
+        raise SystemExit("the OTLP sink did not start")
+    traced = ["--trace-level", "phase", "--otlp-endpoint", f"http://127.0.0.1:{port}",
+              "--otlp-protocol", "grpc"]  # fmt: skip
+    ratios = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            train(Path(tmp) / "warmup", 20, [])  # target prepared, caches warm
+            for i in range(args.pairs):
+                # Alternate which goes first so drift in machine load cancels out.
+                order = [("off", ["--trace-level", "off"]), ("phase", traced)]
+                if i % 2:
+                    order.reverse()
+                figures = {name: train(Path(tmp) / f"{name}{i}", args.steps, extra)
+                           for name, extra in order}  # fmt: skip
+                ratios.append(figures["phase"] / figures["off"])
+                off, phase = figures["off"], figures["phase"]
+                print(f"pair {i}: off {off:,.0f} tok/s, phase+OTLP {phase:,.0f} tok/s, "
+                      f"ratio {ratios[-1]:.3f}", flush=True)  # fmt: skip
+        sink.stdin.write("count\n")
+        sink.stdin.flush()
+        spans = int(sink.stdout.readline())
+    finally:
+        sink.kill()
+    print(f"median ratio traced/off {statistics.median(ratios):.3f} over {args.pairs} pairs "
+          f"(goal >= 0.99); the receiver got {spans:,} spans")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
