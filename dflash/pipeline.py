@@ -20,6 +20,7 @@ id, so only the order of optimizer updates changes).
 from __future__ import annotations
 
 import io
+import os
 import signal
 import threading
 import time
@@ -444,6 +445,7 @@ def run_pipeline(
         cfg.pipeline.target_devices, cfg.pipeline.drafter_devices,
         info.local_rank, info.local_world_size,
     )  # fmt: skip
+    _share_cpu_cores(targets, drafters, info.local_world_size)
     init_distributed(info, drafters[0])
     stuck: list[str] = []
     try:
@@ -461,6 +463,20 @@ def run_pipeline(
     finally:
         if not stuck:  # a thread stuck in a collective would hang the teardown
             destroy_distributed()
+
+
+def _share_cpu_cores(targets: list, drafters: list, local_world_size: int) -> None:
+    """Splits the cores among the stage threads that compute on the CPU.
+
+    torch gives every thread's ops all cores by default; with a target and a drafter
+    thread (and maybe several ranks) on one CPU they would oversubscribe it (measured:
+    ~25% fewer tokens/s on 2 cores). OMP_NUM_THREADS, when set, is the user's choice.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cpu_threads = sum(d.type == "cpu" for d in (*targets, *drafters)) * max(1, local_world_size)
+    if cpu_threads:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_threads))
 
 
 def _setup(cfg, log, info, targets, drafters, telemetry, progress_stream) -> _Setup:  # fmt: skip
