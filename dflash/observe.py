@@ -186,6 +186,9 @@ class Observer:
 
     def attach(self, pipe: Any) -> None:
         """Starts the interval reporter on the pipeline's counters (rank 0 prints)."""
+        # Shares are of training time: setup (target preparation can take minutes)
+        # must not dilute the cumulative table. Nothing was timed before this point.
+        self.stats.reset()
         if not self.is_main:
             return
         counters = pipe.counters

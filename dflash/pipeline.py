@@ -1,20 +1,8 @@
-"""The producer-consumer training pipeline (DESIGN.md §3).
+"""Training with the producer-consumer pipeline (DESIGN.md §3): `run_pipeline`.
 
-    prefetch --batch_queue--> TargetForwardLoop (one per target device)
-             --hs_queue-->    DrafterTrainLoop  (one per drafter device)
-
-The stage classes and `Pipeline` know nothing of models: the prefetcher calls a
-`make_batch(index)`, a target loop a `forward(batch)`, a drafter loop a
-`step(batch, target_out, phase)`. `run_pipeline` plugs the real target and
-trainer in; the efficiency benchmark plugs synthetic stages of known cost into the
-same classes.
-
-Tracing: the prefetcher opens one root span per batch (`batch`) and hands its
-handle along with the batch; each consumer records when it began waiting, then
-opens its wait span under the batch it received with that start time. The root
-ends after the drafter step. With several target threads, adjacent batches may
-reach the drafters out of index order (each batch's anchors depend only on its
-id, so only the order of optimizer updates changes).
+The stage threads and queues live in dflash.stages and dflash.queues; this module
+plugs the real target and trainer into them, places devices, synchronizes drafters
+across ranks, checkpoints, and handles failures and signals.
 """
 
 from __future__ import annotations
@@ -24,8 +12,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,18 +31,19 @@ from dflash.distributed import (
 )
 from dflash.progress import format_summary
 from dflash.queues import (
-    SHUTDOWN_TIMEOUT_S,
-    BoundedQueue,
     NullTelemetry,
-    PipelineCounters,
     PipelineError,
     SignalStop,
-    SpanLike,
     StageGroup,
-    StageThread,
-    Stopped,
     Telemetry,
     TrainingInterrupted,
+)
+from dflash.stages import (
+    DrafterTrainLoop,
+    Pipeline,
+    Prefetcher,
+    StepFn,
+    TargetForwardLoop,
 )
 from dflash.trainer import RunStats, finish_run, save_run_checkpoint, write_json_atomic
 
@@ -72,305 +60,6 @@ __all__ = [
     "run_pipeline",
 ]
 
-
-@dataclass
-class BatchItem:
-    """A batch on batch_queue, with the root span of its trace."""
-
-    batch: Any  # dflash.data.Batch, or anything with batch_id and num_tokens
-    span: SpanLike
-
-
-@dataclass
-class HiddenItem:
-    """Target features of a batch on hs_queue."""
-
-    batch: Any
-    target_out: Any
-    span: SpanLike
-
-
-class _EndOfStream:
-    """Queue marker: no more items; each consumer takes exactly one."""
-
-
-END = _EndOfStream()
-
-FINISH_STEP_TIMEOUT_S = 60.0  # after SIGINT/SIGTERM a drafter may finish its step
-
-
-def _end_span(span: SpanLike, exc: BaseException | None = None) -> None:
-    if exc is not None and not isinstance(exc, Stopped):
-        span.record_exception(exc)
-    span.end()
-
-
-class Prefetcher(StageThread):
-    """Builds the batches of `indices` in order and fills batch_queue."""
-
-    def __init__(
-        self,
-        group: StageGroup,
-        out_q: BoundedQueue[Any],
-        make_batch: Callable[[int], Any],
-        indices: Iterable[int],
-        num_consumers: int,
-        telemetry: Telemetry,
-        span_attributes: Mapping[str, Any],
-        pin_memory: bool = False,
-    ):
-        super().__init__("prefetch", group)
-        self.out_q, self.make_batch, self.indices = out_q, make_batch, indices
-        self.num_consumers, self.telemetry = num_consumers, telemetry
-        self.span_attributes, self.pin_memory = dict(span_attributes), pin_memory
-
-    def loop(self) -> None:
-        for index in self.indices:
-            # The root starts before the batch is built: a consumer already waiting for
-            # this batch then has its wait inside the batch's trace.
-            span = self.telemetry.start_span("batch", self.span_attributes, level="step")
-            self.enter("data.batch")
-            try:
-                batch = self.make_batch(index)
-                if self.pin_memory:  # lets the target thread's host-to-device copy run async
-                    tensors = (t.pin_memory() for t in _tensors(batch))
-                    batch = type(batch)(batch.batch_id, *tensors)
-            except BaseException as exc:
-                _end_span(span, exc)
-                raise
-            span.set_attribute("batch.id", batch.batch_id)
-            span.set_attribute("tokens", batch.num_tokens)
-            self.enter("batch_queue.put")
-            try:
-                self.out_q.put(BatchItem(batch, span))
-            except BaseException as exc:
-                _end_span(span, exc)
-                raise
-        self.enter("batch_queue.put")
-        for _ in range(self.num_consumers):
-            self.out_q.put(END)
-
-
-def _tensors(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    return batch.input_ids, batch.loss_mask
-
-
-class _Countdown:
-    """The last of `n` finishing producers passes end-of-stream on downstream."""
-
-    def __init__(self, n: int):
-        self._left = n
-        self._lock = threading.Lock()
-
-    def done(self) -> bool:
-        with self._lock:
-            self._left -= 1
-            return self._left == 0
-
-
-class TargetForwardLoop(StageThread):
-    """batch_queue -> forward(batch) on one device -> hs_queue."""
-
-    def __init__(
-        self,
-        name: str,
-        group: StageGroup,
-        in_q: BoundedQueue[Any],
-        out_q: BoundedQueue[Any],
-        forward: Callable[[Any], Any],
-        device: torch.device | str,
-        counters: PipelineCounters,
-        telemetry: Telemetry,
-        producers: _Countdown,
-        num_consumers: int,
-    ):
-        super().__init__(name, group)
-        self.in_q, self.out_q, self.forward, self.device = in_q, out_q, forward, device
-        self.counters, self.telemetry = counters, telemetry
-        self.producers, self.num_consumers = producers, num_consumers
-
-    def loop(self) -> None:
-        tel = self.telemetry
-        while True:
-            self.enter("batch_queue.wait")
-            wait_start_ns = time.time_ns()
-            item, depth = self.in_q.get_with_depth()
-            if item is END:
-                break
-            self.counters.queue_depth("batch_queue", depth)
-            attrs = {"queue.depth": depth, "device": str(self.device)}
-            # With several target threads one may have begun waiting before the batch it
-            # got existed: the span starts with its batch so it stays inside the trace.
-            wait_start_ns = max(wait_start_ns, item.span.start_time_ns)
-            with tel.phase("batch_queue.wait", parent=item.span, start_time_ns=wait_start_ns,
-                           attributes=attrs):  # fmt: skip
-                pass
-            self.enter("target.forward")
-            try:
-                with tel.phase("target.forward", parent=item.span, device=self.device):
-                    target_out = self.forward(item.batch)
-                self.counters.add_target(item.batch.num_tokens)
-                self.enter("hs_queue.put")
-                put_start_s = time.perf_counter()
-                self.out_q.put(HiddenItem(item.batch, target_out, item.span))
-                # A full hs_queue blocks here: the drafter-bound half of the verdict.
-                tel.record("hs_queue.put", time.perf_counter() - put_start_s)
-            except BaseException as exc:
-                _end_span(item.span, exc)
-                raise
-        if self.producers.done():
-            self.enter("hs_queue.put")
-            for _ in range(self.num_consumers):
-                self.out_q.put(END)
-
-
-StepFn = Callable[[Any, Any, Callable[[str], AbstractContextManager[Any]]], Any]
-
-
-class DrafterTrainLoop(StageThread):
-    """hs_queue -> step(batch, target_out, phase) on one drafter replica."""
-
-    def __init__(
-        self,
-        name: str,
-        group: StageGroup,
-        in_q: BoundedQueue[Any],
-        step: StepFn,
-        device: torch.device | str,
-        counters: PipelineCounters,
-        telemetry: Telemetry,
-        on_step: Callable[[int, Any, Any], None],
-        move: Callable[[Any, Any], tuple[Any, Any]] | None = None,
-        first_step: int = 0,
-    ):
-        super().__init__(name, group)
-        self.in_q, self.step_fn, self.device = in_q, step, device
-        self.counters, self.telemetry, self.on_step = counters, telemetry, on_step
-        self.move, self.first_step = move, first_step
-        self.steps_done = 0
-
-    def _phase(self, name: str) -> AbstractContextManager[Any]:
-        # The trainer's phases nest under drafter.step (the innermost open phase of
-        # this thread); entering them here makes a failure name the exact phase.
-        self.enter(name)
-        return self.telemetry.phase(name, device=self.device)
-
-    def loop(self) -> None:
-        tel = self.telemetry
-        while True:
-            self.enter("hs_queue.wait")
-            wait_start_ns = time.time_ns()
-            item, depth = self.in_q.get_with_depth()
-            if item is END:
-                return
-            self.counters.queue_depth("hs_queue", depth)
-            attrs = {"queue.depth": depth, "device": str(self.device)}
-            wait_start_ns = max(wait_start_ns, item.span.start_time_ns)  # inside the trace
-            with tel.phase("hs_queue.wait", parent=item.span, start_time_ns=wait_start_ns,
-                           attributes=attrs):  # fmt: skip
-                pass
-            self.enter("drafter.step")
-            try:
-                batch, target_out = item.batch, item.target_out
-                if self.move is not None:
-                    batch, target_out = self.move(batch, target_out)
-                step_attrs = {"step": self.first_step + self.steps_done, "batch.id": batch.batch_id,
-                              "device": str(self.device)}  # fmt: skip
-                with tel.phase("drafter.step", level="step", parent=item.span,
-                               attributes=step_attrs):  # fmt: skip
-                    result = self.step_fn(batch, target_out, self._phase)
-            except BaseException as exc:
-                _end_span(item.span, exc)
-                raise
-            item.span.end()
-            self.counters.add_drafter(batch.num_tokens)
-            self.enter("drafter.bookkeeping")
-            self.on_step(self.steps_done, batch, result)
-            self.steps_done += 1
-
-
-@dataclass
-class Pipeline:
-    """One prefetcher, target threads and drafter threads around two bounded queues."""
-
-    group: StageGroup
-    batch_queue: BoundedQueue[Any]
-    hs_queue: BoundedQueue[Any]
-    counters: PipelineCounters
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        make_batch: Callable[[int], Any],
-        indices: Iterable[int],
-        forwards: list[tuple[torch.device | str, Callable[[Any], Any]]],
-        steps: list[tuple[torch.device | str, StepFn, Callable[[Any, Any], tuple[Any, Any]]]],
-        on_step: Callable[[int, int, Any, Any], None],
-        batch_queue_size: int,
-        hs_queue_size: int,
-        telemetry: Telemetry | None = None,
-        span_attributes: Mapping[str, Any] | None = None,
-        pin_memory: bool = False,
-        group: StageGroup | None = None,
-        first_step: int = 0,
-    ) -> Pipeline:
-        """Wire the stages; `on_step(replica, replica_step, batch, result)` after each step."""
-        tel = telemetry if telemetry is not None else NullTelemetry()
-        group, counters = group or StageGroup(), PipelineCounters()
-        batch_q: BoundedQueue[Any] = BoundedQueue("batch_queue", batch_queue_size, group.stop)
-        hs_q: BoundedQueue[Any] = BoundedQueue("hs_queue", hs_queue_size, group.stop)
-        Prefetcher(group, batch_q, make_batch, indices, len(forwards), tel,
-                   span_attributes or {}, pin_memory)  # fmt: skip
-        producers = _Countdown(len(forwards))
-        for i, (device, forward) in enumerate(forwards):
-            TargetForwardLoop(f"target-{i}", group, batch_q, hs_q, forward, device, counters,
-                              tel, producers, len(steps))  # fmt: skip
-        for i, (device, step, move) in enumerate(steps):
-            DrafterTrainLoop(
-                f"drafter-{i}", group, hs_q, step, device, counters, tel,
-                (lambda k: lambda n, b, r: on_step(k, n, b, r))(i), move, first_step,
-            )  # fmt: skip
-        return cls(group, batch_q, hs_q, counters)
-
-    def run(
-        self,
-        stall_timeout_s: float | None = None,
-        tick: Callable[[], None] | None = None,
-        failure_timeout_s: float = SHUTDOWN_TIMEOUT_S,
-        stop_timeout_s: float = FINISH_STEP_TIMEOUT_S,
-    ) -> list[str]:
-        """Start, wait for the end or a stop, join; names of threads that did not stop.
-
-        After a failure the others get `failure_timeout_s` to stop; after an outside
-        stop (a signal) `stop_timeout_s`, so a drafter can finish its current step.
-        A stage failure is left in `group.failure` (see `raise_if_failed`).
-        """
-        self.counters.restart_clock()
-        self.group.start()
-        try:
-            self.group.wait(stall_timeout_s, tick)
-        finally:
-            failed = self.group.failure is not None
-            stuck = self.group.shutdown(failure_timeout_s if failed else stop_timeout_s)
-            self.counters.stop_clock()
-            self._end_abandoned_spans()
-        return stuck
-
-    def _end_abandoned_spans(self) -> None:
-        # Batches still queued when the pipeline stopped: end their traces so they
-        # are exported (marked abandoned) instead of silently dropped.
-        for q in (self.batch_queue, self.hs_queue):
-            for item in q.drain():
-                if not isinstance(item, _EndOfStream):
-                    item.span.set_attribute("abandoned", True)
-                    item.span.end()
-
-    def raise_if_failed(self) -> None:
-        self.group.raise_if_failed()
-
-
-# --------------------------------------------------------------------------- training
 
 # A stage that spends this long in one phase (not waiting on a queue) fails the run.
 DEFAULT_STALL_TIMEOUT_S = 600.0
@@ -419,6 +108,7 @@ class _Setup:
     progress: Any
     figures: Callable[[], dict[str, Any]]
     telemetry: Telemetry
+    train_cpu_s: float = 0.0
 
 
 def run_pipeline(
@@ -452,13 +142,16 @@ def run_pipeline(
         setup = _setup(cfg, log, info, targets, drafters, telemetry, progress_stream)
         if on_start is not None:
             on_start(setup.pipe)
-        train_start_s = time.perf_counter()
+        train_start_s, cpu_start_s = time.perf_counter(), time.process_time()
         with SignalStop(setup.pipe.group.stop) as signals:
             try:
                 stuck.extend(setup.pipe.run(stall_timeout_s))
             finally:
                 setup.progress.close()
         train_s = time.perf_counter() - train_start_s
+        # CPU seconds of the whole process (every thread) while training: the cost of
+        # tracing shows here even where wall-clock throughput is too noisy to show it.
+        setup.train_cpu_s = time.process_time() - cpu_start_s
         return _finish(setup, info, log, train_s, started_s, signals.signum, stuck)
     finally:
         if not stuck:  # a thread stuck in a collective would hang the teardown
@@ -547,6 +240,7 @@ def _finish(setup: _Setup, info: DistInfo, log: Callable[[str], None], train_s: 
             started_s: float, signum: int | None, stuck: list[str]) -> dict[str, Any]:  # fmt: skip
     run, failure = setup.run, setup.pipe.group.failure
     figures = setup.figures()  # now: the counters' clock must not include evaluation
+    figures["train_cpu_s"] = setup.train_cpu_s
     tel = setup.telemetry
     if failure is not None:
         tel.close(log, gather_ranks=False)  # the final table, before the one-line error

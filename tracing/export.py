@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -51,6 +52,27 @@ class DeliveryCounts:
         self.failed += other.failed
         self.pending += other.pending
         return self
+
+
+EXPORT_THREAD_NICENESS = 10
+
+
+def _lower_thread_priority() -> None:
+    """Lets the export thread yield the CPU to the program it observes.
+
+    Encoding spans is real CPU work; on a machine whose cores are busy with the
+    training threads it should run in their idle moments, not take turns with them.
+    On Linux a thread is a task, so setpriority on its native id affects it alone.
+    """
+    if not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(
+            os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + EXPORT_THREAD_NICENESS
+        )
+    except OSError:
+        pass  # not permitted here: export at normal priority
 
 
 class BoundedBatchSpanProcessor(SpanProcessor):
@@ -109,6 +131,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             self._wake.set()
 
     def _run(self) -> None:
+        _lower_thread_priority()
         while not self._stop.is_set():
             self._wake.wait(self._schedule_delay_s)
             self._wake.clear()
