@@ -14,6 +14,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -200,6 +201,14 @@ def test_training_exports_whole_batch_trees(
 
 
 SUMMARY_RE = re.compile(r"dropped (\d+)\D.*?not delivered (\d+)")
+DRAFTER_RATE_RE = re.compile(r"throughput: .*?drafter ([\d,.]+) tok/s")
+
+
+def interval_drafter_rates(output: str) -> list[float]:
+    """Drafter tokens/s of each interval table (the final cumulative one excluded)."""
+    intervals = output.split("interval: total")[0].split("interval: last")[1:]
+    return [float(m[1].replace(",", "")) for block in intervals
+            if (m := DRAFTER_RATE_RE.search(block))]  # fmt: skip
 
 
 def test_collector_outage_loses_spans_but_not_training(
@@ -230,6 +239,7 @@ def test_collector_outage_loses_spans_but_not_training(
             timeout_s=60,
             waiting_for="a batch trace begun after Jaeger came back",
         )
+        time.sleep(4.0)  # two more interval tables after the return
         assert process.poll() is None, "training ended while Jaeger came back"
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=RUN_TIMEOUT_S)
@@ -249,4 +259,9 @@ def test_collector_outage_loses_spans_but_not_training(
     assert int(match[1]) + int(match[2]) > 0, match[0]
     lost = summary["telemetry"]["spans_dropped"] + summary["telemetry"]["spans_not_delivered"]
     assert lost > 0
+    # Full speed throughout: no interval (2 s each, the outage spans two or more) trains
+    # much slower than the typical one; a blocking exporter would stall them to zero.
+    rates = interval_drafter_rates(output)[1:-1]  # the first and last are partial
+    assert len(rates) >= 4, output[-3000:]
+    assert min(rates) >= 0.6 * statistics.median(rates), rates
     assert stopped_at_us < back_at_us
