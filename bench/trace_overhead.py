@@ -19,42 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-SINK = r"""
-import sys
-from concurrent import futures
-import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as rpc
-
-class Sink(rpc.TraceServiceServicer):
-    spans = 0
-    def Export(self, request, context):
-        for rs in request.resource_spans:
-            for ss in rs.scope_spans:
-                Sink.spans += len(ss.spans)
-        return pb.ExportTraceServiceResponse()
-
-server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-rpc.add_TraceServiceServicer_to_server(Sink(), server)
-server.add_insecure_port("127.0.0.1:" + sys.argv[1])
-server.start()
-print("ready", flush=True)
-for line in sys.stdin:  # any line: report the count so far
-    print(Sink.spans, flush=True)
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from otlp_sink import OtlpSink
 
 
 def train(out: Path, steps: int, extra: list[str]) -> tuple[float, float]:
@@ -72,14 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=4, help="interleaved off/phase pairs")
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
     args = parser.parse_args(argv)
-    port = free_port()
-    sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)  # fmt: skip
-    assert sink.stdout is not None and sink.stdin is not None
-    if sink.stdout.readline().strip() != "ready":
-        raise SystemExit("the OTLP sink did not start")
-    traced = ["--trace-level", "phase", "--otlp-endpoint", f"http://127.0.0.1:{port}",
-              "--otlp-protocol", "grpc"]  # fmt: skip
+    sink = OtlpSink()
+    traced = ["--trace-level", "phase", "--otlp-endpoint", sink.endpoint, "--otlp-protocol", "grpc"]
     ratios, cpu_ratios = [], []
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -97,11 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"pair {i}: off {off:,.0f} tok/s {off_cpu:.3f} cpu-s/1k tok, phase+OTLP "
                       f"{phase:,.0f} tok/s {phase_cpu:.3f} cpu-s/1k tok; ratios: tokens/s "
                       f"{ratios[-1]:.3f}, cpu {cpu_ratios[-1]:.3f}", flush=True)  # fmt: skip
-        sink.stdin.write("count\n")
-        sink.stdin.flush()
-        spans = int(sink.stdout.readline())
+        spans = sink.spans()
     finally:
-        sink.kill()
+        sink.close()
     print(f"median ratio traced/off: tokens/s {statistics.median(ratios):.3f} (goal >= 0.99), "
           f"CPU per token off/traced {statistics.median(cpu_ratios):.3f}, over {args.pairs} "
           f"pairs; the receiver got {spans:,} spans")  # fmt: skip

@@ -17,8 +17,6 @@ Goals (issue 3): off <= 1 us, traced <= 25 us.
 from __future__ import annotations
 
 import argparse
-import socket
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -26,26 +24,9 @@ from pathlib import Path
 
 # Run from a checkout: prefer its `tracing` over whatever the environment installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from otlp_sink import OtlpSink  # noqa: E402  (bench/ is the script's directory)
+
 import tracing  # noqa: E402
-
-SINK = r"""
-import sys, time
-from concurrent import futures
-import grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as rpc
-
-class Sink(rpc.TraceServiceServicer):
-    def Export(self, request, context):
-        return pb.ExportTraceServiceResponse()
-
-server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-rpc.add_TraceServiceServicer_to_server(Sink(), server)
-server.add_insecure_port("127.0.0.1:" + sys.argv[1])
-server.start()
-print("ready", flush=True)
-server.wait_for_termination()
-"""
 
 
 class ClassicProfileStats:
@@ -58,12 +39,6 @@ class ClassicProfileStats:
         entry = self.stats[name]
         entry[0] += 1
         entry[1] += dt
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def bench_classic(n: int) -> float:
@@ -121,14 +96,11 @@ def main() -> None:
     parser.add_argument("--phases", type=int, default=20000, help="phases per traced measurement")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per mode; best kept")
     args = parser.parse_args()
-    port = _free_port()
-    sink = subprocess.Popen([sys.executable, "-c", SINK, str(port)], stdout=subprocess.PIPE)
+    sink = OtlpSink()
     try:
-        assert sink.stdout is not None and sink.stdout.readline().strip() == b"ready"
-        results = run_all(args.phases, args.repeats, port)
+        results = run_all(args.phases, args.repeats, sink.port)
     finally:
-        sink.terminate()
-        sink.wait(5)
+        sink.close()
     classic = results["classic"]
     print(f"{'mode':<10} {'ns/phase':>10} {'x classic':>10}")
     for mode, ns in results.items():
