@@ -121,6 +121,30 @@ def _tensors(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return batch.input_ids, batch.loss_mask
 
 
+def _take(
+    stage: StageThread,
+    in_q: BoundedQueue[Any],
+    counters: PipelineCounters,
+    tel: Telemetry,
+    device: torch.device | str,
+) -> Any:
+    """Next item of `in_q` (or END); the wait becomes a span under the item's batch."""
+    wait_name = f"{in_q.name}.wait"
+    stage.enter(wait_name)
+    wait_start_ns = time.time_ns()
+    item, depth = in_q.get_with_depth()
+    if item is END:
+        return END
+    counters.queue_depth(in_q.name, depth)
+    # A consumer may have begun waiting before its batch existed (at startup, or beside
+    # another consumer): the span starts with its batch so it stays inside the trace.
+    start_ns = max(wait_start_ns, item.span.start_time_ns)
+    attrs = {"queue.depth": depth, "device": str(device)}
+    with tel.phase(wait_name, parent=item.span, start_time_ns=start_ns, attributes=attrs):
+        pass
+    return item
+
+
 class _Countdown:
     """The last of `n` finishing producers passes end-of-stream on downstream."""
 
@@ -158,19 +182,9 @@ class TargetForwardLoop(StageThread):
     def loop(self) -> None:
         tel = self.telemetry
         while True:
-            self.enter("batch_queue.wait")
-            wait_start_ns = time.time_ns()
-            item, depth = self.in_q.get_with_depth()
+            item = _take(self, self.in_q, self.counters, tel, self.device)
             if item is END:
                 break
-            self.counters.queue_depth("batch_queue", depth)
-            attrs = {"queue.depth": depth, "device": str(self.device)}
-            # With several target threads one may have begun waiting before the batch it
-            # got existed: the span starts with its batch so it stays inside the trace.
-            wait_start_ns = max(wait_start_ns, item.span.start_time_ns)
-            with tel.phase("batch_queue.wait", parent=item.span, start_time_ns=wait_start_ns,
-                           attributes=attrs):  # fmt: skip
-                pass
             self.enter("target.forward")
             try:
                 with tel.phase("target.forward", parent=item.span, device=self.device):
@@ -224,17 +238,9 @@ class DrafterTrainLoop(StageThread):
     def loop(self) -> None:
         tel = self.telemetry
         while True:
-            self.enter("hs_queue.wait")
-            wait_start_ns = time.time_ns()
-            item, depth = self.in_q.get_with_depth()
+            item = _take(self, self.in_q, self.counters, tel, self.device)
             if item is END:
                 return
-            self.counters.queue_depth("hs_queue", depth)
-            attrs = {"queue.depth": depth, "device": str(self.device)}
-            wait_start_ns = max(wait_start_ns, item.span.start_time_ns)  # inside the trace
-            with tel.phase("hs_queue.wait", parent=item.span, start_time_ns=wait_start_ns,
-                           attributes=attrs):  # fmt: skip
-                pass
             self.enter("drafter.step")
             try:
                 batch, target_out = item.batch, item.target_out

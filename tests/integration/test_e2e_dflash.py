@@ -102,7 +102,7 @@ def train(tmp_path: Path, service: str, *extra: str, steps: int = STEPS) -> subp
     )
 
 
-def finish(process: subprocess.Popen[str], tmp_path: Path) -> str:
+def finish(process: subprocess.Popen[str], tmp_path: Path, returncode: int = 0) -> str:
     try:
         process.wait(timeout=RUN_TIMEOUT_S)
     finally:
@@ -110,7 +110,7 @@ def finish(process: subprocess.Popen[str], tmp_path: Path) -> str:
             process.kill()
             process.wait()
     output = (tmp_path / "train.log").read_text()
-    assert process.returncode == 0, f"dflash-train failed:\n{output[-4000:]}"
+    assert process.returncode == returncode, f"dflash-train exit code:\n{output[-4000:]}"
     return output
 
 
@@ -242,13 +242,8 @@ def test_collector_outage_loses_spans_but_not_training(
         time.sleep(4.0)  # two more interval tables after the return
         assert process.poll() is None, "training ended while Jaeger came back"
         process.send_signal(signal.SIGTERM)
-        process.wait(timeout=RUN_TIMEOUT_S)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    output = (tmp_path / "train.log").read_text()
-    assert process.returncode == 143, output[-3000:]
+        output = finish(process, tmp_path, returncode=143)  # kills it if still running
     for found in after:
         assert batch_tree_problems(found) == []
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
