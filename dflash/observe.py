@@ -8,6 +8,7 @@ dflash.queues (`phase`, `start_span`, `record`); everything OTel lives in `traci
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -99,8 +100,6 @@ class RankTables:
     """
 
     def __init__(self, stats: tracing.ProfileStats, timeout_s: float) -> None:
-        import threading
-
         self._stats = stats
         self._timeout_s = timeout_s
         self._wanted = False
