@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.pipeline import NullTelemetry, Pipeline
+from dflash.stages import Pipeline
 
 BAR = 0.95
 
@@ -74,7 +74,7 @@ class Case:
         return 1.0 / slowest_s
 
 
-def run_case(case: Case, num_batches: int, work_kind: str, queue_size: int, telemetry) -> float:
+def run_case(case: Case, num_batches: int, work_kind: str, queue_size: int) -> float:
     """Measured batches/s of the real pipeline on `case`."""
     make = sleep_work if work_kind == "sleep" else matmul_work
     target_work, drafter_work = make(case.target_cost_s), make(case.drafter_cost_s)
@@ -96,7 +96,6 @@ def run_case(case: Case, num_batches: int, work_kind: str, queue_size: int, tele
         on_step=lambda *_: None,
         batch_queue_size=queue_size,
         hs_queue_size=queue_size,
-        telemetry=telemetry,
     )
     start_s = time.perf_counter()
     stuck = pipe.run()
@@ -119,13 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # one core per stage: the cost of a matmul stays known
-    telemetry = NullTelemetry()
-    if args.tracing:
+    if args.tracing:  # the stages record through the tracing API: set it up, export nowhere
         import tracing
-        from dflash.observe import Observer
 
-        cfg = tracing.TracingConfig()
-        telemetry = Observer(cfg, tracing.setup(cfg), world_size=1)
+        tracing.setup(tracing.TracingConfig())
     base_s = args.base_ms / 1000
     cases = [
         Case("1:1", base_s, base_s),
@@ -138,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'case (target:drafter)':<24} {'ideal b/s':>10} {'measured b/s':>13} {'eff':>6}")
     failed = 0
     for case in cases:
-        measured = run_case(case, args.batches, args.work, args.queue_size, telemetry)
+        measured = run_case(case, args.batches, args.work, args.queue_size)
         efficiency = measured / case.ideal_batches_per_s
         ok = efficiency >= BAR
         failed += not ok

@@ -27,7 +27,7 @@ import torch
 
 from dflash.config import config_from_options
 from dflash.pipeline import run_pipeline
-from dflash.trainer import train_reference
+from dflash.reference import train_reference
 
 
 def _quiet(_: str) -> None:

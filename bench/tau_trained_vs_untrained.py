@@ -19,7 +19,8 @@ from dflash.config import config_from_options
 from dflash.data import build_datasets, heldout_prompts
 from dflash.drafter import load_drafter
 from dflash.evaluate import evaluate_tau
-from dflash.trainer import build_drafter, resolve_layer_ids, train_reference
+from dflash.reference import train_reference
+from dflash.run import build_drafter, resolve_layer_ids
 
 BAR = 1.5
 

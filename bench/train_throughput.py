@@ -14,7 +14,8 @@ import time
 import torch
 
 from dflash.config import TrainConfig, config_from_options, option_default
-from dflash.trainer import build_run
+from dflash.devices import decide_placement
+from dflash.run import build_run
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, object]:
@@ -34,8 +35,8 @@ def parse_overrides(pairs: list[str]) -> dict[str, object]:
 
 
 def measure(cfg: TrainConfig, steps: int, warmup: int) -> dict[str, float]:
-    run = build_run(cfg, log=lambda s: None)
-    soft = cfg.objective.use_soft_labels
+    run = build_run(cfg, decide_placement(cfg.pipeline), log=lambda s: None)
+    soft = cfg.loss.use_soft_labels
     total_s = drafter_s = 0.0
     tokens = 0
     for i in range(warmup + steps):

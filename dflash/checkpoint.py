@@ -24,6 +24,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash.errors import DFlashError
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _WEIGHTS, _STATE, _CONFIG, _MANIFEST = (
     "drafter.safetensors",
@@ -33,7 +35,7 @@ _WEIGHTS, _STATE, _CONFIG, _MANIFEST = (
 )
 
 
-class CheckpointError(ValueError):
+class CheckpointError(DFlashError):
     """A checkpoint is missing or damaged; the message is one line naming the path."""
 
 

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash.errors import DFlashError
+
 # Byte-level vocabulary: ids 0..255 are raw bytes, then the special tokens.
 PAD_ID, BOS_ID, EOS_ID, MASK_ID = 256, 257, 258, 259
 BYTE_VOCAB_SIZE = 260
@@ -29,7 +31,7 @@ BYTE_VOCAB_SIZE = 260
 _CACHE_VERSION = 2
 
 
-class DataError(ValueError):
+class DataError(DFlashError):
     """The corpus cannot be used; the message is one line naming file (and line)."""
 
 

@@ -15,17 +15,16 @@ drafters. A rank with no GPU of its own (more ranks than GPUs) shares GPU
 
 from __future__ import annotations
 
-import dataclasses
-import re
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-_DEVICE_RE = re.compile(r"^(cpu|cuda|mps)(?::(\d+))?$")
+from dflash.config import PipelineConfig, split_device_name
+from dflash.errors import DFlashError
 
 
-class DeviceError(ValueError):
+class DeviceError(DFlashError):
     """A device name that is malformed or not present on this machine."""
 
 
@@ -39,17 +38,16 @@ def _available_count(kind: str) -> int:
 
 def parse_device(name: str, flag: str = "--devices") -> torch.device:
     """One validated device; `flag` names the option in the error message."""
-    text = name.strip().lower()
-    match = _DEVICE_RE.match(text)
-    if match is None:
+    parsed = split_device_name(name)
+    if parsed is None:
         raise DeviceError(f"unknown device {name!r} in {flag}: expected cpu or cuda:N")
-    kind, index_text = match.group(1), match.group(2)
+    kind, given_index = parsed
     if kind == "cpu":
-        if index_text not in (None, "0"):
+        if given_index not in (None, 0):
             raise DeviceError(f"unknown device {name!r} in {flag}: use plain 'cpu'")
         return torch.device("cpu")
     count = _available_count(kind)
-    index = int(index_text) if index_text is not None else 0
+    index = given_index if given_index is not None else 0
     if index >= count:
         have = f"{count} {kind} device(s)" if count else f"no {kind} device"
         raise DeviceError(f"device {name!r} in {flag} is not available: this machine has {have}")
@@ -114,41 +112,42 @@ def resolve_devices(
     return targets, drafters
 
 
-# ----------------------------------------------------------- per-device model parts
+def resolve_device(spec: str, flag: str = "--device") -> torch.device:
+    """One device for both target and drafter: `auto` is cuda:0 when present, else cpu."""
+    if _is_auto(spec):
+        return torch.device("cuda", 0) if _available_count("cuda") else torch.device("cpu")
+    return parse_device(spec, flag)
 
 
-def _capture_fn(target: Any, layer_ids: list[int], with_logits: bool, device: torch.device):
-    def forward(batch: Any) -> Any:
-        with torch.no_grad():
-            ids = batch.input_ids.to(device, non_blocking=True)
-            return target.capture(ids, layer_ids, with_logits=with_logits)
+@dataclass(frozen=True)
+class Placement:
+    """Where this rank runs its target threads and drafter replicas (decided once)."""
 
-    return forward
+    targets: tuple[torch.device, ...]
+    drafters: tuple[torch.device, ...]
+
+    @property
+    def target(self) -> torch.device:
+        """The first target device: the run's own target lives here."""
+        return self.targets[0]
+
+    @property
+    def drafter(self) -> torch.device:
+        """The first drafter device: replica 0 (the run's own drafter) lives here."""
+        return self.drafters[0]
+
+    def describe(self) -> str:
+        names = {side: ",".join(map(str, devs)) for side, devs in
+                 (("t", self.targets), ("d", self.drafters))}  # fmt: skip
+        return f"targets {names['t']}, drafters {names['d']}"
 
 
-def target_forwards(run: Any, devices: list[torch.device]) -> list[tuple[torch.device, Any]]:
-    """One target per thread: `capture` hooks the module, so threads cannot share one."""
-    from dflash import target as target_mod
-
-    soft = run.cfg.objective.use_soft_labels
-    forwards = [
-        (run.target_device, _capture_fn(run.target, run.layer_ids, soft, run.target_device))
-    ]
-    for device in devices[1:]:
-        dtype = next(run.target.parameters()).dtype
-        target = target_mod.load_target(run.cfg.target.spec, device, dtype, log=lambda _: None)
-        forwards.append((device, _capture_fn(target, run.layer_ids, soft, device)))
-    return forwards
-
-
-def mover(device: torch.device):
-    def move(batch: Any, target_out: Any) -> tuple[Any, Any]:
-        logits = target_out.logits
-        out = dataclasses.replace(
-            target_out,
-            hidden=target_out.hidden.to(device, non_blocking=True),
-            logits=None if logits is None else logits.to(device, non_blocking=True),
-        )
-        return batch.to(device), out
-
-    return move
+def decide_placement(
+    cfg: PipelineConfig, local_rank: int = 0, local_world_size: int = 1
+) -> Placement:
+    """This rank's devices from --target-devices/--drafter-devices (`auto`: see the
+    module docstring); every part of the run takes its devices from the result."""
+    targets, drafters = resolve_devices(
+        cfg.target_devices, cfg.drafter_devices, local_rank, local_world_size
+    )
+    return Placement(tuple(targets), tuple(drafters))

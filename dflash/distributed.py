@@ -22,18 +22,18 @@ the single-threaded loop. The resume position after s steps is i0 + s*W*D.
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflash.errors import DFlashError
 from dflash.queues import StopAwareBarrier
 
 # A dead peer must not hang a collective for torch's default 30 min; torchrun
@@ -41,7 +41,7 @@ from dflash.queues import StopAwareBarrier
 COLLECTIVE_TIMEOUT_S = 300.0
 
 
-class DistributedError(ValueError):
+class DistributedError(DFlashError):
     """Bad torchrun environment or a topology the ranks disagree on."""
 
 
@@ -158,28 +158,66 @@ def sync_initial_weights(replicas: Sequence[nn.Module]) -> None:
             dst.copy_(src)
 
 
-class GradAverager:
-    """Averages gradients over the replicas of this process and over ranks, per step."""
+class CrossRankHook(Protocol):
+    """A collective that every rank runs after the same step, when rank 0 asks for it
+    (e.g. gathering every rank's interval table). It runs on the training thread
+    between steps, never inside a timed phase."""
 
-    def __init__(self, replicas: Sequence[nn.Module], stop: threading.Event):
+    def wanted(self) -> bool:
+        """Rank 0's request, read before every gradient all-reduce (other ranks' votes
+        do not count)."""
+        ...
+
+    def run(self) -> None:
+        """The collective itself; every rank calls it at the same step."""
+        ...
+
+
+class GradAverager:
+    """Averages gradients over the replicas of this process and over ranks, per step.
+
+    Across ranks, one extra element of the all-reduce carries rank 0's request for
+    the `cross_rank_hook`, so all ranks learn it at the same step with no extra
+    collective; replica 0 then runs the hook in `after_step`, outside the step.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[nn.Module],
+        stop: threading.Event,
+        cross_rank_hook: CrossRankHook | None = None,
+    ):
         self._params = [trainable_parameters(m) for m in replicas]
         sizes = {tuple(p.numel() for p in ps) for ps in self._params}
         assert len(sizes) == 1, "replicas must have the same trainable parameters"
         self._barrier = StopAwareBarrier(len(replicas), stop)
         self._world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._average: torch.Tensor | None = None
-        self.sideband: Any = None
-        """Rank tables (dflash.observe.RankTables): `request_flag()` and `gather()`."""
+        self._hook = cross_rank_hook if self._world_size > 1 else None
+        self._requested: torch.Tensor | None = None  # the request element, left on the device
 
-    def _all_reduce_with_sideband(self, total: torch.Tensor) -> torch.Tensor:
-        # One extra element carries rank 0's request for the interval tables, so all
-        # ranks see it at the same step and gather with no extra collective per step.
-        flag = self.sideband.request_flag() if self.sideband is not None else 0.0
+    def _all_reduce(self, total: torch.Tensor) -> torch.Tensor:
+        if self._hook is None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            return total
+        is_main = dist.get_rank() == 0
+        flag = 1.0 if is_main and self._hook.wanted() else 0.0
         total = torch.cat([total, total.new_tensor([flag])])
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        if self.sideband is not None and total[-1].item() > 0:
-            self.sideband.gather()
+        self._requested = total[-1]
         return total[:-1]
+
+    def after_step(self, may_read: bool) -> None:
+        """Replica 0, after its step: runs the cross-rank hook if rank 0 asked for it.
+
+        Reading the request is a device-to-host copy, so it happens only where
+        `may_read` (the logged steps, which read the device anyway); every rank
+        logs the same steps, so every rank runs the hook at the same one.
+        """
+        requested, self._requested = self._requested, None
+        if may_read and requested is not None and requested.item() > 0:
+            assert self._hook is not None
+            self._hook.run()
 
     @property
     def needed(self) -> bool:
@@ -205,7 +243,7 @@ class GradAverager:
             for other in range(1, len(self._params)):
                 total += self._flat_grads(other, device)
             if self._world_size > 1:
-                total = self._all_reduce_with_sideband(total)
+                total = self._all_reduce(total)
             total /= len(self._params) * self._world_size
             self._average = total
         self._barrier.wait()  # the average is ready; nobody overwrites it before the next step
@@ -217,36 +255,3 @@ class GradAverager:
             if p.grad is None:
                 p.grad = torch.empty_like(p)
             p.grad.copy_(chunk)
-
-
-@dataclass
-class Replica:
-    device: torch.device
-    drafter: nn.Module
-    trainer: Any  # dflash.trainer.DrafterTrainer
-
-
-def frozen_parts(run: Any, device: torch.device) -> tuple[nn.Module, nn.Module]:
-    """The target's frozen embedding and LM head, on `device` (copied when elsewhere)."""
-    embed, head = run.target.embed_tokens, run.target.lm_head
-    if embed.weight.device == device:
-        return embed, head
-    return copy.deepcopy(embed).to(device), copy.deepcopy(head).to(device)
-
-
-def build_replicas(run: Any, devices: list[torch.device]) -> list[Replica]:
-    """Replica 0 is the run's own drafter and trainer; the others start as its copies."""
-    from dflash.drafter import DFlashDrafter
-    from dflash.trainer import DrafterTrainer
-
-    replicas = [Replica(run.drafter_device, run.drafter, run.trainer)]
-    for device in devices[1:]:
-        embed, head = frozen_parts(run, device)
-        with torch.random.fork_rng(devices=[]):
-            drafter = DFlashDrafter(run.drafter.config, embed, head).to(device)
-        trainer = DrafterTrainer(drafter, run.cfg, device)
-        replicas.append(Replica(device, drafter, trainer))
-    sync_initial_weights([r.drafter for r in replicas])
-    for replica in replicas[1:]:  # same optimizer state, schedule and step (resume included)
-        replica.trainer.load_state_dict(run.trainer.state_dict())
-    return replicas

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash.errors import DFlashError
 from dflash.layers import (
     RMSNorm,
     SwiGLU,
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from dflash.target import TargetModel
 
 
-class DrafterError(ValueError):
+class DrafterError(DFlashError):
     """A drafter directory that cannot be loaded."""
 
 
@@ -107,11 +108,13 @@ class DrafterConfig:
     def for_target(
         cls,
         target: TargetModel,
-        num_layers: int = 5,
-        block_size: int = 16,
+        *,
+        num_layers: int,
+        block_size: int,
         target_layer_ids: list[int] | None = None,
     ) -> DrafterConfig:
-        """Sizes from the target (hidden size, heads, FFN); K defaults to num_layers."""
+        """Sizes from the target (hidden size, heads, FFN); K defaults to num_layers.
+        The run's defaults for num_layers and block_size live in dflash.config."""
         from dflash.target import default_target_layers, validate_target_layers
 
         ids = target_layer_ids or default_target_layers(target.num_layers, num_layers)

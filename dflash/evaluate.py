@@ -11,11 +11,18 @@ is about.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from dflash.drafter import DFlashDrafter
+from dflash import target as target_mod  # by module: tests swap load_target
+from dflash.config import RunConfig
+from dflash.data import PackedDataset, build_datasets, heldout_prompts
+from dflash.devices import resolve_device
+from dflash.drafter import DFlashDrafter, load_drafter
 from dflash.target import TargetModel
 
 
@@ -115,3 +122,62 @@ def evaluate_tau(
         new_tokens=new_tokens,
         wall_s=time.perf_counter() - start_s,
     )
+
+
+# --------------------------------------------------------------- entry points
+
+
+def evaluate_run(
+    target: TargetModel, drafter: DFlashDrafter, heldout: PackedDataset, run_cfg: RunConfig
+) -> EvalResult | None:
+    """τ of a run's drafter on its held-out prompts (None when --eval-prompts is 0)."""
+    if run_cfg.eval_prompts == 0:
+        return None
+    prompts = heldout_prompts(heldout, run_cfg.eval_prompts, run_cfg.eval_prompt_tokens)
+    return evaluate_tau(target, drafter, prompts, run_cfg.eval_new_tokens)
+
+
+def eval_figures(result: EvalResult | None) -> dict[str, Any]:
+    """summary.json fields of an EvalResult (tau None when not evaluated)."""
+    if result is None:
+        return {"tau": None}
+    return {
+        "tau": float(result.tau),
+        "acceptance_per_position": [float(a) for a in result.acceptance_per_position],
+        "tokens_per_target_forward": float(result.tokens_per_target_forward),
+    }
+
+
+def evaluate_drafter_dir(
+    drafter_dir: Path,
+    target_spec: str | None,
+    data: str,
+    num_prompts: int,
+    new_tokens: int,
+    prompt_tokens: int,
+    device: str = "auto",
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """`dflash-train eval`: τ of a saved drafter on held-out prompts of `data`."""
+    dev = resolve_device(device, "--device")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target = target_mod.load_target(target_spec, dev, dtype, log=log) if target_spec else None
+    drafter, target = load_drafter(drafter_dir, target=target, device=dev)
+    # Prompts come from the unpacked held-out stream: seq_len and seed do not matter here.
+    _, heldout = build_datasets(data, target.tokenizer, max(prompt_tokens, 8), 1, 0)
+    prompts = heldout_prompts(heldout, num_prompts, prompt_tokens)
+    start_s = time.perf_counter()
+    result = evaluate_tau(target, drafter, prompts, new_tokens)
+    figures = {
+        **eval_figures(result),
+        "prompts": len(prompts),
+        "new_tokens": new_tokens,
+        "block_size": drafter.config.block_size,
+        "target": target.spec,
+        "eval_s": time.perf_counter() - start_s,
+    }
+    rates = " ".join(f"{r:.2f}" for r in figures["acceptance_per_position"])
+    log(f"eval: τ {figures['tau']:.3f} on {len(prompts)} held-out prompts; "
+        f"tokens per target forward {figures['tokens_per_target_forward']:.2f}")  # fmt: skip
+    log(f"eval: acceptance per block position {rates}")
+    return figures

@@ -13,26 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash.config import LossConfig, default_gamma
+from dflash.errors import DFlashError
 
-class ObjectiveError(ValueError):
+__all__ = ["LossConfig", "default_gamma"]  # the loss settings live in the config tree
+
+
+class ObjectiveError(DFlashError):
     """An objective setting out of range; the message names the flag."""
-
-
-# (block size, gamma) points from the DFlash paper; other sizes interpolate linearly.
-_GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
-
-
-def default_gamma(block_size: int) -> float:
-    """Loss decay gamma by block size: 4 for 8, 5 for 10, 7 for 16, linear in between.
-
-    Outside [8, 16] the nearest segment's slope is extended (floored at 1).
-    """
-    pts = _GAMMA_POINTS
-    if block_size <= pts[1][0]:
-        (x0, y0), (x1, y1) = pts[0], pts[1]
-    else:
-        (x0, y0), (x1, y1) = pts[1], pts[2]
-    return max(1.0, y0 + (block_size - x0) * (y1 - y0) / (x1 - x0))
 
 
 @dataclass(frozen=True)
@@ -79,31 +67,10 @@ class NoiseSchedule:
         return masked.to(device)
 
 
-@dataclass(frozen=True)
-class LossConfig:
-    """gamma None -> default_gamma(block size); streak_alpha None -> streak weighting off."""
-
-    gamma: float | None = None
-    use_soft_labels: bool = False
-    kl_temperature: float = 1.0
-    kl_weight: float = 0.5
-    streak_alpha: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.gamma is not None and self.gamma <= 0:
-            raise ObjectiveError(f"--loss-decay-gamma {self.gamma} must be > 0")
-        if self.kl_temperature <= 0:
-            raise ObjectiveError(f"--kl-temperature {self.kl_temperature} must be > 0")
-        if not 0.0 <= self.kl_weight <= 1.0:
-            raise ObjectiveError(f"--kl-weight {self.kl_weight} is outside [0, 1]")
-        if self.streak_alpha is not None and not 0.0 <= self.streak_alpha <= 1.0:
-            raise ObjectiveError(f"--streak-alpha {self.streak_alpha} is outside [0, 1]")
-
-
 @dataclass
 class LossOutput:
     loss: Tensor  # scalar, differentiable
-    metrics: dict[str, float]
+    metrics: dict[str, Tensor]  # device tensors: reading them is the caller's sync
 
 
 def select_anchors(
@@ -238,18 +205,23 @@ def _soft_label_loss(logits: Tensor, target_logits: Tensor, temperature: float) 
 
 def _metrics(
     logits: Tensor, labels: Tensor, valid: Tensor, ce: Tensor, weights: Tensor
-) -> dict[str, float]:
+) -> dict[str, Tensor]:
+    """Device tensors only: a `float()` here would stall the device on every step."""
     correct = (logits.argmax(-1) == labels) & valid  # [B, N, Bs]
-    metrics = {"ce": float((ce * valid).sum() / valid.sum().clamp(min=1))}
-    metrics["accuracy"] = float(correct.sum() / valid.sum().clamp(min=1))
-    for k in range(1, logits.shape[2]):
-        metrics[f"acc@{k}"] = float(correct[..., k].sum() / valid[..., k].sum().clamp(min=1))
+    num_valid = valid.sum().clamp(min=1)
+    per_position = correct[..., 1:].sum((0, 1)) / valid[..., 1:].sum((0, 1)).clamp(min=1)
     # Accept proxy: consecutive correct predictions from k=1, +1 for the anchor's bonus.
     run = torch.cumprod(correct[..., 1:].int(), dim=-1).sum(-1)  # [B, N]
     scored = valid[..., 1]  # blocks whose first prediction counts
-    metrics["tau_proxy"] = float((run + 1)[scored].float().mean()) if scored.any() else 1.0
-    metrics["weight_sum"] = float(weights.sum())
-    return metrics
+    num_scored = scored.sum()
+    tau_sum = ((run + 1) * scored).sum()
+    return {
+        "ce": (ce * valid).sum() / num_valid,
+        "accuracy": correct.sum() / num_valid,
+        "accuracy_per_position": per_position,  # [Bs-1]: k = 1 .. Bs-1
+        "tau_proxy": torch.where(num_scored > 0, tau_sum / num_scored.clamp(min=1), 1.0),
+        "weight_sum": weights.sum(),
+    }
 
 
 def dflash_loss(
@@ -265,7 +237,7 @@ def dflash_loss(
     gather_target_logits) is required when cfg.use_soft_labels.
     """
     b, n, bs, v = logits.shape
-    gamma = cfg.gamma if cfg.gamma is not None else default_gamma(bs)
+    gamma = cfg.effective_gamma(bs)
     ce = F.cross_entropy(logits.float().reshape(-1, v), labels.reshape(-1), reduction="none")
     ce = ce.reshape(b, n, bs)  # [B, N, Bs]
     weights = valid.float() * decay_weights(bs, gamma, logits.device)

@@ -1,8 +1,10 @@
 """Telemetry of a training run: tracing setup from the config, interval tables with
 throughput and a bottleneck verdict, cross-rank tables, and the bounded shutdown.
 
-The pipeline talks to an `Observer` through the small Telemetry protocol of
-dflash.queues (`phase`, `start_span`, `record`); everything OTel lives in `tracing`.
+The pipeline records its phases through the `tracing` API directly; the `Observer`
+only sets tracing up and reports: it reads a read-only snapshot of the pipeline's
+counters and queue depths, and gathers the other ranks' tables through the gradient
+averager's cross-rank hook, between steps.
 """
 
 from __future__ import annotations
@@ -11,19 +13,18 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 from typing import Any
 
 import tracing
+from dflash import names
 from dflash.bottleneck import WaitShares, verdict
+from dflash.errors import DFlashError
+from dflash.queues import CounterSnapshot
 from tracing import Reporter, StatsSnapshot, TracingConfig, TracingConfigError
 
-# Stats-only entry (no span): time target threads spent blocked on a full hs_queue.
-HS_PUT = "hs_queue.put"
 
-
-class ObserveError(ValueError):
+class ObserveError(DFlashError):
     """A telemetry setting that tracing rejects (one line naming the flag)."""
 
 
@@ -78,25 +79,24 @@ def wait_shares(snap: StatsSnapshot) -> WaitShares:
         return 0.0 if value is None else value
 
     return WaitShares(
-        target_input_wait=share("batch_queue.wait"),
-        target_output_wait=share(HS_PUT),
-        drafter_wait=share("hs_queue.wait"),
+        target_input_wait=share(names.BATCH_QUEUE_WAIT),
+        target_output_wait=share(names.HS_QUEUE_PUT),
+        drafter_wait=share(names.HS_QUEUE_WAIT),
     )
 
 
 def pipeline_verdict(snap: StatsSnapshot) -> str | None:
-    if "hs_queue.wait" not in snap.phases and "batch_queue.wait" not in snap.phases:
+    if names.HS_QUEUE_WAIT not in snap.phases and names.BATCH_QUEUE_WAIT not in snap.phases:
         return None  # nothing trained in this interval (setup, evaluation)
     return verdict(wait_shares(snap))
 
 
 class RankTables:
-    """Per-rank snapshots for rank 0's tables, gathered in step with training.
+    """Per-rank snapshots for rank 0's interval tables, gathered in step with training.
 
-    Rank 0's reporter asks for a gather; the request rides on the next gradient
-    all-reduce (one extra element), so every rank learns it at the same step and
-    then takes part in one small all_gather: one collective per interval, never a
-    collective from a thread that training does not wait for.
+    A `dflash.distributed.CrossRankHook`: rank 0's reporter asks (`collect`), the
+    request rides on the next gradient all-reduce, and every rank's training thread
+    then runs `run` (one small all_gather) after the same step, outside any phase.
     """
 
     def __init__(self, stats: tracing.ProfileStats, timeout_s: float) -> None:
@@ -106,12 +106,10 @@ class RankTables:
         self._ready = threading.Event()
         self._result: list[StatsSnapshot] | None = None
 
-    def request_flag(self) -> float:
-        """Called on the training thread before the all-reduce (rank 0's vote counts)."""
-        return 1.0 if self._wanted else 0.0
+    def wanted(self) -> bool:
+        return self._wanted
 
-    def gather(self) -> None:
-        """Called on every rank's training thread when the all-reduce carried a request."""
+    def run(self) -> None:
         import torch.distributed as dist
 
         local = self._stats.take_interval().to_dict()
@@ -121,41 +119,19 @@ class RankTables:
         self._wanted = False
         self._ready.set()
 
-    def collect(self) -> list[StatsSnapshot] | None:
+    def collect(self) -> tuple[StatsSnapshot, list[StatsSnapshot]] | None:
         """Rank 0's reporter thread: ask, then wait for the training thread's gather."""
         self._ready.clear()
         self._result = None
         self._wanted = True
-        if not self._ready.wait(self._timeout_s):
+        if not self._ready.wait(self._timeout_s) or self._result is None:
             self._wanted = False
             return None  # training is stalled or finishing: print this rank alone
-        return self._result
-
-
-class _RankReporter(Reporter):
-    """Reporter whose interval tables hold every rank (min/max per phase across ranks)."""
-
-    def __init__(self, stats: tracing.ProfileStats, ranks: RankTables, **kw: Any) -> None:
-        super().__init__(stats, **kw)
-        self._ranks = ranks
-
-    def report_interval(self) -> str:
-        snaps = self._ranks.collect()
-        if snaps is None:
-            return super().report_interval()
-        merged = StatsSnapshot.merge(snaps)
-        title = f"{self._title}: last {merged.wall_s:.1f}s, {len(snaps)} ranks"
-        return self._emit(self.render_ranks(merged, snaps, title))
-
-    def render_ranks(self, merged: StatsSnapshot, snaps: list[StatsSnapshot], title: str) -> str:
-        text = self.render(merged, title)
-        table = tracing.format_table(merged, title=title, rank_snapshots=snaps)
-        _, _, rest = text.partition("\nthroughput:")
-        return table + ("\nthroughput:" + rest if rest else "")
+        return StatsSnapshot.merge(self._result), self._result
 
 
 class Observer:
-    """The run's telemetry: what the pipeline calls, and the reporter around it."""
+    """The run's telemetry: setup, the interval reporter, the final tables, shutdown."""
 
     def __init__(self, cfg: TracingConfig, telemetry: tracing.Telemetry, world_size: int) -> None:
         self.cfg = cfg
@@ -165,64 +141,59 @@ class Observer:
         self.is_main = cfg.rank == 0
         self.world_size = world_size
         self.reporter: Reporter | None = None
+        self._final_ranks: list[StatsSnapshot] | None = None
         self._closed: dict[str, Any] | None = None
 
-    # -- the pipeline's Telemetry protocol ---------------------------------------
-    def phase(self, name: str, **kw: Any) -> AbstractContextManager[Any]:
-        return tracing.phase(name, **kw)
-
-    def start_span(
-        self, name: str, attributes: Mapping[str, Any] | None = None, **kw: Any
-    ) -> tracing.SpanHandle:
-        return tracing.start_span(name, attributes, **kw)
-
-    def record(self, name: str, seconds: float) -> None:
-        self.stats.add(name, seconds)
-
-    # -- reporting ------------------------------------------------------------------
     def describe(self) -> str:
         return describe(self.cfg)
 
-    def attach(self, pipe: Any) -> None:
-        """Starts the interval reporter on the pipeline's counters (rank 0 prints)."""
+    def attach(self, snapshot: Callable[[], CounterSnapshot]) -> None:
+        """Starts the interval reporter on the pipeline's `snapshot` (rank 0 prints)."""
         # Shares are of training time: setup (target preparation can take minutes)
         # must not dilute the cumulative table. Nothing was timed before this point.
         self.stats.reset()
         if not self.is_main:
             return
-        counters = pipe.counters
-        kw: dict[str, Any] = {"interval_s": self.cfg.report_interval_s, "title": "interval"}
-        if self.world_size > 1:
-            reporter: Reporter = _RankReporter(self.stats, self.ranks, **kw)
-        else:
-            reporter = Reporter(self.stats, **kw)
+        reporter = Reporter(self.stats, interval_s=self.cfg.report_interval_s, title="interval")
         w = self.world_size
-        reporter.add_rate("target", lambda: counters.snapshot().target_tokens * w, "tok/s")
-        reporter.add_rate("drafter", lambda: counters.snapshot().drafter_tokens * w, "tok/s")
-        reporter.add_gauge("batch_queue", pipe.batch_queue.qsize)
-        reporter.add_gauge("hs_queue", pipe.hs_queue.qsize)
+        reporter.add_rate("target", lambda: snapshot().target_tokens * w, "tok/s")
+        reporter.add_rate("drafter", lambda: snapshot().drafter_tokens * w, "tok/s")
+        reporter.add_gauge("batch_queue", lambda: snapshot().queued_now.get("batch_queue", 0))
+        reporter.add_gauge("hs_queue", lambda: snapshot().queued_now.get("hs_queue", 0))
         reporter.set_verdict(pipeline_verdict)
+        if w > 1:
+            reporter.set_interval_source(self.ranks.collect)
         reporter.install_exit_hooks()
         self.reporter = reporter.start()
 
-    def close(self, log: Callable[[str], None], gather_ranks: bool) -> dict[str, Any]:
+    def gather_final(self) -> None:
+        """Every rank, right after training (before rank 0 saves and evaluates, which
+        other ranks would otherwise wait out in a collective): the cumulative tables."""
+        if self.world_size < 2 or self._final_ranks is not None:
+            return
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, self.stats.snapshot().to_dict())
+        self._final_ranks = [StatsSnapshot.from_dict(d) for d in out]
+
+    def close(self, log: Callable[[str], None]) -> dict[str, Any]:
         """Final cumulative table, then the bounded shutdown; figures for summary.json.
 
-        Idempotent: the failure and signal paths may call it after the normal one. With
-        `gather_ranks` (every rank calls it at the same point) rank 0's final table
-        shows each phase's min and max across ranks.
+        Idempotent: the failure and signal paths may call it after the normal one.
+        After `gather_final`, rank 0's final table shows each phase's min and max
+        across ranks.
         """
         if self._closed is not None:
             return self._closed
-        final_ranks = self._gather_final() if gather_ranks and self.world_size > 1 else None
-        reporter = self.reporter
+        reporter, finals = self.reporter, self._final_ranks
         if reporter is not None:
-            reporter.stop(final=final_ranks is None)
+            reporter.stop(final=finals is None)
             reporter.uninstall_exit_hooks()
-        if final_ranks is not None and self.is_main:
-            merged = StatsSnapshot.merge(final_ranks)
-            title = f"total {merged.wall_s:.1f}s, {len(final_ranks)} ranks"
-            log(tracing.format_table(merged, title=title, rank_snapshots=final_ranks))
+            if finals is not None:
+                merged = StatsSnapshot.merge(finals)
+                title = f"interval: total {merged.wall_s:.1f}s, {len(finals)} ranks"
+                log(reporter.render(merged, title, cumulative=True, rank_snapshots=finals))
         report = self.telemetry.shutdown()
         if self.is_main:
             log(f"telemetry: {report.summary()}")
@@ -233,13 +204,6 @@ class Observer:
             "shutdown_s": round(report.duration_s, 3),
         }
         return self._closed
-
-    def _gather_final(self) -> list[StatsSnapshot]:
-        import torch.distributed as dist
-
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, self.stats.snapshot().to_dict())
-        return [StatsSnapshot.from_dict(d) for d in out]
 
 
 def start_observer(tel: Any, rank: int, world_size: int) -> Observer:

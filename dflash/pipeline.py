@@ -1,8 +1,9 @@
 """Training with the producer-consumer pipeline (DESIGN.md §3): `run_pipeline`.
 
-The stage threads and queues live in dflash.stages and dflash.queues; this module
-plugs the real target and trainer into them, places devices, synchronizes drafters
-across ranks, checkpoints, and handles failures and signals.
+The stage threads and queues live in dflash.stages and dflash.queues, the model
+objects of each device in dflash.replicas; this module places the rank once,
+plugs the run into the stages, synchronizes drafters across ranks, checkpoints, and
+handles failures and signals.
 """
 
 from __future__ import annotations
@@ -14,52 +15,44 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash.devices import DeviceError, mover, resolve_devices, target_forwards
+import tracing
+from dflash import names
+from dflash.config import TrainConfig
+from dflash.devices import Placement, decide_placement
 from dflash.distributed import (
     DistInfo,
     GradAverager,
-    build_replicas,
     check_same_across_ranks,
     destroy_distributed,
     dist_info_from_env,
     init_distributed,
     rank_batch_indices,
 )
-from dflash.progress import format_summary
-from dflash.queues import (
-    NullTelemetry,
-    PipelineError,
-    SignalStop,
-    StageGroup,
-    Telemetry,
-    TrainingInterrupted,
+from dflash.metrics import StepMetrics, span_attributes
+from dflash.observe import Observer, start_observer
+from dflash.progress import Progress
+from dflash.queues import PipelineError, SignalStop, StageGroup, TrainingInterrupted
+from dflash.replicas import Replica, build_replicas, mover, target_forwards
+from dflash.run import (
+    METRICS_FILE,
+    Run,
+    RunStats,
+    build_run,
+    build_summary,
+    complete_run,
+    log_startup,
+    prepare_output_dir,
+    save_run_checkpoint,
+    write_summary,
 )
-from dflash.stages import (
-    DrafterTrainLoop,
-    Pipeline,
-    Prefetcher,
-    StepFn,
-    TargetForwardLoop,
-)
-from dflash.trainer import RunStats, finish_run, save_run_checkpoint, write_json_atomic
+from dflash.stages import Pipeline, StepFn
 
-__all__ = [
-    "DEFAULT_STALL_TIMEOUT_S",
-    "DrafterTrainLoop",
-    "NullTelemetry",
-    "Pipeline",
-    "PipelineError",
-    "Prefetcher",
-    "TargetForwardLoop",
-    "Telemetry",
-    "TrainingInterrupted",
-    "run_pipeline",
-]
-
+__all__ = ["DEFAULT_STALL_TIMEOUT_S", "PipelineError", "TrainingInterrupted", "run_pipeline"]
 
 # A stage that spends this long in one phase (not waiting on a queue) fails the run.
 DEFAULT_STALL_TIMEOUT_S = 600.0
@@ -68,13 +61,13 @@ DEFAULT_STALL_TIMEOUT_S = 600.0
 class _StepBook:
     """Losses per step; replica 0 advances the run, reports progress and checkpoints."""
 
-    def __init__(
-        self, run: Any, progress: Any, info: DistInfo, num_replicas: int, telemetry: Telemetry
-    ):
-        self.run, self.progress, self.info, self.telemetry = run, progress, info, telemetry
+    def __init__(self, run: Run, progress: Progress, info: DistInfo, num_replicas: int,
+                 metrics: StepMetrics, averager: GradAverager):  # fmt: skip
+        self.run, self.progress, self.info, self.metrics = run, progress, info, metrics
+        self.averager = averager
         self.start_step, self.start_index = run.step, run.next_batch_index
         self.batches_per_step = info.world_size * num_replicas
-        self.losses: dict[int, list[float]] = {}
+        self.losses: dict[int, list[torch.Tensor]] = {}  # device tensors, read at the end
         self.tokens = 0  # over all ranks: every rank trains batches of the same size
         self._lock = threading.Lock()
 
@@ -84,64 +77,74 @@ class _StepBook:
             self.tokens += batch.num_tokens * self.info.world_size
         if replica != 0:
             return
-        run = self.run
+        run, figures = self.run, result.figures
         run.step = self.start_step + step + 1
         run.next_batch_index = self.start_index + (step + 1) * self.batches_per_step
-        self.progress.update(run.step, result.loss, batch.num_tokens * self.batches_per_step)
+        self.averager.after_step(may_read=figures is not None)
+        self.progress.update(run.step, batch.num_tokens * self.batches_per_step, figures)
+        if figures is not None and self.info.is_main:
+            self.metrics.write(figures)
         every = run.cfg.run.save_every
         if self.info.is_main and every and run.step % every == 0 and run.step < run.cfg.run.steps:
             # replica 0's weights cannot move while it is here
-            attrs = {"step": run.step}
-            with self.telemetry.phase("checkpoint.save", level="step", attributes=attrs):
+            with tracing.phase(names.CHECKPOINT_SAVE, level="step",
+                               attributes={names.STEP: run.step}):  # fmt: skip
                 save_run_checkpoint(run)
 
     def mean_losses(self) -> list[float]:
         with self._lock:
-            return [sum(v) / len(v) for _, v in sorted(self.losses.items())]
+            return [sum(float(x) for x in v) / len(v) for _, v in sorted(self.losses.items())]
 
 
 @dataclass
 class _Setup:
-    run: Any  # dflash.trainer.Run
+    run: Run
     pipe: Pipeline
     book: _StepBook
-    progress: Any
-    figures: Callable[[], dict[str, Any]]
-    telemetry: Telemetry
+    progress: Progress
+    placement: Placement
     train_cpu_s: float = 0.0
 
 
+def run_training(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """`dflash-train train`: tracing set up from cfg.telemetry, then `run_pipeline`."""
+    info = dist_info_from_env()
+    observer = start_observer(cfg.telemetry, info.rank, info.world_size)
+    try:
+        return run_pipeline(cfg, log=log, observer=observer)
+    finally:
+        observer.close(log)  # no-op after a normal finish
+
+
 def run_pipeline(
-    cfg: Any,
+    cfg: TrainConfig,
     log: Callable[[str], None] = print,
     *,
-    telemetry: Telemetry | None = None,
+    observer: Observer | None = None,
     progress_stream: Any = None,
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
-    on_start: Callable[[Pipeline], None] | None = None,
 ) -> dict[str, Any]:
-    """Train `cfg` (a dflash.config.TrainConfig) with the pipeline; the summary dict.
+    """Train `cfg` with the pipeline; the summary dict.
 
-    Under torchrun every rank calls this; rank 0 alone writes checkpoints, the drafter
-    and summary.json (other ranks return a short dict). `on_start(pipeline)` lets
-    reporting code read `pipeline.counters` and the queues' depths while it runs.
+    Under torchrun every rank calls this; rank 0 alone writes config.json,
+    checkpoints, metrics.jsonl, the drafter and summary.json (other ranks return a
+    short dict). `observer` (dflash.observe) prints interval tables while it runs.
     Raises PipelineError (one line; the traceback goes to OUTPUT_DIR/pipeline-error.log)
     when a stage fails, and TrainingInterrupted (a SystemExit, code 130 or 143) after
     SIGINT/SIGTERM, once the checkpoint and the summary are written.
     """
     started_s = time.perf_counter()
     info = dist_info_from_env()
-    targets, drafters = resolve_devices(
-        cfg.pipeline.target_devices, cfg.pipeline.drafter_devices,
-        info.local_rank, info.local_world_size,
-    )  # fmt: skip
-    _share_cpu_cores(targets, drafters, info.local_world_size)
-    init_distributed(info, drafters[0])
+    placement = decide_placement(cfg.pipeline, info.local_rank, info.local_world_size)
+    if info.is_main:
+        prepare_output_dir(cfg)
+    _share_cpu_cores(placement, info.local_world_size)
+    init_distributed(info, placement.drafter)
     stuck: list[str] = []
     try:
-        setup = _setup(cfg, log, info, targets, drafters, telemetry, progress_stream)
-        if on_start is not None:
-            on_start(setup.pipe)
+        setup = _setup(cfg, log, info, placement, observer, progress_stream)
+        if observer is not None:
+            observer.attach(setup.pipe.snapshot)
         train_start_s, cpu_start_s = time.perf_counter(), time.process_time()
         with SignalStop(setup.pipe.group.stop) as signals:
             try:
@@ -152,13 +155,13 @@ def run_pipeline(
         # CPU seconds of the whole process (every thread) while training: the cost of
         # tracing shows here even where wall-clock throughput is too noisy to show it.
         setup.train_cpu_s = time.process_time() - cpu_start_s
-        return _finish(setup, info, log, train_s, started_s, signals.signum, stuck)
+        return _finish(setup, info, observer, log, train_s, started_s, signals.signum, stuck)
     finally:
         if not stuck:  # a thread stuck in a collective would hang the teardown
             destroy_distributed()
 
 
-def _share_cpu_cores(targets: list, drafters: list, local_world_size: int) -> None:
+def _share_cpu_cores(placement: Placement, local_world_size: int) -> None:
     """Splits the cores among the stage threads that compute on the CPU.
 
     torch gives every thread's ops all cores by default; with a target and a drafter
@@ -167,111 +170,120 @@ def _share_cpu_cores(targets: list, drafters: list, local_world_size: int) -> No
     """
     if "OMP_NUM_THREADS" in os.environ:
         return
-    cpu_threads = sum(d.type == "cpu" for d in (*targets, *drafters)) * max(1, local_world_size)
+    devices = (*placement.targets, *placement.drafters)
+    cpu_threads = sum(d.type == "cpu" for d in devices) * max(1, local_world_size)
     if cpu_threads:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_threads))
 
 
-def _setup(cfg, log, info, targets, drafters, telemetry, progress_stream) -> _Setup:  # fmt: skip
-    from dflash.progress import Progress, format_loss_config, format_run_config
-    from dflash.trainer import build_run
-
+def _setup(cfg: TrainConfig, log: Callable[[str], None], info: DistInfo, placement: Placement,
+           observer: Observer | None, progress_stream: Any) -> _Setup:  # fmt: skip
     quiet = log if info.is_main else (lambda _: None)
-    tel = telemetry if telemetry is not None else NullTelemetry()
-    run = build_run(cfg, quiet)
-    if (run.target_device, run.drafter_device) != (targets[0], drafters[0]):
-        placed = f"{run.target_device}/{run.drafter_device}"
-        raise DeviceError(f"the run placed target/drafter on {placed}, the pipeline expects "
-                          f"{targets[0]}/{drafters[0]}")  # fmt: skip
-    check_same_across_ranks(len(drafters), "the number of drafter devices", drafters[0])
-    check_same_across_ranks(run.step, "the step to resume from", drafters[0])
+    run = build_run(cfg, placement, quiet)
+    check_same_across_ranks(len(placement.drafters), "the number of drafter devices",
+                            placement.drafter)  # fmt: skip
+    check_same_across_ranks(run.step, "the step to resume from", placement.drafter)
     group = StageGroup()
-    replicas = build_replicas(run, drafters)
-    averager = GradAverager([r.drafter for r in replicas], group.stop)
-    # Cross-rank interval tables ride on the gradient all-reduce (Observer.ranks).
-    averager.sideband = getattr(tel, "ranks", None)
+    replicas = build_replicas(run)
+    hook = observer.ranks if observer is not None else None
+    averager = GradAverager([r.drafter for r in replicas], group.stop, hook)
     for i, replica in enumerate(replicas):
         replica.trainer.grad_sync = averager.hook(i) if averager.needed else None
-    names = {side: ",".join(map(str, devs)) for side, devs in (("t", targets), ("d", drafters))}
     ranks = f" x {info.world_size} ranks" if info.enabled else ""
-    quiet(format_loss_config(cfg))
-    if hasattr(tel, "describe"):
-        quiet(tel.describe())
-    quiet(format_run_config(cfg, f"{cfg.target.spec} layers {run.layer_ids}",
-                            f"targets {names['t']}, drafters {names['d']}{ranks}"))  # fmt: skip
+    telemetry_line = observer.describe() if observer is not None else None
+    log_startup(run, quiet, placement.describe() + ranks, telemetry_line)
     progress = Progress(cfg.run.steps, run.step, log=None,
                         stream=progress_stream if info.is_main else io.StringIO())  # fmt: skip
-    book = _StepBook(run, progress, info, len(replicas), tel)
+    metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
+                          Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip
+    book = _StepBook(run, progress, info, len(replicas), metrics, averager)
     pipe = Pipeline.build(
         make_batch=run.train_data.batch,
         indices=rank_batch_indices(cfg.run.steps - run.step, info.rank, info.world_size,
                                    len(replicas), run.next_batch_index),
-        forwards=target_forwards(run, targets),
-        steps=[(r.device, _step_fn(r.trainer), mover(r.device)) for r in replicas],
+        forwards=target_forwards(run),
+        steps=[(r.device, _step_fn(r, i, metrics), mover(r.device))
+               for i, r in enumerate(replicas)],
         on_step=book.on_step,
         batch_queue_size=cfg.pipeline.batch_queue_size,
         hs_queue_size=cfg.pipeline.hs_queue_size,
-        telemetry=tel,
-        span_attributes={"rank": info.rank},
-        pin_memory=torch.cuda.is_available() and any(d.type == "cuda" for d in targets),
+        span_attributes={names.RANK: info.rank},
+        pin_memory=torch.cuda.is_available() and any(d.type == "cuda" for d in placement.targets),
         group=group,
         first_step=run.step,
     )  # fmt: skip
-
-    def figures() -> dict[str, Any]:
-        snap, w = pipe.counters.snapshot(), info.world_size
-        return {
-            "target_devices": [str(d) for d in targets],
-            "drafter_devices": [str(d) for d in drafters],
-            "world_size": w,
-            "target_tokens_per_s": snap.target_tokens_per_s * w,
-            "drafter_tokens_per_s": snap.drafter_tokens_per_s * w,
-            "queue_depth_mean": {name: mean for name, (_, mean, _) in snap.queue_depths.items()},
-        }
-
-    return _Setup(run, pipe, book, progress, figures, tel)
+    return _Setup(run, pipe, book, progress, placement)
 
 
-def _step_fn(trainer: Any) -> StepFn:
-    return lambda batch, target_out, phase: trainer.step(batch, target_out, phase=phase)
+def _step_fn(replica: Replica, index: int, metrics: StepMetrics) -> StepFn:
+    """The trainer's step; on logged steps replica 0 reads the figures, inside the
+    drafter.step span (after its last phase), and puts them on that span."""
+    trainer = replica.trainer
+
+    def step(batch: Any, target_out: Any, phase: Any) -> Any:
+        result = trainer.step(batch, target_out, phase=phase)
+        if index == 0 and metrics.due(trainer.step_count):
+            result.figures = metrics.read(trainer.step_count, result)
+            span = tracing.current_phase()
+            if span is not None:
+                for key, value in span_attributes(result.figures).items():
+                    span.set_attribute(key, value)
+        return result
+
+    return step
 
 
-def _finish(setup: _Setup, info: DistInfo, log: Callable[[str], None], train_s: float,
-            started_s: float, signum: int | None, stuck: list[str]) -> dict[str, Any]:  # fmt: skip
+def _pipeline_figures(setup: _Setup, world_size: int) -> dict[str, Any]:
+    snap = setup.pipe.snapshot()
+    return {
+        "target_devices": [str(d) for d in setup.placement.targets],
+        "drafter_devices": [str(d) for d in setup.placement.drafters],
+        "world_size": world_size,
+        "target_tokens_per_s": snap.target_tokens_per_s * world_size,
+        "drafter_tokens_per_s": snap.drafter_tokens_per_s * world_size,
+        "queue_depth_mean": {name: mean for name, (_, mean, _) in snap.queue_depths.items()},
+        "train_cpu_s": setup.train_cpu_s,
+    }
+
+
+def _finish(setup: _Setup, info: DistInfo, observer: Observer | None, log: Callable[[str], None],
+            train_s: float, started_s: float, signum: int | None,
+            stuck: list[str]) -> dict[str, Any]:  # fmt: skip
     run, failure = setup.run, setup.pipe.group.failure
-    figures = setup.figures()  # now: the counters' clock must not include evaluation
-    figures["train_cpu_s"] = setup.train_cpu_s
-    tel = setup.telemetry
+    figures = _pipeline_figures(setup, info.world_size)  # now: before evaluation
+    close = (lambda: observer.close(log)) if observer is not None else (lambda: None)
     if failure is not None:
-        tel.close(log, gather_ranks=False)  # the final table, before the one-line error
+        close()  # the final table, before the one-line error
         log_path = _write_error_log(run.output_dir, info, failure)
         raise failure.to_error().with_log(log_path or "") from failure.error
     if stuck:
         log(f"warning: threads still running after the stop: {', '.join(stuck)}")
     stats = RunStats(setup.book.mean_losses(), setup.book.tokens, train_s)
     if signum is not None:
-        summary = _after_signal(run, info, stats, started_s, signum, stuck, log)
-        closed = tel.close(log, gather_ranks=False)
-        if summary is not None:
-            summary["pipeline"] = figures
-            if closed is not None:
-                summary["telemetry"] = closed
-            write_json_atomic(run.output_dir / "summary.json", summary)
-            log(format_summary(summary))
-        raise TrainingInterrupted(signum, summary)
+        name = signal.Signals(signum).name
+        saved = _checkpoint_after_signal(run, info, name, stuck, log)
+        summary = build_summary(run, stats, started_s, interrupted=name,
+                                extra=_extra(figures, close()))  # fmt: skip
+        if saved:
+            write_summary(run, summary, log)
+        raise TrainingInterrupted(signum, summary if info.is_main else None)
+    if observer is not None:
+        observer.gather_final()  # every rank, before rank 0 spends minutes finishing
     if not info.is_main:
-        tel.close(log, gather_ranks=True)
+        close()
         return {"rank": info.rank, "steps": run.step, "pipeline": figures}
-    summary = finish_run(run, stats, log, started_s, phase=lambda n: tel.phase(n, level="step"))
-    summary["pipeline"] = figures
-    closed = tel.close(log, gather_ranks=True)
-    if closed is not None:
-        summary["telemetry"] = closed
-    write_json_atomic(run.output_dir / "summary.json", summary)
+    evaluation = complete_run(run, phase=lambda n: tracing.phase(n, level="step"))
+    summary = build_summary(run, stats, started_s, evaluation=evaluation,
+                            extra=_extra(figures, close()))  # fmt: skip
+    write_summary(run, summary, log)
     return summary
 
 
-def _write_error_log(run_dir: Any, info: DistInfo, failure: Any) -> str | None:
+def _extra(figures: dict[str, Any], telemetry: dict[str, Any] | None) -> dict[str, Any]:
+    return {"pipeline": figures, **({"telemetry": telemetry} if telemetry is not None else {})}
+
+
+def _write_error_log(run_dir: Path, info: DistInfo, failure: Any) -> str | None:
     name = f"pipeline-error-rank{info.rank}.log" if info.enabled else "pipeline-error.log"
     path = run_dir / name
     try:
@@ -282,35 +294,14 @@ def _write_error_log(run_dir: Any, info: DistInfo, failure: Any) -> str | None:
     return str(path)
 
 
-def _after_signal(
-    run: Any,
-    info: DistInfo,
-    stats: RunStats,
-    started_s: float,
-    signum: int,
-    stuck: list[str],
-    log: Callable[[str], None],
-) -> dict[str, Any] | None:
-    """Checkpoint and summary after SIGINT/SIGTERM (rank 0 only; None elsewhere)."""
+def _checkpoint_after_signal(run: Run, info: DistInfo, name: str, stuck: list[str],
+                             log: Callable[[str], None]) -> bool:  # fmt: skip
+    """Rank 0 saves where the run stands; True when the summary should be written."""
     if not info.is_main:
-        return None
-    name = signal.Signals(signum).name
+        return False
     if any(thread.startswith("drafter") for thread in stuck):
         log(f"{name}: a drafter thread did not stop in time: no checkpoint written")
     else:
         path = save_run_checkpoint(run)
         log(f"{name}: checkpoint at step {run.step} in {path}")
-    last = stats.losses[-1] if stats.losses else run.trainer.last_loss
-    return {
-        "steps": run.step,
-        "steps_this_run": len(stats.losses),
-        "tokens_per_s": stats.num_tokens / stats.train_s if stats.train_s > 0 else 0.0,
-        "final_loss": float(last) if last is not None else float("nan"),
-        "tau": None,
-        "wall_s": time.perf_counter() - started_s,
-        "train_s": stats.train_s,
-        "setup_s": run.setup_s,
-        "block_size": run.cfg.drafter.block_size,
-        "target": run.cfg.target.spec,
-        "interrupted": name,
-    }
+    return True

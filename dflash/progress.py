@@ -16,8 +16,8 @@ from dflash.config import TrainConfig
 
 def format_loss_config(cfg: TrainConfig) -> str:
     """The objective on one line (issue 5 prints the telemetry line right after it)."""
-    obj = cfg.objective
-    gamma_src = "set" if obj.loss_decay_gamma is not None else "by block size"
+    obj = cfg.loss
+    gamma_src = "set" if obj.gamma is not None else "by block size"
     soft = (
         f"soft labels on (KL T={obj.kl_temperature:g}, weight {obj.kl_weight:g})"
         if obj.use_soft_labels
@@ -63,7 +63,11 @@ def _format_eta(seconds: float) -> str:
 
 
 class Progress:
-    """Step, loss, tokens/s and ETA: a bar on a terminal, lines elsewhere."""
+    """Step, loss, τ estimate, tokens/s and ETA: a bar on a terminal, lines elsewhere.
+
+    The figures come from the logged steps (every --log-every; dflash.metrics); lines
+    are printed on logged steps only, at most every tenth of the run or `interval_s`.
+    """
 
     def __init__(
         self,
@@ -80,6 +84,7 @@ class Progress:
         self.every_steps = max(1, (total_steps - start_step) // 10)
         self.start_time_s = time.perf_counter()
         self.last_print_s = self.start_time_s
+        self.last_print_done = 0
         self.tokens = 0
         self.bar = None
         if self._is_tty():
@@ -94,24 +99,32 @@ class Progress:
         isatty = getattr(self.stream, "isatty", None)
         return bool(isatty and isatty())
 
-    def update(self, step: int, loss: float, num_tokens: int) -> None:
-        """Record that `step` (1-based, global) finished with `loss` on `num_tokens`."""
+    def update(self, step: int, num_tokens: int, figures: dict[str, Any] | None = None) -> None:
+        """Record that `step` (1-based, global) trained `num_tokens`; `figures` (loss,
+        tau_estimate) are given on logged steps."""
         self.tokens += num_tokens
         now_s = time.perf_counter()
         tokens_per_s = self.tokens / max(now_s - self.start_time_s, 1e-9)
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            if figures is not None:
+                self.bar.set_postfix(loss=f"{figures['loss']:.4f}",
+                                     tau=f"{figures['tau_estimate']:.2f}",
+                                     tok_s=f"{tokens_per_s:,.0f}", refresh=False)  # fmt: skip
+            return
+        if figures is None:
             return
         done = step - self.start_step
-        due = now_s - self.last_print_s >= self.interval_s or done % self.every_steps == 0
+        due = (now_s - self.last_print_s >= self.interval_s
+               or done - self.last_print_done >= self.every_steps)  # fmt: skip
         if due or step == self.total_steps or done == 1:
             eta_s = (now_s - self.start_time_s) / done * (self.total_steps - step)
             self.log(
-                f"step {step}/{self.total_steps}  loss {loss:.4f}  "
-                f"{tokens_per_s:,.0f} tokens/s  eta {_format_eta(eta_s)}"
+                f"step {step}/{self.total_steps}  loss {figures['loss']:.4f}  "
+                f"τ≈{figures['tau_estimate']:.2f}  {tokens_per_s:,.0f} tokens/s  "
+                f"eta {_format_eta(eta_s)}"
             )
-            self.last_print_s = now_s
+            self.last_print_s, self.last_print_done = now_s, done
 
     def close(self) -> None:
         if self.bar is not None:

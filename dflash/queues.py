@@ -19,9 +19,11 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
+
+from dflash.errors import first_line
 
 T = TypeVar("T")
 
@@ -69,8 +71,9 @@ class PipelineError(RuntimeError):
         self.error = error
         self.traceback_text = traceback_text
         self.log_path = log_path
-        detail = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        what = f"{type(error).__name__}: {detail}" if detail else type(error).__name__
+        detail = first_line(error)
+        name = type(error).__name__
+        what = name if detail == name else f"{name}: {detail}"
         where = f" (traceback in {log_path})" if log_path else ""
         super().__init__(f"thread {thread!r} failed in {phase}: {what}{where}")
 
@@ -286,6 +289,8 @@ class CounterSnapshot:
     drafter_steps: int
     # Per queue: depth seen at the last get, mean depth seen at get, and max.
     queue_depths: dict[str, tuple[int, float, int]]
+    # Per queue: items queued at the moment of the snapshot.
+    queued_now: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def target_tokens_per_s(self) -> float:
@@ -337,7 +342,8 @@ class PipelineCounters:
             entry[2] += 1
             entry[3] = max(entry[3], depth)
 
-    def snapshot(self) -> CounterSnapshot:
+    def snapshot(self, queued_now: Mapping[str, int] | None = None) -> CounterSnapshot:
+        """A read-only copy; `queued_now` (the caller's queue sizes) is passed through."""
         with self._lock:
             depths = {
                 name: (last, total / count if count else 0.0, peak)
@@ -350,6 +356,7 @@ class PipelineCounters:
                 target_batches=self._target_batches,
                 drafter_steps=self._drafter_steps,
                 queue_depths=depths,
+                queued_now=dict(queued_now or {}),
             )
 
 
@@ -388,74 +395,3 @@ class SignalStop:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._saved.items():
             signal.signal(sig, handler)
-
-
-# ----------------------------------------------------------------- tracing hooks
-
-
-class SpanLike(Protocol):
-    start_time_ns: int
-
-    @property
-    def context(self) -> Any: ...
-    def set_attribute(self, key: str, value: Any) -> None: ...
-    def record_exception(self, exc: BaseException) -> None: ...
-    def end(self, end_time_ns: int | None = None) -> None: ...
-
-
-class Telemetry(Protocol):
-    """What the pipeline needs from tracing; dflash.observe.Observer implements it."""
-
-    def phase(
-        self,
-        name: str,
-        *,
-        level: str = "phase",
-        parent: Any = None,
-        start_time_ns: int | None = None,
-        attributes: Mapping[str, Any] | None = None,
-        device: Any = None,
-    ) -> AbstractContextManager[Any]: ...
-
-    def start_span(
-        self, name: str, attributes: Mapping[str, Any] | None = None, *, level: str = "step"
-    ) -> SpanLike: ...
-
-    def record(self, name: str, seconds: float) -> None:
-        """Adds a duration to the tables without a span (e.g. time blocked on a put)."""
-
-    def close(self, log: Callable[[str], None], gather_ranks: bool) -> dict[str, Any] | None:
-        """Final table and bounded export shutdown (idempotent); figures for the summary.
-        `gather_ranks`: every rank calls it at the same point (one collective)."""
-
-
-class _NullSpan:
-    context = None
-    start_time_ns = 0
-
-    def set_attribute(self, key: str, value: Any) -> None:
-        pass
-
-    def record_exception(self, exc: BaseException) -> None:
-        pass
-
-    def end(self, end_time_ns: int | None = None) -> None:
-        pass
-
-
-class NullTelemetry:
-    """Records nothing; the default when no tracing is wired in."""
-
-    _span = _NullSpan()
-
-    def phase(self, name: str, **_: Any) -> AbstractContextManager[Any]:
-        return nullcontext()
-
-    def start_span(self, name: str, attributes: Any = None, **_: Any) -> SpanLike:
-        return self._span
-
-    def record(self, name: str, seconds: float) -> None:
-        pass
-
-    def close(self, log: Callable[[str], None], gather_ranks: bool) -> dict[str, Any] | None:
-        return None

@@ -7,7 +7,8 @@ The prefetcher calls a `make_batch(index)`, a target loop a `forward(batch)`, a
 drafter loop a `step(batch, target_out, phase)`; `dflash.pipeline.run_pipeline`
 plugs the real target and trainer in, the efficiency benchmark synthetic stages.
 
-Tracing: the prefetcher opens one root span per batch (`batch`) and hands its
+Tracing is written against the `tracing` API (a no-op until `tracing.setup`), with
+the names of dflash.names: the prefetcher opens one root span per batch and hands its
 handle along with the batch; each consumer records when it began waiting, then
 opens its wait span under the batch it received with that start time. The root
 ends after the drafter step. With several target threads, adjacent batches may
@@ -26,17 +27,18 @@ from typing import Any
 
 import torch
 
+import tracing
+from dflash import names
 from dflash.queues import (
     SHUTDOWN_TIMEOUT_S,
     BoundedQueue,
-    NullTelemetry,
+    CounterSnapshot,
     PipelineCounters,
-    SpanLike,
     StageGroup,
     StageThread,
     Stopped,
-    Telemetry,
 )
+from tracing import SpanHandle
 
 
 @dataclass
@@ -44,7 +46,7 @@ class BatchItem:
     """A batch on batch_queue, with the root span of its trace."""
 
     batch: Any  # dflash.data.Batch, or anything with batch_id and num_tokens
-    span: SpanLike
+    span: SpanHandle
 
 
 @dataclass
@@ -53,7 +55,7 @@ class HiddenItem:
 
     batch: Any
     target_out: Any
-    span: SpanLike
+    span: SpanHandle
 
 
 class _EndOfStream:
@@ -65,7 +67,7 @@ END = _EndOfStream()
 FINISH_STEP_TIMEOUT_S = 60.0  # after SIGINT/SIGTERM a drafter may finish its step
 
 
-def _end_span(span: SpanLike, exc: BaseException | None = None) -> None:
+def _end_span(span: SpanHandle, exc: BaseException | None = None) -> None:
     if exc is not None and not isinstance(exc, Stopped):
         span.record_exception(exc)
     span.end()
@@ -81,20 +83,19 @@ class Prefetcher(StageThread):
         make_batch: Callable[[int], Any],
         indices: Iterable[int],
         num_consumers: int,
-        telemetry: Telemetry,
         span_attributes: Mapping[str, Any],
         pin_memory: bool = False,
     ):
         super().__init__("prefetch", group)
         self.out_q, self.make_batch, self.indices = out_q, make_batch, indices
-        self.num_consumers, self.telemetry = num_consumers, telemetry
+        self.num_consumers = num_consumers
         self.span_attributes, self.pin_memory = dict(span_attributes), pin_memory
 
     def loop(self) -> None:
         for index in self.indices:
             # The root starts before the batch is built: a consumer already waiting for
             # this batch then has its wait inside the batch's trace.
-            span = self.telemetry.start_span("batch", self.span_attributes, level="step")
+            span = tracing.start_span(names.BATCH, self.span_attributes, level="step")
             self.enter("data.batch")
             try:
                 batch = self.make_batch(index)
@@ -104,8 +105,8 @@ class Prefetcher(StageThread):
             except BaseException as exc:
                 _end_span(span, exc)
                 raise
-            span.set_attribute("batch.id", batch.batch_id)
-            span.set_attribute("tokens", batch.num_tokens)
+            span.set_attribute(names.BATCH_ID, batch.batch_id)
+            span.set_attribute(names.TOKENS, batch.num_tokens)
             self.enter("batch_queue.put")
             try:
                 self.out_q.put(BatchItem(batch, span))
@@ -121,12 +122,20 @@ def _tensors(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return batch.input_ids, batch.loss_mask
 
 
+def _thread_attributes(stage: StageThread, device: torch.device | str) -> dict[str, Any]:
+    """The attributes every span of this stage thread carries (call on the thread)."""
+    return {
+        names.THREAD_NAME: stage.name,
+        names.THREAD_ID: threading.get_native_id(),
+        names.DEVICE: str(device),
+    }
+
+
 def _take(
     stage: StageThread,
     in_q: BoundedQueue[Any],
     counters: PipelineCounters,
-    tel: Telemetry,
-    device: torch.device | str,
+    thread_attrs: Mapping[str, Any],
 ) -> Any:
     """Next item of `in_q` (or END); the wait becomes a span under the item's batch."""
     wait_name = f"{in_q.name}.wait"
@@ -139,8 +148,8 @@ def _take(
     # A consumer may have begun waiting before its batch existed (at startup, or beside
     # another consumer): the span starts with its batch so it stays inside the trace.
     start_ns = max(wait_start_ns, item.span.start_time_ns)
-    attrs = {"queue.depth": depth, "device": str(device)}
-    with tel.phase(wait_name, parent=item.span, start_time_ns=start_ns, attributes=attrs):
+    attrs = {**thread_attrs, names.QUEUE_DEPTH: depth}
+    with tracing.phase(wait_name, parent=item.span, start_time_ns=start_ns, attributes=attrs):
         pass
     return item
 
@@ -170,31 +179,32 @@ class TargetForwardLoop(StageThread):
         forward: Callable[[Any], Any],
         device: torch.device | str,
         counters: PipelineCounters,
-        telemetry: Telemetry,
         producers: _Countdown,
         num_consumers: int,
     ):
         super().__init__(name, group)
         self.in_q, self.out_q, self.forward, self.device = in_q, out_q, forward, device
-        self.counters, self.telemetry = counters, telemetry
+        self.counters = counters
         self.producers, self.num_consumers = producers, num_consumers
 
     def loop(self) -> None:
-        tel = self.telemetry
+        attrs = _thread_attributes(self, self.device)
+        stats = tracing.get_stats()
         while True:
-            item = _take(self, self.in_q, self.counters, tel, self.device)
+            item = _take(self, self.in_q, self.counters, attrs)
             if item is END:
                 break
-            self.enter("target.forward")
+            self.enter(names.TARGET_FORWARD)
             try:
-                with tel.phase("target.forward", parent=item.span, device=self.device):
+                with tracing.phase(names.TARGET_FORWARD, parent=item.span, device=self.device,
+                                   attributes=attrs):  # fmt: skip
                     target_out = self.forward(item.batch)
                 self.counters.add_target(item.batch.num_tokens)
                 self.enter("hs_queue.put")
                 put_start_s = time.perf_counter()
                 self.out_q.put(HiddenItem(item.batch, target_out, item.span))
                 # A full hs_queue blocks here: the drafter-bound half of the verdict.
-                tel.record("hs_queue.put", time.perf_counter() - put_start_s)
+                stats.add(names.HS_QUEUE_PUT, time.perf_counter() - put_start_s)
             except BaseException as exc:
                 _end_span(item.span, exc)
                 raise
@@ -218,14 +228,13 @@ class DrafterTrainLoop(StageThread):
         step: StepFn,
         device: torch.device | str,
         counters: PipelineCounters,
-        telemetry: Telemetry,
         on_step: Callable[[int, Any, Any], None],
         move: Callable[[Any, Any], tuple[Any, Any]] | None = None,
         first_step: int = 0,
     ):
         super().__init__(name, group)
         self.in_q, self.step_fn, self.device = in_q, step, device
-        self.counters, self.telemetry, self.on_step = counters, telemetry, on_step
+        self.counters, self.on_step = counters, on_step
         self.move, self.first_step = move, first_step
         self.steps_done = 0
 
@@ -233,23 +242,23 @@ class DrafterTrainLoop(StageThread):
         # The trainer's phases nest under drafter.step (the innermost open phase of
         # this thread); entering them here makes a failure name the exact phase.
         self.enter(name)
-        return self.telemetry.phase(name, device=self.device)
+        return tracing.phase(name, device=self.device)
 
     def loop(self) -> None:
-        tel = self.telemetry
+        attrs = _thread_attributes(self, self.device)
         while True:
-            item = _take(self, self.in_q, self.counters, tel, self.device)
+            item = _take(self, self.in_q, self.counters, attrs)
             if item is END:
                 return
-            self.enter("drafter.step")
+            self.enter(names.DRAFTER_STEP)
             try:
                 batch, target_out = item.batch, item.target_out
                 if self.move is not None:
                     batch, target_out = self.move(batch, target_out)
-                step_attrs = {"step": self.first_step + self.steps_done, "batch.id": batch.batch_id,
-                              "device": str(self.device)}  # fmt: skip
-                with tel.phase("drafter.step", level="step", parent=item.span,
-                               attributes=step_attrs):  # fmt: skip
+                step_attrs = {**attrs, names.STEP: self.first_step + self.steps_done,
+                              names.BATCH_ID: batch.batch_id}  # fmt: skip
+                with tracing.phase(names.DRAFTER_STEP, level="step", parent=item.span,
+                                   attributes=step_attrs):  # fmt: skip
                     result = self.step_fn(batch, target_out, self._phase)
             except BaseException as exc:
                 _end_span(item.span, exc)
@@ -281,26 +290,24 @@ class Pipeline:
         on_step: Callable[[int, int, Any, Any], None],
         batch_queue_size: int,
         hs_queue_size: int,
-        telemetry: Telemetry | None = None,
         span_attributes: Mapping[str, Any] | None = None,
         pin_memory: bool = False,
         group: StageGroup | None = None,
         first_step: int = 0,
     ) -> Pipeline:
         """Wire the stages; `on_step(replica, replica_step, batch, result)` after each step."""
-        tel = telemetry if telemetry is not None else NullTelemetry()
         group, counters = group or StageGroup(), PipelineCounters()
         batch_q: BoundedQueue[Any] = BoundedQueue("batch_queue", batch_queue_size, group.stop)
         hs_q: BoundedQueue[Any] = BoundedQueue("hs_queue", hs_queue_size, group.stop)
-        Prefetcher(group, batch_q, make_batch, indices, len(forwards), tel,
-                   span_attributes or {}, pin_memory)  # fmt: skip
+        Prefetcher(group, batch_q, make_batch, indices, len(forwards), span_attributes or {},
+                   pin_memory)  # fmt: skip
         producers = _Countdown(len(forwards))
         for i, (device, forward) in enumerate(forwards):
             TargetForwardLoop(f"target-{i}", group, batch_q, hs_q, forward, device, counters,
-                              tel, producers, len(steps))  # fmt: skip
+                              producers, len(steps))  # fmt: skip
         for i, (device, step, move) in enumerate(steps):
             DrafterTrainLoop(
-                f"drafter-{i}", group, hs_q, step, device, counters, tel,
+                f"drafter-{i}", group, hs_q, step, device, counters,
                 (lambda k: lambda n, b, r: on_step(k, n, b, r))(i), move, first_step,
             )  # fmt: skip
         return cls(group, batch_q, hs_q, counters)
@@ -335,8 +342,13 @@ class Pipeline:
         for q in (self.batch_queue, self.hs_queue):
             for item in q.drain():
                 if not isinstance(item, _EndOfStream):
-                    item.span.set_attribute("abandoned", True)
+                    item.span.set_attribute(names.ABANDONED, True)
                     item.span.end()
+
+    def snapshot(self) -> CounterSnapshot:
+        """Read-only counters and the queues' depths now (for reporting threads)."""
+        queued = {q.name: q.qsize() for q in (self.batch_queue, self.hs_queue)}
+        return self.counters.snapshot(queued_now=queued)
 
     def raise_if_failed(self) -> None:
         self.group.raise_if_failed()

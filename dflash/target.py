@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash.data import MASK_ID, ByteTokenizer
+from dflash.errors import DFlashError
 from dflash.tiny import TinyLM, load_tiny_lm, prepare_builtin_target
 
 __all__ = [
@@ -34,7 +35,7 @@ BUILTIN_NAMES = ("tiny",)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "org/name" or a legacy "name"
 
 
-class TargetError(ValueError):
+class TargetError(DFlashError):
     """A target that cannot be used (bad spec, not a causal LM, bad layer ids)."""
 
 
@@ -259,3 +260,22 @@ def load_target(
     if spec.startswith(BUILTIN_PREFIX):
         return _builtin_target(spec[len(BUILTIN_PREFIX) :], device, dtype, log)
     return _hf_target(spec, device, dtype)
+
+
+def max_positions(target: TargetModel) -> int | None:
+    """The longest sequence a Hugging Face target was built for (None: no stated limit)."""
+    if not target._is_hf:
+        return None
+    cfg = target.model.config
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    limit = getattr(text_cfg, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def prepare_target_spec(spec: str, log: Callable[[str], None] = print) -> Path | str:
+    """`dflash-train prepare-target`: train/cache builtin:tiny, or load a HF target once."""
+    if spec == "builtin:tiny":
+        return prepare_builtin_target(log=log)  # the seed and cache `train` will look for
+    target = load_target(spec, torch.device("cpu"), torch.float32)
+    log(f"target {spec}: {target.num_layers} layers, hidden size {target.hidden_size}")
+    return spec

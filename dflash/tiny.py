@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -24,7 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.data import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, embedded_corpus
+from dflash.data import cache_dir as cache_dir_default
 from dflash.layers import RMSNorm, SwiGLU, apply_rope, merge_heads, rope_cos_sin, split_heads
+from dflash.schedule import warmup_cosine
 
 
 @dataclass(frozen=True)
@@ -148,10 +149,7 @@ def _lm_loss(model: TinyLM, windows: Tensor) -> Tensor:
 
 
 def _lr_at(step: int, recipe: TinyRecipe) -> float:
-    if step < recipe.warmup_steps:
-        return recipe.lr * (step + 1) / recipe.warmup_steps
-    progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
-    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    return recipe.lr * warmup_cosine(step, recipe.warmup_steps, recipe.steps, 0.1)
 
 
 @torch.no_grad()
@@ -213,10 +211,6 @@ def cache_key(cfg: TinyLMConfig, recipe: TinyRecipe, seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("DFLASH_CACHE_DIR", Path.home() / ".cache" / "dflash-train"))
-
-
 def prepare_builtin_target(
     cache_dir: Path | str | None = None,
     seed: int = 0,
@@ -230,7 +224,7 @@ def prepare_builtin_target(
     leaves a directory that looks complete.
     """
     cfg, recipe = cfg or TinyLMConfig(), recipe or TinyRecipe()
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    root = Path(cache_dir) if cache_dir is not None else cache_dir_default()
     final = root / "targets" / cache_key(cfg, recipe, seed)
     if (final / "config.json").is_file() and (final / "model.safetensors").is_file():
         return final

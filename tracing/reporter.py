@@ -16,6 +16,8 @@ from tracing.stats import ProfileStats, StatsSnapshot
 logger = logging.getLogger("tracing")
 
 Verdict = Callable[[StatsSnapshot], "str | None"]
+# Returns (merged snapshot, one snapshot per process) for the interval, or None.
+IntervalSource = Callable[[], "tuple[StatsSnapshot, list[StatsSnapshot]] | None"]
 
 
 class _Rate:
@@ -70,6 +72,7 @@ class Reporter:
         self._thread: threading.Thread | None = None
         self._final_printed = False
         self._previous_excepthook: Any = None
+        self._interval_source: IntervalSource | None = None
 
     def add_rate(self, name: str, counter: Callable[[], float], unit: str = "/s") -> None:
         """Shows the growth of `counter()` per second over each interval (e.g. tokens)."""
@@ -82,6 +85,12 @@ class Reporter:
     def set_verdict(self, verdict: Verdict | None) -> None:
         """`verdict(snapshot)` returns one line naming the bottleneck, or None."""
         self._verdict = verdict
+
+    def set_interval_source(self, source: IntervalSource | None) -> None:
+        """Interval tables from `source()` instead of this process's stats: a merged
+        snapshot plus one per process (e.g. per rank), shown as min/max columns.
+        When it returns None (or raises), the interval uses this process's stats."""
+        self._interval_source = source
 
     def start(self) -> Reporter:
         if self._thread is None:
@@ -96,8 +105,18 @@ class Reporter:
 
     def report_interval(self) -> str:
         """Prints (and returns) the table of the interval since the previous one."""
-        snapshot = self.stats.take_interval()
-        return self._emit(self.render(snapshot, f"{self._title}: last {snapshot.wall_s:.1f}s"))
+        gathered = None
+        if self._interval_source is not None:
+            try:
+                gathered = self._interval_source()
+            except Exception:
+                logger.exception("tracing: reporter interval source raised")
+        if gathered is None:
+            snapshot = self.stats.take_interval()
+            return self._emit(self.render(snapshot, f"{self._title}: last {snapshot.wall_s:.1f}s"))
+        snapshot, parts = gathered
+        title = f"{self._title}: last {snapshot.wall_s:.1f}s, {len(parts)} ranks"
+        return self._emit(self.render(snapshot, title, rank_snapshots=parts))
 
     def report_final(self, note: str = "") -> str:
         """Prints (and returns) the cumulative table; later calls print nothing."""
@@ -109,8 +128,16 @@ class Reporter:
         title = f"{self._title}: total {snapshot.wall_s:.1f}s{note}"
         return self._emit(self.render(snapshot, title, cumulative=True))
 
-    def render(self, snapshot: StatsSnapshot, title: str, cumulative: bool = False) -> str:
-        lines = [format_table(snapshot, title=title)]
+    def render(
+        self,
+        snapshot: StatsSnapshot,
+        title: str,
+        cumulative: bool = False,
+        rank_snapshots: list[StatsSnapshot] | None = None,
+    ) -> str:
+        """The table (per-process min/max columns with `rank_snapshots`), throughput
+        figures and verdict line, as printed."""
+        lines = [format_table(snapshot, title=title, rank_snapshots=rank_snapshots)]
         figures = [
             f"{name} {_call_text(lambda r=rate: r.sample(snapshot.wall_s, cumulative))}"
             for name, rate in self._rates.items()

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from dflash.config import config_from_options
+from dflash.devices import decide_placement
+from dflash.run import Run, build_run
 from dflash.tiny import TinyLM, TinyLMConfig
 
 SMALL_LM = TinyLMConfig(hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64)
@@ -37,6 +39,11 @@ def small_options(tmp_path, output_dir=None):
         "num_anchors": 4, "warmup_steps": 2, "eval_prompts": 0,
         "output_dir": str(output_dir or tmp_path), "data": str(write_corpus(tmp_path)),
     }  # fmt: skip
+
+
+def cpu_run(cfg) -> Run:
+    """build_run on the devices the config places on this (CPU) machine, quietly."""
+    return build_run(cfg, decide_placement(cfg.pipeline), log=lambda _: None)
 
 
 def small_cfg(tmp_path, output_dir=None, **overrides):

@@ -4,9 +4,10 @@ import pytest
 import yaml
 from app_fixtures import small_options, tiny_target  # noqa: F401 - fixture
 from click.testing import CliRunner
+from test_config import NON_DEFAULT
 
 from dflash import cli as cli_mod
-from dflash.config import TrainConfig, option_default
+from dflash.config import TrainConfig, option_default, option_map
 
 
 def invoke(args, env=None):
@@ -26,7 +27,7 @@ def assert_one_line_error(result, *fragments):
 def captured(monkeypatch):
     """Replace training by recording the config the CLI built."""
     seen: list[TrainConfig] = []
-    monkeypatch.setattr("dflash.pipeline.run_pipeline", lambda cfg, **_: seen.append(cfg))
+    monkeypatch.setattr("dflash.pipeline.run_training", lambda cfg, **_: seen.append(cfg))
     return seen
 
 
@@ -43,6 +44,11 @@ def captured(monkeypatch):
         (["--hs-queue-size", "0"], ["--hs-queue-size"]),
         (["--trace-sample-ratio", "2"], ["--trace-sample-ratio"]),
         (["--target-layers", "1,x"], ["--target-layers"]),
+        (["--lr", "inf"], ["--lr", "inf"]),
+        (["--lr", "nan"], ["--lr", "nan"]),
+        (["--kl-temperature", "-inf"], ["--kl-temperature"]),
+        (["--block-size", "100000"], ["--block-size", "100000", "--seq-len"]),
+        (["--trace-level", "loud"], ["--trace-level", "loud"]),
     ],
 )
 def test_bad_values_exit_2_with_one_line(args, fragments, captured) -> None:
@@ -77,7 +83,7 @@ def test_toml_config_with_pipeline_and_telemetry_keys(tmp_path, captured) -> Non
     assert invoke(["--config", str(cfg_file)]).exit_code == 0
     cfg = captured[0]
     assert cfg.target.layer_ids == (1, 2) and cfg.pipeline.drafter_devices == ("cpu", "cpu")
-    assert cfg.telemetry.trace_level == "step" and cfg.objective.use_soft_labels
+    assert cfg.telemetry.trace_level == "step" and cfg.loss.use_soft_labels
     assert cfg.telemetry.profile_interval_s == 5.0
 
 
@@ -90,6 +96,9 @@ def test_toml_config_with_pipeline_and_telemetry_keys(tmp_path, captured) -> Non
         ("use_soft_labels: 3\n", ["use_soft_labels"]),
         ("- a list\n", ["mapping"]),
         ("steps: [unclosed\n", ["cannot parse"]),
+        ("objective:\n  kl_weight: 0.5\n", ["c.yaml", "unknown section objective"]),
+        ("run:\n  stepz: 3\n", ["c.yaml", "run.stepz"]),
+        ("schema_version: 7\nrun: {}\n", ["c.yaml", "schema_version", "7"]),
     ],
 )
 def test_bad_config_files(tmp_path, content, fragments, captured) -> None:
@@ -172,7 +181,7 @@ def test_train_then_eval_with_json(tmp_path) -> None:
 
 
 def test_help_shows_units_defaults_and_env_vars() -> None:
-    text = invoke(["train", "--help"]).output
+    text = " ".join(invoke(["train", "--help"]).output.split())  # help wraps lines
     for fragment in (
         "--steps",
         "DFLASH_STEPS",
@@ -204,3 +213,53 @@ def test_eval_rejects_a_bad_device_and_a_non_drafter_dir(tmp_path) -> None:
     result = invoke(["eval", "--drafter", str(tmp_path), "--device", "gpu7"])
     assert_one_line_error(result, "gpu7")
     assert_one_line_error(invoke(["eval", "--drafter", str(tmp_path)]), "not a saved drafter")
+
+
+def _flags(values):
+    args = []
+    for name, value in values.items():
+        opt = option_map()[name]
+        if opt.kind is bool:
+            args.append(opt.flag if value else "--no-" + opt.flag[2:])
+        else:
+            text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            args += [opt.flag, text]
+    return args
+
+
+def test_saved_config_json_reproduces_the_run_exactly(tmp_path, captured) -> None:
+    """Every field set by flag, saved as OUTPUT_DIR/config.json, read back by --config."""
+    assert invoke(["train", *_flags(NON_DEFAULT)]).exit_code == 0
+    first = captured[0]
+    saved = tmp_path / "config.json"
+    saved.write_text(json.dumps(first.to_dict(), indent=2))
+    result = invoke(["train", "--config", str(saved)])
+    assert result.exit_code == 0, result.output
+    assert captured[1] == first and captured[1] != TrainConfig()
+
+
+def test_environment_variables_are_derived_for_every_option(captured) -> None:
+    env = {option_map()[name].envvar: _flags({name: v})[-1] for name, v in NON_DEFAULT.items()
+           if option_map()[name].kind is not bool}  # fmt: skip
+    assert invoke(["train"], env=env).exit_code == 0
+    for name, value in NON_DEFAULT.items():
+        opt = option_map()[name]
+        if opt.kind is not bool:
+            assert getattr(getattr(captured[0], opt.section), opt.field) == value, name
+
+
+def test_unwritable_output_dir_is_one_line_before_any_work(tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = invoke(_train_args(tmp_path, output_dir=str(blocker / "run")))
+    assert_one_line_error(result, "--output-dir", "cannot create or write")
+
+
+@pytest.mark.slow  # imports transformers
+def test_seq_len_beyond_the_targets_positions(tmp_path) -> None:
+    from test_trainer import _save_tiny_hf_model
+
+    model_dir = tmp_path / "hf"
+    _save_tiny_hf_model(model_dir)  # max_position_embeddings 256
+    result = invoke(_train_args(tmp_path, target=str(model_dir), seq_len=512))
+    assert_one_line_error(result, "--seq-len 512", "max_position_embeddings 256")

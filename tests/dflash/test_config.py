@@ -1,36 +1,63 @@
+import json
+
 import pytest
 
 from dflash.config import (
-    OPTION_FIELDS,
+    SCHEMA_VERSION,
     ConfigError,
     DataConfig,
     DrafterSettings,
-    ObjectiveConfig,
+    LossConfig,
     PipelineConfig,
     RunConfig,
     TelemetryConfig,
     TrainConfig,
     config_from_options,
+    option_map,
+    options,
+    values_from_mapping,
 )
+from dflash.errors import DFlashError
+
+# A valid value other than the default for every option: the round-trip tests use it,
+# and `test_every_option_has_a_round_trip_value` fails when a new field is missing here.
+NON_DEFAULT = {
+    "data": "corpus.txt", "seq_len": 64, "batch_size": 3, "heldout_fraction": 0.1,
+    "target": "builtin:other", "target_layers": (1, 3), "drafter_layers": 2,
+    "block_size": 6, "num_anchors": 5, "loss_decay_gamma": 2.5, "use_soft_labels": True,
+    "kl_temperature": 2.0, "kl_weight": 0.25, "streak_alpha": 0.5, "lr": 1e-3,
+    "warmup_steps": 3, "grad_clip": 0.5, "weight_decay": 0.01, "min_lr_ratio": 0.2,
+    "steps": 7, "seed": 11, "output_dir": "runs/x", "resume": "latest", "save_every": 2,
+    "keep_checkpoints": 4, "log_every": 3, "eval_prompts": 2, "eval_new_tokens": 9,
+    "eval_prompt_tokens": 10, "debug": True, "target_devices": ("cpu", "cpu"),
+    "drafter_devices": ("cpu",), "batch_queue_size": 5, "hs_queue_size": 3,
+    "otlp_endpoint": "localhost:4317", "otlp_protocol": "http", "trace_level": "step",
+    "trace_sample_ratio": 0.5, "trace_file": "spans.jsonl", "cuda_timing": "events",
+    "profile_interval": 5.0, "service_name": "svc",
+}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("build", "flag"),
     [
         (lambda: DrafterSettings(block_size=1), "--block-size"),
-        (lambda: ObjectiveConfig(num_anchors=0), "--num-anchors"),
-        (lambda: ObjectiveConfig(kl_temperature=0.0), "--kl-temperature"),
-        (lambda: ObjectiveConfig(kl_temperature=-1.0), "--kl-temperature"),
-        (lambda: ObjectiveConfig(streak_alpha=1.5), "--streak-alpha"),
-        (lambda: ObjectiveConfig(streak_alpha=-0.1), "--streak-alpha"),
-        (lambda: ObjectiveConfig(kl_weight=2.0), "--kl-weight"),
+        (lambda: LossConfig(num_anchors=0), "--num-anchors"),
+        (lambda: LossConfig(kl_temperature=0.0), "--kl-temperature"),
+        (lambda: LossConfig(kl_temperature=-1.0), "--kl-temperature"),
+        (lambda: LossConfig(streak_alpha=1.5), "--streak-alpha"),
+        (lambda: LossConfig(streak_alpha=-0.1), "--streak-alpha"),
+        (lambda: LossConfig(kl_weight=2.0), "--kl-weight"),
+        (lambda: LossConfig(gamma=0.0), "--loss-decay-gamma"),
         (lambda: RunConfig(steps=0), "--steps"),
         (lambda: DataConfig(batch_size=0), "--batch-size"),
+        (lambda: DataConfig(heldout_fraction=1.0), "--heldout-fraction"),
         (lambda: PipelineConfig(hs_queue_size=0), "--hs-queue-size"),
         (lambda: PipelineConfig(target_devices=("gpu7",)), "--target-devices"),
         (lambda: TelemetryConfig(trace_level="verbose"), "--trace-level"),
         (lambda: TelemetryConfig(trace_sample_ratio=1.5), "--trace-sample-ratio"),
         (lambda: TelemetryConfig(profile_interval_s=0), "--profile-interval"),
+        (lambda: RunConfig(steps=2.5), "--steps"),
+        (lambda: DataConfig(source="  "), "--data"),
     ],
 )
 def test_bad_values_name_the_flag_and_value(build, flag) -> None:
@@ -38,33 +65,84 @@ def test_bad_values_name_the_flag_and_value(build, flag) -> None:
         build()
     message = str(info.value)
     assert flag in message and "\n" not in message
+    assert isinstance(info.value, DFlashError)
 
 
-def test_round_trip_through_dict() -> None:
-    cfg = config_from_options(
-        {"steps": 7, "target_layers": [1, 3], "drafter_devices": ["cpu", "cpu"], "kl_weight": 0.3}
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("name", [o.name for o in options() if o.kind is float])
+def test_every_float_option_refuses_non_finite_numbers(name, value) -> None:
+    with pytest.raises(ConfigError, match="finite"):
+        config_from_options({name: value})
+
+
+def test_block_longer_than_a_row_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"--block-size 100000 .*--seq-len 128"):
+        config_from_options({"block_size": 100000})
+
+
+def test_every_option_has_a_round_trip_value() -> None:
+    assert set(NON_DEFAULT) == set(option_map())
+    for name, value in NON_DEFAULT.items():
+        assert value != option_map()[name].default, name
+
+
+@pytest.mark.parametrize("name", sorted(NON_DEFAULT))
+def test_every_field_round_trips_through_config_json(name) -> None:
+    cfg = config_from_options({name: NON_DEFAULT[name]})
+    text = json.dumps(cfg.to_dict())  # what OUTPUT_DIR/config.json holds
+    back = TrainConfig.from_dict(json.loads(text), "config.json")
+    assert back == cfg
+    opt = option_map()[name]
+    assert getattr(getattr(back, opt.section), opt.field) == NON_DEFAULT[name]
+
+
+def test_all_fields_at_once_round_trip() -> None:
+    cfg = config_from_options(NON_DEFAULT)
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert cfg.to_dict()["schema_version"] == SCHEMA_VERSION
+
+
+def test_flat_and_sectioned_keys_mix() -> None:
+    values = values_from_mapping(
+        {"seq-len": 64, "loss": {"kl_weight": 0.3}, "target_layers": "1,2"}, "f.yaml"
     )
-    data = cfg.to_dict()
-    assert data["target"]["layer_ids"] == [1, 3]
-    back = TrainConfig.from_dict(data)
-    assert back == cfg and back.run.steps == 7 and back.pipeline.drafter_devices == ("cpu", "cpu")
+    cfg = config_from_options(values)
+    assert cfg.data.seq_len == 64 and cfg.loss.kl_weight == 0.3
+    assert cfg.target.layer_ids == (1, 2)
 
 
-def test_from_dict_rejects_unknown_keys() -> None:
-    with pytest.raises(ConfigError, match="bogus"):
-        TrainConfig.from_dict({"run": {"bogus": 1}})
-
-
-def test_every_option_maps_to_a_real_field() -> None:
-    cfg = TrainConfig()
-    for section, name in OPTION_FIELDS.values():
-        assert hasattr(getattr(cfg, section), name)
+@pytest.mark.parametrize(
+    ("raw", "fragments"),
+    [
+        ({"run": {"bogus": 1}}, ["f.json", "run.bogus"]),
+        ({"objective": {"kl_weight": 0.5}}, ["f.json", "unknown section objective"]),
+        ({"stepz": 3}, ["f.json", "unknown key stepz"]),
+        ({"schema_version": 99, "run": {}}, ["f.json", "schema_version", "99"]),
+        ({"steps": 1.5}, ["f.json", "'steps'", "1.5"]),
+        ({"data": {"seq_len": True}}, ["f.json", "'seq_len'", "True"]),
+        ({"target_layers": "1,x"}, ["f.json", "'target_layers'"]),
+    ],
+)
+def test_bad_config_mappings_name_the_key_and_the_file(raw, fragments) -> None:
+    with pytest.raises(ConfigError) as info:
+        values_from_mapping(raw, "f.json")
+    for fragment in fragments:
+        assert fragment in str(info.value)
 
 
 def test_gamma_defaults_follow_the_paper() -> None:
     assert config_from_options({"block_size": 16}).gamma == pytest.approx(7.0)
     assert config_from_options({"block_size": 8}).gamma == pytest.approx(4.0)
+    assert config_from_options({"block_size": 10}).gamma == pytest.approx(5.0)
     assert config_from_options({"loss_decay_gamma": 2.5}).gamma == 2.5
+
+
+def test_option_names_flags_and_variables_are_derived() -> None:
+    opt = option_map()["profile_interval"]
+    assert (opt.section, opt.field) == ("telemetry", "profile_interval_s")
+    assert (opt.flag, opt.envvar) == ("--profile-interval", "DFLASH_PROFILE_INTERVAL")
+    assert option_map()["trace_level"].choices == ("off", "step", "phase")
+    assert all(o.spec.help.strip() for o in options())
 
 
 def test_config_is_frozen() -> None:

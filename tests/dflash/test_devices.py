@@ -81,3 +81,58 @@ def test_mixed_drafter_device_types_are_rejected(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(devices, "_available_count", lambda kind: 1)
     with pytest.raises(DeviceError, match="mixes device types"):
         resolve_devices("cpu", "cpu,cuda:0")
+
+
+TORCHRUN_2_GPUS = [
+    # (rank, devices option, GPUs on the node, expected targets, expected drafters)
+    (0, {}, 2, ["cuda:0"], ["cuda:0"]),  # auto: one GPU per rank serves both sides
+    (1, {}, 2, ["cuda:1"], ["cuda:1"]),
+    (0, {}, 4, ["cuda:0"], ["cuda:2"]),  # auto: two GPUs per rank
+    (1, {}, 4, ["cuda:1"], ["cuda:3"]),
+    (0, {"target_devices": ["cuda:0"], "drafter_devices": ["cuda:1"]}, 2, ["cuda:0"], ["cuda:1"]),
+    (1, {"target_devices": ["cuda:0"], "drafter_devices": ["cuda:1"]}, 2, ["cuda:0"], ["cuda:1"]),
+    (1, {"target_devices": ["cuda:1"], "drafter_devices": ["cuda:1"]}, 2, ["cuda:1"], ["cuda:1"]),
+]
+
+
+def _simulate_torchrun_node(monkeypatch: pytest.MonkeyPatch, rank: int, gpus: int) -> None:
+    """A node with `gpus` GPUs under `torchrun --nproc-per-node 2`, seen from `rank`."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2,
+                        "LOCAL_WORLD_SIZE": 2}.items():  # fmt: skip
+        monkeypatch.setenv(name, str(value))
+
+
+@pytest.mark.parametrize(("rank", "opts", "gpus", "targets", "drafters"), TORCHRUN_2_GPUS)
+def test_placement_is_decided_once_per_rank_and_used_by_the_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path, rank, opts, gpus, targets, drafters
+) -> None:
+    """run_pipeline decides the rank's devices once, local-rank aware, and builds the run
+    on exactly those (before, the run builder decided again without the local rank)."""
+    from dflash import pipeline
+    from dflash.config import config_from_options
+    from dflash.devices import decide_placement
+    from dflash.distributed import dist_info_from_env
+
+    _simulate_torchrun_node(monkeypatch, rank, gpus)
+    cfg = config_from_options({"output_dir": str(tmp_path), **opts})
+    info = dist_info_from_env()
+    placement = decide_placement(cfg.pipeline, info.local_rank, info.local_world_size)
+    assert [str(d) for d in placement.targets] == targets
+    assert [str(d) for d in placement.drafters] == drafters
+
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def build_run(cfg_, placement_, log):
+        seen.append(placement_)
+        raise Built
+
+    monkeypatch.setattr(pipeline, "init_distributed", lambda info, device: None)
+    monkeypatch.setattr(pipeline, "build_run", build_run)
+    with pytest.raises(Built):
+        pipeline.run_pipeline(cfg, log=lambda _: None)
+    assert seen == [placement]

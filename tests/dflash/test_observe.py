@@ -1,5 +1,7 @@
 """Tracing the pipeline end to end (issue 5): real runs into the SDK's in-memory exporter."""
 
+import json
+
 import pytest
 from app_fixtures import small_cfg, tiny_target  # noqa: F401 - fixture
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -7,18 +9,19 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 import tracing
+from dflash import names
 from dflash.observe import Observer, describe, tracing_config
-from dflash.pipeline import Pipeline, PipelineError, run_pipeline
-from dflash.trainer import DrafterTrainer, null_phase
+from dflash.pipeline import PipelineError, run_pipeline
+from dflash.stages import Pipeline
+from dflash.step import DrafterTrainer, null_phase
 
 STEPS = 4
-DRAFTER_PHASES = ("anchor_selection", "block_prediction", "loss", "backward", "optimizer")
 PARENT = {
-    "batch_queue.wait": "batch",
-    "target.forward": "batch",
-    "hs_queue.wait": "batch",
-    "drafter.step": "batch",
-    **{f"drafter.{p}": "drafter.step" for p in DRAFTER_PHASES},
+    names.BATCH_QUEUE_WAIT: names.BATCH,
+    names.TARGET_FORWARD: names.BATCH,
+    names.HS_QUEUE_WAIT: names.BATCH,
+    names.DRAFTER_STEP: names.BATCH,
+    **{p: names.DRAFTER_STEP for p in names.DRAFTER_PHASES},
 }
 
 
@@ -33,9 +36,9 @@ def traced_run(tmp_path, obs: Observer, **overrides) -> list[str]:
     lines: list[str] = []
     cfg = small_cfg(tmp_path, steps=STEPS, **overrides)
     try:
-        run_pipeline(cfg, log=lines.append, telemetry=obs, on_start=obs.attach)
+        run_pipeline(cfg, log=lines.append, observer=obs)
     finally:
-        obs.close(lines.append, gather_ranks=False)
+        obs.close(lines.append)
     return lines
 
 
@@ -66,20 +69,36 @@ def test_every_batch_has_a_whole_tree_in_time_order(tmp_path) -> None:
         assert named["hs_queue.wait"].end_time <= named["drafter.step"].start_time
         assert named["target.forward"].end_time <= named["hs_queue.wait"].end_time
         root = named["batch"].attributes
-        assert root["tokens"] > 0 and "batch.id" in root and root["rank"] == 0
-        assert named["drafter.step"].attributes["device"] == "cpu"
-        assert "step" in named["drafter.step"].attributes
-        assert "queue.depth" in named["hs_queue.wait"].attributes
+        assert root[names.TOKENS] > 0 and names.BATCH_ID in root and root[names.RANK] == 0
+        step_attrs = named["drafter.step"].attributes
+        assert step_attrs[names.DEVICE] == "cpu" and names.STEP in step_attrs
+        assert step_attrs[names.THREAD_NAME] == "drafter-0" and names.THREAD_ID in step_attrs
+        assert names.QUEUE_DEPTH in named["hs_queue.wait"].attributes
+        assert set(named) <= set(names.SPANS)
     steps = sorted(named_step(t) for t in trees.values())
     assert steps == list(range(STEPS))
+    # Logged steps (the first and the last here) carry the step figures.
+    logged = {named_step(t): t for t in trees.values()
+              if names.METRIC_LOSS in step_span(t).attributes}  # fmt: skip
+    assert sorted(logged) == [0, STEPS - 1]
+    attrs = step_span(logged[0]).attributes
+    assert attrs[names.METRIC_LOSS] > 0 and attrs[names.METRIC_TAU_ESTIMATE] >= 1.0
+    lines_on_disk = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    jsonl = [json.loads(line) for line in lines_on_disk]
+    assert [m["step"] for m in jsonl] == [1, STEPS]
+    assert jsonl[0]["loss"] == attrs[names.METRIC_LOSS]
     # Checkpoint saves and evaluation are traces of their own.
     assert {"checkpoint.save", "eval"} <= {s.name for s in spans if s.parent is None}
     assert any(line.startswith("telemetry: traces -> nowhere") for line in lines)
     assert any("spans exported" in line for line in lines)
 
 
+def step_span(trace):
+    return next(s for s in trace if s.name == names.DRAFTER_STEP)
+
+
 def named_step(trace) -> int:
-    return next(s.attributes["step"] for s in trace if s.name == "drafter.step")
+    return step_span(trace).attributes[names.STEP]
 
 
 @pytest.mark.usefixtures("tiny_target")
@@ -122,7 +141,6 @@ def synthetic_run(obs: Observer, batches: int) -> None:
         on_step=lambda *_: None,
         batch_queue_size=4,
         hs_queue_size=4,
-        telemetry=obs,
     )
     pipe.run()
     pipe.raise_if_failed()
@@ -135,7 +153,7 @@ def test_sampling_exports_a_tenth_but_counts_every_phase() -> None:
         obs, exporter = observer(sample_ratio=ratio)
         synthetic_run(obs, 400)
         counts[ratio] = {n: p.count for n, p in obs.stats.snapshot().phases.items()}
-        obs.close(lambda _: None, gather_ranks=False)
+        obs.close(lambda _: None)
         exported[ratio] = sum(s.name == "batch" for s in exporter.get_finished_spans())
     assert counts[0.1] == counts[1.0]
     assert counts[1.0]["hs_queue.wait"] == 400

@@ -9,14 +9,13 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
-from dflash.pipeline import Pipeline
+from dflash import names
 from dflash.queues import PipelineError
+from dflash.stages import Pipeline
 
 
 @dataclass(frozen=True)
@@ -26,7 +25,7 @@ class FakeBatch:
 
 
 def build(n: int = 8, forward=None, step=None, make_batch=FakeBatch, targets=1, drafters=1,
-          telemetry=None, record=None) -> Pipeline:  # fmt: skip
+          record=None) -> Pipeline:  # fmt: skip
     def default_step(batch, target_out, phase):
         with phase("drafter.loss"):
             return target_out
@@ -39,7 +38,6 @@ def build(n: int = 8, forward=None, step=None, make_batch=FakeBatch, targets=1, 
         on_step=record or (lambda *a: None),
         batch_queue_size=2,
         hs_queue_size=2,
-        telemetry=telemetry,
     )
 
 
@@ -129,119 +127,70 @@ def test_stalled_producer_is_reported_and_never_hangs() -> None:
         pipe.raise_if_failed()
 
 
-class RecordingTelemetry:
-    """Records (name, parent, start_time_ns, attributes) of every phase and span."""
-
-    def __init__(self) -> None:
-        self.spans: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-
-    @contextmanager
-    def phase(self, name, *, level="phase", parent=None, start_time_ns=None, attributes=None,
-              device=None):  # fmt: skip
-        entry = {"name": name, "parent": parent, "start_ns": start_time_ns or time.time_ns(),
-                 "attributes": dict(attributes or {})}  # fmt: skip
-        with self.lock:
-            self.spans.append(entry)
-        yield
-        entry["end_ns"] = time.time_ns()
-
-    def record(self, name, seconds):
-        with self.lock:
-            self.spans.append({"name": name, "seconds": seconds, "stats_only": True})
-
-    def close(self, log, gather_ranks):
-        return None
-
-    def start_span(self, name, attributes=None, *, level="step"):
-        telemetry = self
-
-        class Handle:
-            context = object()
-            start_time_ns = time.time_ns()
-
-            def set_attribute(self, key, value):
-                self.attributes[key] = value
-
-            def record_exception(self, exc):
-                self.error = exc
-
-            def end(self, end_time_ns=None):
-                self.end_ns = time.time_ns()
-
-        handle = Handle()
-        handle.attributes, handle.end_ns = dict(attributes or {}), None
-        with telemetry.lock:
-            telemetry.spans.append({"name": name, "handle": handle})
-        return handle
-
-
-def test_one_trace_per_batch_with_waits_under_the_batch_they_received() -> None:
-    tel = RecordingTelemetry()
-    pipe = build(n=5, telemetry=tel)
-    pipe.run()
-    pipe.raise_if_failed()
-    roots = [s["handle"] for s in tel.spans if s["name"] == "batch"]
-    assert [r.attributes["batch.id"] for r in roots] == list(range(5))
-    assert all(r.end_ns is not None for r in roots)  # ended after the drafter step
-    for root in roots:
-        children = {s["name"]: s for s in tel.spans if s.get("parent") is root}
-        assert set(children) == {"batch_queue.wait", "target.forward", "hs_queue.wait",
-                                 "drafter.step"}  # fmt: skip
-        for wait in ("batch_queue.wait", "hs_queue.wait"):
-            assert "queue.depth" in children[wait]["attributes"]
-            assert children[wait]["start_ns"] <= children[wait]["end_ns"]
-        assert children["drafter.step"]["end_ns"] <= root.end_ns
-    # The trainer's phases are opened without a parent: they nest under drafter.step.
-    assert any(s["name"] == "drafter.loss" and s["parent"] is None for s in tel.spans)
-    # Time blocked on hs_queue.put feeds the tables (the verdict), not the trace.
-    puts = [s for s in tel.spans if s["name"] == "hs_queue.put"]
-    assert len(puts) == 5 and all(s["stats_only"] for s in puts)
-
-
-def test_failing_batch_trace_is_ended_with_the_error() -> None:
-    tel = RecordingTelemetry()
-
-    def forward(batch):
-        raise KeyError("layer 7")
-
-    pipe = build(n=3, forward=forward, telemetry=tel)
-    pipe.run()
-    first = next(s["handle"] for s in tel.spans if s["name"] == "batch")
-    assert isinstance(first.error, KeyError) and first.end_ns is not None
-
-
-def test_real_tracing_gives_one_trace_per_batch() -> None:
+@pytest.fixture
+def spans():
+    """Real tracing into the SDK's in-memory exporter; the finished spans, by call."""
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     import tracing
-    from dflash.observe import Observer
 
     exporter = InMemorySpanExporter()
-    cfg = tracing.TracingConfig()
-    telemetry = tracing.setup(cfg, span_processors=[SimpleSpanProcessor(exporter)])
-    try:
-        pipe = build(n=4, targets=2, telemetry=Observer(cfg, telemetry, world_size=1))
-        pipe.run()
-        pipe.raise_if_failed()
-    finally:
-        tracing.shutdown(timeout_s=1.0)
-    spans = exporter.get_finished_spans()
-    roots = [s for s in spans if s.name == "batch"]
-    assert len(roots) == 4 and len({r.context.trace_id for r in roots}) == 4
-    by_id = {s.context.span_id: s for s in spans}
+    tracing.setup(tracing.TracingConfig(), span_processors=[SimpleSpanProcessor(exporter)])
+    yield exporter.get_finished_spans
+    tracing.shutdown(timeout_s=1.0)
+
+
+def test_one_trace_per_batch_with_waits_under_the_batch_they_received(spans) -> None:
+    import tracing
+
+    pipe = build(n=5, targets=2)
+    pipe.run()
+    pipe.raise_if_failed()
+    finished = spans()
+    roots = [s for s in finished if s.name == names.BATCH]
+    assert sorted(r.attributes[names.BATCH_ID] for r in roots) == list(range(5))
+    assert len({r.context.trace_id for r in roots}) == 5
+    by_id = {s.context.span_id: s for s in finished}
     for root in roots:
-        trace = [s for s in spans if s.context.trace_id == root.context.trace_id]
+        trace = [s for s in finished if s.context.trace_id == root.context.trace_id]
         parents = {s.name: by_id[s.parent.span_id].name for s in trace if s.parent is not None}
+        # The trainer's phases are opened without a parent: they nest under drafter.step.
         assert parents == {
-            "batch_queue.wait": "batch", "target.forward": "batch", "hs_queue.wait": "batch",
-            "drafter.step": "batch", "drafter.loss": "drafter.step",
+            names.BATCH_QUEUE_WAIT: names.BATCH, names.TARGET_FORWARD: names.BATCH,
+            names.HS_QUEUE_WAIT: names.BATCH, names.DRAFTER_STEP: names.BATCH,
+            names.LOSS: names.DRAFTER_STEP,
         }  # fmt: skip
-        step = next(s for s in trace if s.name == "drafter.step")
-        assert step.end_time <= root.end_time
-        wait = next(s for s in trace if s.name == "hs_queue.wait")
-        assert "queue.depth" in wait.attributes
+        named = {s.name: s for s in trace}
+        for wait in (names.BATCH_QUEUE_WAIT, names.HS_QUEUE_WAIT):
+            assert names.QUEUE_DEPTH in named[wait].attributes
+            assert named[wait].start_time <= named[wait].end_time
+        assert named[names.DRAFTER_STEP].end_time <= root.end_time
+    # Time blocked on hs_queue.put feeds the tables (the verdict), not the trace.
+    assert tracing.get_stats().snapshot().phases[names.HS_QUEUE_PUT].count == 5
+    assert names.HS_QUEUE_PUT not in {s.name for s in finished}
+
+
+def test_failing_batch_trace_is_ended_with_the_error(spans) -> None:
+    from opentelemetry.trace import StatusCode
+
+    def forward(batch):
+        raise KeyError("layer 7")
+
+    pipe = build(n=3, forward=forward)
+    pipe.run()
+    first = next(s for s in spans() if s.name == names.BATCH)
+    assert first.status.status_code == StatusCode.ERROR and first.end_time is not None
+    assert any(e.name == "exception" for e in first.events)
+
+
+def test_snapshot_is_a_read_only_copy_with_queue_depths() -> None:
+    pipe = build(n=6)
+    pipe.run()
+    snap = pipe.snapshot()
+    assert snap.drafter_steps == 6 and snap.queued_now == {"batch_queue": 0, "hs_queue": 0}
+    with pytest.raises(AttributeError):
+        snap.drafter_steps = 0  # type: ignore[misc]
 
 
 def test_first_signal_stops_the_stages_and_handlers_are_restored() -> None:

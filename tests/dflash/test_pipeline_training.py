@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from app_fixtures import SMALL_LM, small_cfg, tiny_target  # noqa: F401 - fixture, by name
+from app_fixtures import SMALL_LM, cpu_run, small_cfg, tiny_target  # noqa: F401 - fixture
 
 from dflash import pipeline
 from dflash.checkpoint import load_checkpoint, resolve_checkpoint
 from dflash.devices import DeviceError
 from dflash.queues import PipelineError
-from dflash.trainer import DrafterTrainer, build_run, train_reference
+from dflash.reference import train_reference
+from dflash.step import DrafterTrainer
 
 
 def record_losses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
@@ -34,7 +35,7 @@ def record_losses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
 
     def step(self, batch, target_out, phase=None, **kw):
         result = real_step(self, batch, target_out, **({"phase": phase} if phase else {}))
-        seen.append((batch.batch_id, result.loss))
+        seen.append((batch.batch_id, float(result.loss)))
         return result
 
     monkeypatch.setattr(DrafterTrainer, "step", step)
@@ -45,8 +46,8 @@ def capture_replicas(monkeypatch: pytest.MonkeyPatch) -> list:
     built: list = []
     real = pipeline.build_replicas
 
-    def build(run, devices):
-        built.extend(real(run, devices))
+    def build(run):
+        built.extend(real(run))
         return built
 
     monkeypatch.setattr(pipeline, "build_replicas", build)
@@ -89,7 +90,7 @@ def test_two_drafter_threads_keep_identical_weights(
     replicas = capture_replicas(monkeypatch)
     seen = record_losses(monkeypatch)
     cfg = small_cfg(tmp_path, steps=5, drafter_devices=["cpu", "cpu"], target_devices=["cpu"] * 2)
-    before = weights_digest(build_run(cfg, log=lambda _: None).drafter)
+    before = weights_digest(cpu_run(cfg).drafter)
     summary = pipeline.run_pipeline(cfg, log=lambda _: None)
     assert len(replicas) == 2 and summary["steps"] == 5
     digests = {weights_digest(r.drafter) for r in replicas}
@@ -212,7 +213,7 @@ def _script(mode: str, out_dir: Path) -> None:
     DrafterTrainer.step = step
     replicas: list = []
     real_build = pipeline.build_replicas
-    pipeline.build_replicas = lambda run, devs: replicas.extend(real_build(run, devs)) or replicas
+    pipeline.build_replicas = lambda run: replicas.extend(real_build(run)) or replicas
     cfg = small_cfg(data_dir, out_dir / f"out{info.rank}", steps=4)
     pipeline.run_pipeline(cfg, log=print)
     (out_dir / f"rank{info.rank}.sha256").write_text(weights_digest(replicas[0].drafter))

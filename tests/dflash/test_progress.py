@@ -4,14 +4,19 @@ from dflash.config import config_from_options
 from dflash.progress import Progress, format_loss_config, format_summary
 
 
+def figures(loss: float, tau: float = 1.5) -> dict:
+    return {"loss": loss, "tau_estimate": tau}
+
+
 def test_plain_lines_when_not_a_terminal() -> None:
     stream = io.StringIO()
     progress = Progress(total_steps=20, stream=stream, interval_s=1e9)
     for step in range(1, 21):
-        progress.update(step, loss=2.0 / step, num_tokens=100)
+        logged = step == 1 or step % 2 == 0
+        progress.update(step, num_tokens=100, figures=figures(2.0 / step) if logged else None)
     progress.close()
     lines = stream.getvalue().splitlines()
-    assert lines[0].startswith("step 1/20  loss 2.0000")
+    assert lines[0].startswith("step 1/20  loss 2.0000  τ≈1.50")
     assert lines[-1].startswith("step 20/20") and "tokens/s" in lines[-1]
     assert "eta 0:00" in lines[-1]
     assert 3 <= len(lines) <= 12  # periodic, not one per step
@@ -25,7 +30,7 @@ def test_bar_on_a_terminal() -> None:
     stream = Tty()
     progress = Progress(total_steps=5, stream=stream)
     for step in range(1, 6):
-        progress.update(step, loss=1.0, num_tokens=10)
+        progress.update(step, num_tokens=10, figures=figures(1.0))
     progress.close()
     assert "5/5" in stream.getvalue() and "loss=1.0000" in stream.getvalue()
 

@@ -3,21 +3,16 @@ import math
 
 import pytest
 import torch
-from app_fixtures import small_cfg, tiny_target  # noqa: F401 - fixture
+from app_fixtures import cpu_run, small_cfg, tiny_target  # noqa: F401 - fixture
 
-from dflash.trainer import (
-    DrafterTrainer,
-    RunStats,
-    anchor_seed,
-    build_run,
-    lr_factor,
-    save_run_checkpoint,
-    train_reference,
-)
+from dflash.reference import train_reference
+from dflash.run import RunStats, save_run_checkpoint
+from dflash.schedule import warmup_cosine
+from dflash.step import DrafterTrainer, anchor_seed
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
-    factors = [lr_factor(s, 4, 20, 0.1) for s in range(21)]
+    factors = [warmup_cosine(s, 4, 20, 0.1) for s in range(21)]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in zip(factors[3:], factors[4:], strict=False))
     assert factors[20] == pytest.approx(0.1)
@@ -30,7 +25,7 @@ def test_anchor_seed_depends_only_on_seed_and_batch() -> None:
 
 @pytest.mark.usefixtures("tiny_target")
 def test_step_runs_the_five_phases_and_trains_only_the_drafter(tmp_path) -> None:
-    run = build_run(small_cfg(tmp_path), log=lambda s: None)
+    run = cpu_run(small_cfg(tmp_path))
     seen = []
 
     def phase(name):
@@ -49,7 +44,8 @@ def test_step_runs_the_five_phases_and_trains_only_the_drafter(tmp_path) -> None
         "drafter.backward", "drafter.optimizer",
     ]  # fmt: skip
     assert synced == ["drafter.backward"]
-    assert math.isfinite(result.loss) and result.num_tokens == 2 * 32
+    assert math.isfinite(float(result.loss)) and result.num_tokens == 2 * 32
+    assert result.loss.device == run.drafter_device and result.figures is None
     assert torch.equal(run.target.embed_tokens.weight, frozen)
     assert any(not torch.equal(before[n], p) for n, p in run.drafter.named_parameters())
 
@@ -59,7 +55,7 @@ def test_same_batch_gives_the_same_loss_regardless_of_order(tmp_path) -> None:
     """Anchors come from (seed, batch id), not from a shared RNG's history."""
     losses = []
     for order in ([3, 5], [5, 3]):
-        run = build_run(small_cfg(tmp_path), log=lambda s: None)
+        run = cpu_run(small_cfg(tmp_path))
         trainer = DrafterTrainer(run.drafter, run.cfg, "cpu")
         trainer.optimizer.param_groups[0]["lr"] = 0.0  # keep weights fixed
         trainer.scheduler.base_lrs = [0.0]
@@ -68,7 +64,7 @@ def test_same_batch_gives_the_same_loss_regardless_of_order(tmp_path) -> None:
             batch = run.train_data.batch(index)
             out = run.target.capture(batch.input_ids, run.layer_ids, with_logits=False)
             torch.manual_seed(index * 7 + len(per_batch))  # disturb the global RNG
-            per_batch[index] = trainer.step(batch, out).loss
+            per_batch[index] = float(trainer.step(batch, out).loss)
         losses.append(per_batch)
     assert losses[0] == losses[1]
 
@@ -86,11 +82,11 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path) -> None:
     full_log, part_log = [], []
 
     def losses(cfg, sink, stop_at=None):
-        run = build_run(cfg, log=lambda s: None)
+        run = cpu_run(cfg)
         while run.step < (stop_at or cfg.run.steps):
             batch = run.train_data.batch(run.next_batch_index)
             out = run.target.capture(batch.input_ids, run.layer_ids, with_logits=False)
-            sink.append(run.trainer.step(batch, out).loss)
+            sink.append(float(run.trainer.step(batch, out).loss))
             run.step, run.next_batch_index = run.step + 1, run.next_batch_index + 1
             if run.step == 3:
                 save_run_checkpoint(run)
@@ -128,7 +124,7 @@ def test_resume_refuses_another_drafter_shape(tmp_path) -> None:
 
     train_reference(small_cfg(tmp_path, steps=1), log=lambda s: None)
     with pytest.raises(CheckpointError, match="block_size"):
-        build_run(small_cfg(tmp_path, resume="latest", block_size=6), log=lambda s: None)
+        cpu_run(small_cfg(tmp_path, resume="latest", block_size=6))
 
 
 def _save_tiny_hf_model(directory) -> None:

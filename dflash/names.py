@@ -1,0 +1,45 @@
+"""Span and attribute names of a training run, in one place (DESIGN.md §5).
+
+The code, the tests and the dashboard's test read them from here. Attribute keys are
+namespaced `dflash.*`, except the registered OpenTelemetry conventions (`thread.*`).
+"""
+
+from __future__ import annotations
+
+# --- spans: one trace per batch ------------------------------------------------------
+BATCH = "batch"  # root, started by the prefetcher, ended after the drafter step
+BATCH_QUEUE_WAIT = "batch_queue.wait"
+TARGET_FORWARD = "target.forward"
+HS_QUEUE_WAIT = "hs_queue.wait"
+DRAFTER_STEP = "drafter.step"
+ANCHOR_SELECTION = "drafter.anchor_selection"
+BLOCK_PREDICTION = "drafter.block_prediction"
+LOSS = "drafter.loss"
+BACKWARD = "drafter.backward"
+OPTIMIZER = "drafter.optimizer"
+DRAFTER_PHASES = (ANCHOR_SELECTION, BLOCK_PREDICTION, LOSS, BACKWARD, OPTIMIZER)
+# Traces of their own, outside any batch.
+CHECKPOINT_SAVE = "checkpoint.save"
+EVAL = "eval"
+SPANS = (BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, HS_QUEUE_WAIT, DRAFTER_STEP,
+         *DRAFTER_PHASES, CHECKPOINT_SAVE, EVAL)  # fmt: skip
+
+# --- statistics without a span ---------------------------------------------------------
+HS_QUEUE_PUT = "hs_queue.put"  # target threads blocked on a full hs_queue
+
+# --- attribute keys --------------------------------------------------------------------
+STEP = "dflash.step"
+BATCH_ID = "dflash.batch.id"
+TOKENS = "dflash.tokens"
+QUEUE_DEPTH = "dflash.queue.depth"
+DEVICE = "dflash.device"
+RANK = "dflash.rank"
+ABANDONED = "dflash.batch.abandoned"
+THREAD_NAME = "thread.name"
+THREAD_ID = "thread.id"
+# On logged steps (every --log-every), on the drafter.step span.
+METRIC_LOSS = "dflash.loss"
+METRIC_TAU_ESTIMATE = "dflash.tau_estimate"
+METRIC_GRAD_NORM = "dflash.grad_norm"
+METRIC_LR = "dflash.lr"
+METRIC_ACCURACY = "dflash.accuracy_per_position"

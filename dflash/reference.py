@@ -1,0 +1,69 @@
+"""The single-threaded reference loop: target.capture, then trainer.step, one batch a step.
+
+The pipeline is tested against it (same seed, same loss curve); it shares the run
+lifecycle (dflash.run) and the step metrics (dflash.metrics) with the pipeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.config import TrainConfig
+from dflash.devices import decide_placement
+from dflash.metrics import StepMetrics
+from dflash.progress import Progress
+from dflash.replicas import move_target_out
+from dflash.run import (
+    METRICS_FILE,
+    RunStats,
+    build_run,
+    finish_run,
+    log_startup,
+    prepare_output_dir,
+    save_run_checkpoint,
+)
+
+
+def train_reference(
+    cfg: TrainConfig, log: Callable[[str], None] = print, progress_stream: Any = None
+) -> dict[str, Any]:
+    """Trains `cfg` in this thread on the first target and drafter device; the summary."""
+    started_s = time.perf_counter()
+    placement = decide_placement(cfg.pipeline)
+    prepare_output_dir(cfg)
+    run = build_run(cfg, placement, log)
+    log_startup(run, log, f"target {placement.target}, drafter {placement.drafter}")
+    progress = Progress(cfg.run.steps, run.step, stream=progress_stream, log=None)
+    metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
+                          Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip
+    losses: list[torch.Tensor] = []
+    num_tokens, train_start_s = 0, time.perf_counter()
+    soft = cfg.loss.use_soft_labels
+    try:
+        while run.step < cfg.run.steps:
+            batch = run.train_data.batch(run.next_batch_index)
+            with torch.no_grad():
+                target_out = run.target.capture(
+                    batch.input_ids.to(placement.target), run.layer_ids, with_logits=soft
+                )
+            target_out = move_target_out(target_out, placement.drafter)
+            result = run.trainer.step(batch, target_out)
+            run.step, run.next_batch_index = run.step + 1, run.next_batch_index + 1
+            losses.append(result.loss)
+            num_tokens += result.num_tokens
+            figures = metrics.read(run.step, result) if metrics.due(run.step) else None
+            if figures is not None:
+                metrics.write(figures)
+            progress.update(run.step, result.num_tokens, figures)
+            every = cfg.run.save_every
+            if every and run.step % every == 0 and run.step < cfg.run.steps:
+                save_run_checkpoint(run)
+    finally:
+        progress.close()
+    stats = RunStats([float(x) for x in losses], num_tokens, time.perf_counter() - train_start_s)
+    return finish_run(run, stats, log, started_s)

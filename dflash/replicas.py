@@ -1,0 +1,93 @@
+"""The model objects of each device: one target per target thread, one drafter replica
+(with its trainer) per drafter thread, and the copy of target features between them.
+
+Replica 0 and target 0 are the run's own objects; the others are built here on the
+devices of the run's `Placement`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash import target as target_mod  # by module: tests swap load_target
+from dflash.data import Batch
+from dflash.distributed import sync_initial_weights
+from dflash.drafter import DFlashDrafter
+from dflash.run import Run
+from dflash.step import DrafterTrainer
+from dflash.target import TargetModel, TargetOutput
+
+
+@dataclass
+class Replica:
+    device: torch.device
+    drafter: nn.Module
+    trainer: DrafterTrainer
+
+
+def frozen_parts(target: TargetModel, device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """The target's frozen embedding and LM head, on `device` (copied when elsewhere)."""
+    embed, head = target.embed_tokens, target.lm_head
+    if embed.weight.device == device:
+        return embed, head
+    return copy.deepcopy(embed).to(device), copy.deepcopy(head).to(device)
+
+
+def build_replicas(run: Run) -> list[Replica]:
+    """Replica 0 is the run's own drafter and trainer; the others start as its copies."""
+    replicas = [Replica(run.placement.drafter, run.drafter, run.trainer)]
+    for device in run.placement.drafters[1:]:
+        embed, head = frozen_parts(run.target, device)
+        with torch.random.fork_rng(devices=[]):
+            drafter = DFlashDrafter(run.drafter.config, embed, head).to(device)
+        replicas.append(Replica(device, drafter, DrafterTrainer(drafter, run.cfg, device)))
+    sync_initial_weights([r.drafter for r in replicas])
+    for replica in replicas[1:]:  # same optimizer state, schedule and step (resume included)
+        replica.trainer.load_state_dict(run.trainer.state_dict())
+    return replicas
+
+
+def capture_fn(
+    target: TargetModel, layer_ids: list[int], with_logits: bool, device: torch.device
+) -> Callable[[Batch], TargetOutput]:
+    def forward(batch: Batch) -> TargetOutput:
+        with torch.no_grad():
+            ids = batch.input_ids.to(device, non_blocking=True)
+            return target.capture(ids, layer_ids, with_logits=with_logits)
+
+    return forward
+
+
+def target_forwards(run: Run) -> list[tuple[torch.device, Callable[[Batch], TargetOutput]]]:
+    """One target per thread: `capture` hooks the module, so threads cannot share one."""
+    soft = run.cfg.loss.use_soft_labels
+    first = run.placement.target
+    forwards = [(first, capture_fn(run.target, run.layer_ids, soft, first))]
+    dtype = next(run.target.parameters()).dtype
+    for device in run.placement.targets[1:]:
+        target = target_mod.load_target(run.cfg.target.spec, device, dtype, log=lambda _: None)
+        forwards.append((device, capture_fn(target, run.layer_ids, soft, device)))
+    return forwards
+
+
+def move_target_out(target_out: TargetOutput, device: torch.device) -> TargetOutput:
+    """A TargetOutput's tensors (hidden, optional logits) on the drafter device."""
+    logits = target_out.logits
+    return dataclasses.replace(
+        target_out,
+        hidden=target_out.hidden.to(device, non_blocking=True),
+        logits=None if logits is None else logits.to(device, non_blocking=True),
+    )
+
+
+def mover(device: torch.device) -> Callable[[Any, TargetOutput], tuple[Any, TargetOutput]]:
+    """The drafter loop's move: the batch stays on the host (the step moves it after
+    drawing its anchors there), the features go to `device`."""
+    return lambda batch, target_out: (batch, move_target_out(target_out, device))

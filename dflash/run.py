@@ -1,0 +1,259 @@
+"""The life of a training run: output folder, build (and resume), checkpoints, the end.
+
+`build_run` assembles target, data, drafter and trainer on the devices of a
+`Placement` decided by the caller; `complete_run` saves and evaluates at the end;
+`build_summary` is the one place the summary (summary.json) is made, for a finished
+run and for an interrupted one alike.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash import target as target_mod  # by module: tests swap load_target
+from dflash.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    load_trainable_weights,
+    resolve_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+    trainable_weights,
+)
+from dflash.config import ConfigError, TrainConfig
+from dflash.data import PackedDataset, build_datasets
+from dflash.devices import Placement
+from dflash.drafter import DFlashDrafter, DrafterConfig, save_drafter
+from dflash.evaluate import eval_figures, evaluate_run
+from dflash.progress import format_loss_config, format_run_config, format_summary
+from dflash.step import DrafterTrainer, PhaseFn, null_phase
+from dflash.target import TargetModel, default_target_layers, validate_target_layers
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class Run:
+    """Everything a training run is built from, and where its loop stands."""
+
+    cfg: TrainConfig
+    target: TargetModel
+    drafter: DFlashDrafter
+    trainer: DrafterTrainer
+    train_data: PackedDataset
+    heldout_data: PackedDataset
+    layer_ids: list[int]
+    placement: Placement
+    output_dir: Path
+    step: int = 0
+    next_batch_index: int = 0
+    setup_s: float = 0.0
+    resumed_from: Path | None = None
+
+    @property
+    def target_device(self) -> torch.device:
+        return self.placement.target
+
+    @property
+    def drafter_device(self) -> torch.device:
+        return self.placement.drafter
+
+
+@dataclass
+class RunStats:
+    """What the loop measured; `build_summary` turns it into the summary."""
+
+    losses: list[float]
+    num_tokens: int
+    train_s: float
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def prepare_output_dir(cfg: TrainConfig) -> None:
+    """Creates OUTPUT_DIR and writes config.json first: a folder that cannot be created
+    or written is one ConfigError before any work. A fresh run starts a new metrics.jsonl."""
+    output_dir = Path(cfg.run.output_dir)
+    try:
+        write_json_atomic(output_dir / "config.json", cfg.to_dict())
+        if cfg.run.resume is None:
+            (output_dir / METRICS_FILE).unlink(missing_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(
+            f"--output-dir {cfg.run.output_dir!r} is invalid: cannot create or write it ({reason})"
+        ) from None
+
+
+def build_drafter(
+    cfg: TrainConfig, target: TargetModel, layer_ids: list[int], device: torch.device
+) -> DFlashDrafter:
+    """A freshly initialized drafter (seeded by --seed) sharing the target's frozen parts."""
+    dcfg = DrafterConfig.for_target(
+        target,
+        num_layers=cfg.drafter.num_layers,
+        block_size=cfg.drafter.block_size,
+        target_layer_ids=list(layer_ids),
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.run.seed)
+        drafter = DFlashDrafter(dcfg, target.embed_tokens, target.lm_head)
+    return drafter.to(device)
+
+
+def resolve_layer_ids(cfg: TrainConfig, num_layers: int) -> list[int]:
+    if cfg.target.layer_ids is None:
+        return default_target_layers(num_layers, cfg.drafter.num_layers)
+    ids = list(cfg.target.layer_ids)
+    validate_target_layers(ids, num_layers)
+    return ids
+
+
+def check_target_fits(cfg: TrainConfig, target: TargetModel) -> None:
+    """A row longer than the target's positions would fail deep inside its forward."""
+    limit = target_mod.max_positions(target)
+    if limit is not None and cfg.data.seq_len > limit:
+        raise ConfigError(
+            f"--seq-len {cfg.data.seq_len} is invalid: target {cfg.target.spec} has "
+            f"max_position_embeddings {limit}"
+        )
+
+
+def _check_resume_compatible(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> None:
+    """A checkpoint continues only the same drafter on the same target."""
+    current = cfg.to_dict()
+    for section in ("target", "drafter"):
+        for key, value in current[section].items():
+            old = saved.get(section, {}).get(key)
+            if old != value:
+                raise CheckpointError(
+                    f"--resume {path}: checkpoint has {section}.{key}={old!r}, this run {value!r}"
+                )
+
+
+def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None] = print) -> Run:
+    """Target, data, drafter and trainer for `cfg` on `placement`; restores `--resume`."""
+    start_s = time.perf_counter()
+    output_dir = Path(cfg.run.output_dir)
+    resume = None
+    if cfg.run.resume:  # check the checkpoint before spending minutes on the target
+        resume = load_checkpoint(resolve_checkpoint(cfg.run.resume, output_dir))
+        _check_resume_compatible(cfg, resume.config, resume.path)
+    dtype = torch.bfloat16 if placement.target.type == "cuda" else torch.float32
+    target = target_mod.load_target(cfg.target.spec, placement.target, dtype, log=log)
+    check_target_fits(cfg, target)
+    layer_ids = resolve_layer_ids(cfg, target.num_layers)
+    train, heldout = build_datasets(
+        cfg.data.source, target.tokenizer, cfg.data.seq_len, cfg.data.batch_size,
+        cfg.run.seed, cfg.data.heldout_fraction,
+    )  # fmt: skip
+    drafter = build_drafter(cfg, target, layer_ids, placement.drafter)
+    trainer = DrafterTrainer(drafter, cfg, placement.drafter)
+    run = Run(cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir)
+    if resume is not None:
+        load_trainable_weights(drafter, resume.weights)
+        trainer.load_state_dict(resume.trainer_state)
+        restore_rng_state(resume.rng_state)
+        run.step, run.next_batch_index = resume.step, resume.next_batch_index
+        run.resumed_from = resume.path
+        log(f"resumed from {resume.path} at step {resume.step}")
+    run.setup_s = time.perf_counter() - start_s
+    return run
+
+
+def save_run_checkpoint(run: Run) -> Path:
+    """Checkpoint of the run's current position (atomic; keeps the newest few)."""
+    return save_checkpoint(
+        run.output_dir / "checkpoints",
+        weights=trainable_weights(run.drafter),
+        trainer_state=run.trainer.state_dict(),
+        step=run.step,
+        next_batch_index=run.next_batch_index,
+        config=run.cfg.to_dict(),
+        keep=run.cfg.run.keep_checkpoints,
+    )
+
+
+def complete_run(run: Run, phase: PhaseFn = null_phase) -> tuple[dict[str, Any], float]:
+    """Final checkpoint and drafter, then τ on held-out: (its figures, seconds spent)."""
+    with phase("checkpoint.save"):
+        save_run_checkpoint(run)
+        save_drafter(run.drafter, run.output_dir / "drafter")
+    eval_start_s = time.perf_counter()
+    with phase("eval"):
+        result = evaluate_run(run.target, run.drafter, run.heldout_data, run.cfg.run)
+    return eval_figures(result), time.perf_counter() - eval_start_s
+
+
+def build_summary(
+    run: Run,
+    stats: RunStats,
+    started_s: float,
+    *,
+    evaluation: tuple[dict[str, Any], float] | None = None,
+    interrupted: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """summary.json of a finished (`evaluation` given) or interrupted run."""
+    last = stats.losses[-1] if stats.losses else run.trainer.last_loss
+    figures, eval_s = evaluation if evaluation is not None else ({"tau": None}, None)
+    summary: dict[str, Any] = {
+        "steps": run.step,
+        "steps_this_run": len(stats.losses),
+        "tokens_per_s": stats.num_tokens / stats.train_s if stats.train_s > 0 else 0.0,
+        "final_loss": float(last) if last is not None else float("nan"),
+        **figures,
+        "wall_s": time.perf_counter() - started_s,
+        "train_s": stats.train_s,
+        "setup_s": run.setup_s,
+        "eval_s": eval_s,
+        "block_size": run.cfg.drafter.block_size,
+        "target": run.cfg.target.spec,
+        "target_layer_ids": run.layer_ids,
+        "drafter_dir": str(run.output_dir / "drafter") if evaluation is not None else None,
+    }
+    if interrupted is not None:
+        summary["interrupted"] = interrupted
+    return {**summary, **(extra or {})}
+
+
+def write_summary(run: Run, summary: dict[str, Any], log: Callable[[str], None]) -> None:
+    write_json_atomic(run.output_dir / "summary.json", summary)
+    log(format_summary(summary))
+
+
+def finish_run(
+    run: Run,
+    stats: RunStats,
+    log: Callable[[str], None] = print,
+    started_s: float | None = None,
+    phase: PhaseFn = null_phase,
+) -> dict[str, Any]:
+    """complete_run, then the summary printed and in summary.json."""
+    evaluation = complete_run(run, phase)
+    started = started_s if started_s is not None else time.perf_counter()
+    summary = build_summary(run, stats, started, evaluation=evaluation)
+    write_summary(run, summary, log)
+    return summary
+
+
+def log_startup(
+    run: Run, log: Callable[[str], None], devices: str, telemetry_line: str | None = None
+) -> None:
+    """The loss line, the telemetry line (when traced), then the run line."""
+    log(format_loss_config(run.cfg))
+    if telemetry_line is not None:
+        log(telemetry_line)
+    log(format_run_config(run.cfg, f"{run.cfg.target.spec} layers {run.layer_ids}", devices))

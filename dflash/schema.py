@@ -1,0 +1,182 @@
+"""How a config field is declared, checked and shown: the machinery of dflash.config.
+
+A field is declared with `setting(default, help, **range)`; `field_options(cls)`
+reads its type from the annotation (`Literal` for choices, `| None` when unset is
+allowed, `tuple[T, ...]` for lists) and gives the `Option` that the CLI, the
+environment, config files and validation all use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, Literal
+
+from dflash.errors import DFlashError
+
+
+class ConfigError(DFlashError):
+    """A setting has a bad value; the message is one line naming the flag."""
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How one field is checked and shown; see `setting`."""
+
+    help: str
+    option: str | None = None
+    min: float | None = None
+    max: float | None = None
+    gt: float | None = None
+    lt: float | None = None
+    check: Callable[[Any], str | None] | None = None
+
+
+def setting(default: Any, help: str, *, option: str | None = None, **spec: Any) -> Any:
+    """A config field: its default, one help line (units, meaning) and its range.
+
+    `option` is the flat option name when it differs from the field name; `min`/`max`
+    are inclusive bounds, `gt`/`lt` exclusive ones, `check(value)` returns the reason a
+    value is bad (or None).
+    """
+    return field(default=default, metadata={"dflash": Spec(help, option, **spec)})
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting as the CLI, the environment and config files see it."""
+
+    name: str  # flat option name, snake_case
+    section: str
+    field: str
+    kind: type  # int, float, bool, str or tuple
+    item: type | None  # element type of a tuple
+    choices: tuple[str, ...] | None
+    optional: bool  # None (unset) is allowed
+    default: Any
+    spec: Spec
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def envvar(self) -> str:
+        return "DFLASH_" + self.name.upper()
+
+    def fail(self, value: Any, reason: str) -> ConfigError:
+        shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
+        return ConfigError(f"{self.flag} {shown!r} is invalid: {reason}")
+
+    def validate(self, value: Any) -> None:
+        """Type, finiteness, range, choices and the field's own check; ConfigError."""
+        if value is None:
+            if not self.optional:
+                raise self.fail(value, "must be set")
+            return
+        reason = self._type_reason(value) or self._range_reason(value)
+        if reason is None and self.spec.check is not None:
+            reason = self.spec.check(value)
+        if reason is not None:
+            raise self.fail(value, reason)
+
+    def _type_reason(self, value: Any) -> str | None:
+        if self.kind is tuple:
+            ok = isinstance(value, tuple) and all(_is(v, self.item) for v in value)
+            return None if ok else f"expected a list of {_kind_name(self.item)}"
+        if not _is(value, self.kind):
+            return f"expected {_kind_name(self.kind)}"
+        if self.kind is float and not math.isfinite(value):
+            return "must be a finite number"
+        if self.choices is not None and value not in self.choices:
+            return f"expected one of {', '.join(self.choices)}"
+        return None
+
+    def _range_reason(self, value: Any) -> str | None:
+        s = self.spec
+        if s.min is not None and value < s.min:
+            return f"must be at least {s.min:g}"
+        if s.max is not None and value > s.max:
+            return f"must be at most {s.max:g}"
+        if s.gt is not None and not value > s.gt:
+            return f"must be > {s.gt:g}"
+        if s.lt is not None and not value < s.lt:
+            return f"must be < {s.lt:g}"
+        return None
+
+    def from_file(self, value: Any, source: str) -> Any:
+        """A value as a config file holds it -> the field's value (strictly typed)."""
+        if value is None and self.optional:
+            return None
+        if self.kind is tuple:
+            parts = value.split(",") if isinstance(value, str) else value
+            if isinstance(parts, list):
+                converted = [_item_from_file(p, self.item) for p in parts]
+                if all(c is not None for c in converted):
+                    return tuple(converted)
+        elif _is(value, self.kind):
+            return float(value) if self.kind is float else value
+        want = f"list of {_kind_name(self.item)}" if self.kind is tuple else _kind_name(self.kind)
+        raise ConfigError(f"{source}: key {self.name!r}: expected {want}, got {value!r}")
+
+
+def _item_from_file(part: Any, item: type | None) -> Any:
+    """One list element of a file value (comma-separated text gives strings)."""
+    if isinstance(part, str):
+        part = part.strip()
+        if item is int:
+            return int(part) if re.fullmatch(r"-?\d+", part) else None
+    return part if _is(part, item) else None
+
+
+def _is(value: Any, kind: type | None) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind) if kind is not None else False
+
+
+def _kind_name(kind: type | None) -> str:
+    names = {int: "integer", float: "number", bool: "boolean", str: "text"}
+    return names.get(kind, "value") if kind is not None else "value"
+
+
+def _option(f: dataclasses.Field, hint: Any) -> Option:
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if optional:
+        (hint,) = [a for a in args if a is not type(None)]
+    choices, item = None, None
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        kind, choices = str, tuple(typing.get_args(hint))
+    elif origin is tuple:
+        kind, item = tuple, typing.get_args(hint)[0]
+    else:
+        kind = hint
+    spec: Spec = f.metadata["dflash"]
+    name = spec.option or f.name
+    return Option(name, "", f.name, kind, item, choices, optional, f.default, spec)
+
+
+@cache
+def field_options(cls: type) -> tuple[Option, ...]:
+    """The options of a section dataclass, in declaration order (section left empty)."""
+    hints = typing.get_type_hints(cls)
+    return tuple(_option(f, hints[f.name]) for f in dataclasses.fields(cls))
+
+
+class Section:
+    """Base of the config sections: checks every field against its declaration."""
+
+    def __post_init__(self) -> None:
+        for opt in field_options(type(self)):
+            opt.validate(getattr(self, opt.field))
