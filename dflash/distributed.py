@@ -104,6 +104,8 @@ def init_distributed(info: DistInfo, device: torch.device) -> None:
 
 
 def destroy_distributed() -> None:
+    """Leave the process group. Only once every thread that may still run a collective
+    has been joined: tearing the group down under such a thread aborts the process."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

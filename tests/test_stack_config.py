@@ -735,3 +735,13 @@ def test_jaeger_test_config_check_catches_drift(stack: Stack) -> None:
     problems = jaeger_test_config_problems(broken)
     assert len(problems) == 2
     assert "reads JAEGER_GRPC" in problems[1]
+
+
+def test_dashboard_span_names_are_the_trainers() -> None:
+    """Every span the dashboard queries is one the trainer records (dflash.names)."""
+    from dflash import names
+
+    text = (DOCKER / "grafana" / "dashboards" / "dflash-train.json").read_text()
+    queried = set(re.findall(r'span_name=\\"([^\\"]+)\\"', text))
+    assert queried, "the dashboard queries no span by name"
+    assert queried <= set(names.SPANS), sorted(queried - set(names.SPANS))

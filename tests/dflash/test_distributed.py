@@ -148,7 +148,12 @@ def _torchrun_worker(out_dir: Path) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(240)
+    if any(t.is_alive() for t in threads):
+        # Tearing the group down under a thread still inside a collective aborts the
+        # process (std::terminate); fail with a message instead.
+        print("replica threads did not finish", file=sys.stderr, flush=True)
+        os._exit(3)
     digests = {weights_digest(m) for m in models}
     assert len(digests) == 1, "replicas of one rank diverged"
     (out_dir / f"rank{info.rank}.sha256").write_text(digests.pop())
