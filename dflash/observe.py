@@ -16,6 +16,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 import tracing
 from dflash import names
 from dflash.bottleneck import WaitShares, verdict
@@ -110,8 +112,6 @@ class RankTables:
         return self._wanted
 
     def run(self) -> None:
-        import torch.distributed as dist
-
         local = self._stats.take_interval().to_dict()
         out: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(out, local)
@@ -171,8 +171,6 @@ class Observer:
         other ranks would otherwise wait out in a collective): the cumulative tables."""
         if self.world_size < 2 or self._final_ranks is not None:
             return
-        import torch.distributed as dist
-
         out: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(out, self.stats.snapshot().to_dict())
         self._final_ranks = [StatsSnapshot.from_dict(d) for d in out]

@@ -35,6 +35,8 @@ from spantree import (
     tags,
 )
 
+from dflash import names
+
 pytestmark = pytest.mark.slow
 
 STEPS = 6
@@ -51,10 +53,10 @@ FAST_FLAGS = (
     "8",
 )
 # Attribute keys on the spans, by meaning; the first one present is used.
-STEP_KEYS = ("step",)
-BATCH_ID_KEYS = ("batch.id", "batch_id")
-TOKENS_KEYS = ("tokens",)
-DEVICE_KEYS = ("device",)
+STEP_KEYS = (names.STEP,)
+BATCH_ID_KEYS = (names.BATCH_ID,)
+TOKENS_KEYS = (names.TOKENS,)
+DEVICE_KEYS = (names.DEVICE,)
 
 
 def dflash_train() -> str:

@@ -120,6 +120,28 @@ def test_reporter_interval_throughput_verdict_and_final():
     assert out.getvalue().count("tracing: total") == 1
 
 
+def test_reporter_interval_source_adds_per_rank_rows():
+    """A source of gathered snapshots replaces the local interval (min/max per rank);
+    None or an exception falls back to this process's own stats."""
+    snaps = []
+    for rank in range(2):
+        other = ProfileStats(rank=rank)
+        other.add("drafter.step", 0.1 * (rank + 1))
+        snaps.append(other.snapshot())
+    local = ProfileStats()
+    local.add("target.forward", 0.2)
+    reporter = Reporter(local, interval_s=60.0, stream=io.StringIO(), verdict=lambda s: "ok")
+    answers = iter([(StatsSnapshot.merge(snaps), snaps), None])
+    reporter.set_interval_source(lambda: next(answers))
+    merged = reporter.report_interval()
+    assert "2 ranks" in merged.splitlines()[0] and "200.00ms (r1)" in merged
+    assert "target.forward" not in merged and merged.splitlines()[-1] == "verdict: ok"
+    alone = reporter.report_interval()
+    assert "target.forward" in alone and "ranks" not in alone.splitlines()[0]
+    reporter.set_interval_source(lambda: 1 / 0)
+    assert "ranks" not in reporter.report_interval().splitlines()[0]
+
+
 def test_reporter_thread_prints_every_interval():
     stats = ProfileStats()
     out = io.StringIO()
