@@ -178,6 +178,10 @@ def test_torchrun_two_ranks_train_identical_weights(tmp_path: Path) -> None:
     assert not (tmp_path / "out1" / "summary.json").exists()
     batches = [json.loads((tmp_path / f"batches-rank{r}.json").read_text()) for r in range(2)]
     assert batches == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    final = output.split("interval: total")[-1].splitlines()[0]
+    assert "2 ranks" in final, output[-3000:]
+    metrics = (tmp_path / "out0" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in metrics] == [1, 2, 3, 4]
 
 
 def _small_target_everywhere() -> None:
@@ -214,8 +218,10 @@ def _script(mode: str, out_dir: Path) -> None:
     replicas: list = []
     real_build = pipeline.build_replicas
     pipeline.build_replicas = lambda run: replicas.extend(real_build(run)) or replicas
-    cfg = small_cfg(data_dir, out_dir / f"out{info.rank}", steps=4)
-    pipeline.run_pipeline(cfg, log=print)
+    # Through the command's path: tracing, cross-rank interval tables, the final gather.
+    cfg = small_cfg(data_dir, out_dir / f"out{info.rank}", steps=4, profile_interval=0.2,
+                    log_every=1)  # fmt: skip
+    pipeline.run_training(cfg, log=print)
     (out_dir / f"rank{info.rank}.sha256").write_text(weights_digest(replicas[0].drafter))
     (out_dir / f"batches-rank{info.rank}.json").write_text(json.dumps(batches))
 
