@@ -22,6 +22,7 @@ the single-threaded loop. The resume position after s steps is i0 + s*W*D.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -108,6 +109,10 @@ def destroy_distributed() -> None:
     has been joined: tearing the group down under such a thread aborts the process."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        # Free the group's C++ side (its worker threads hold the last tensors they
+        # reduced) now, while the interpreter can still take the GIL for them: left
+        # to interpreter finalization, that release aborts the process.
+        gc.collect()
 
 
 def check_same_across_ranks(value: int, what: str, device: torch.device) -> None:

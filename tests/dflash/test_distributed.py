@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -161,19 +160,9 @@ def _torchrun_worker(out_dir: Path) -> None:
 
 
 def torchrun_command(nproc: int) -> list[str]:
-    """torchrun on a free loopback port (port 0 is not resolved by the env:// store)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return [
-        "torchrun",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
-    ]
+    """torchrun on this host with a rendezvous port the OS picks when it binds (choosing a
+    free port first and passing it on races other processes that bind ports meanwhile)."""
+    return ["torchrun", "--standalone", "--nproc-per-node", str(nproc)]
 
 
 @pytest.mark.slow
