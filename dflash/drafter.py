@@ -9,23 +9,21 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-from dflash.layers import (
-    RMSNorm,
-    SwiGLU,
-    apply_rope,
-    merge_heads,
-    repeat_kv,
-    rope_cos_sin,
-    split_heads,
-)
+from dflash.attention import BlockLayout, block_sparse_attention
+from dflash.attention import block_attention_mask as block_attention_mask  # the test reference
+from dflash.layers import RMSNorm, SwiGLU, apply_rope, merge_heads, rope_cos_sin, split_heads
+
+# q[B, H, Q, Hd], k/v[B, Hkv, T+Q, Hd] -> [B, H, Q, Hd] under the training block mask.
+AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
 if TYPE_CHECKING:
     from dflash.target import TargetModel
@@ -50,17 +48,15 @@ class InjectedAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_eps)
 
-    def forward(self, x: Tensor, ctx: Tensor, rope: tuple[Tensor, ...], mask: Tensor) -> Tensor:
-        """x[B, Q, D] block tokens, ctx[B, T, D] fused features, mask[B, 1, Q, T+Q]."""
+    def forward(self, x: Tensor, ctx: Tensor, rope: tuple[Tensor, ...], attend: AttendFn) -> Tensor:
+        """x[B, Q, D] block tokens, ctx[B, T, D] fused features."""
         q_cos, q_sin, kv_cos, kv_sin = rope
         kv_in = torch.cat([ctx, x], dim=1)  # [B, T+Q, D]
         q = self.q_norm(split_heads(self.q_proj(x), self.num_heads))  # [B, H, Q, Hd]
         k = self.k_norm(split_heads(self.k_proj(kv_in), self.num_kv_heads))  # [B, Hkv, T+Q, Hd]
         v = split_heads(self.v_proj(kv_in), self.num_kv_heads)  # [B, Hkv, T+Q, Hd]
         q, k = apply_rope(q, q_cos, q_sin), apply_rope(k, kv_cos, kv_sin)
-        groups = self.num_heads // self.num_kv_heads
-        k, v = repeat_kv(k, groups), repeat_kv(v, groups)  # [B, H, T+Q, Hd]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, H, Q, Hd]
+        out = attend(q, k, v)  # [B, H, Q, Hd]
         return self.o_proj(merge_heads(out))  # [B, Q, D]
 
 
@@ -72,8 +68,8 @@ class DrafterLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, ctx: Tensor, rope: tuple[Tensor, ...], mask: Tensor) -> Tensor:
-        x = x + self.attn(self.input_norm(x), ctx, rope, mask)
+    def forward(self, x: Tensor, ctx: Tensor, rope: tuple[Tensor, ...], attend: AttendFn) -> Tensor:
+        x = x + self.attn(self.input_norm(x), ctx, rope, attend)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -131,32 +127,17 @@ class DrafterConfig:
         )
 
 
-def block_attention_mask(
-    anchors: Tensor, keep: Tensor, context_len: int, block_size: int
-) -> Tensor:
-    """Training mask: block j sees context positions < anchors[j] and its own block.
-
-    anchors, keep: [B, N] -> BoolTensor[B, 1, N*Bs, T+N*Bs] (True = may attend). A
-    padded block (keep False) sees only itself, so no row is all False (NaN-free).
-    """
-    b, n = anchors.shape
-    device = anchors.device
-    ctx_pos = torch.arange(context_len, device=device)  # [T]
-    sees_ctx = (ctx_pos[None, None, :] < anchors[:, :, None]) & keep[:, :, None]  # [B, N, T]
-    sees_ctx = sees_ctx[:, :, None, :].expand(b, n, block_size, context_len)  # [B, N, Bs, T]
-    block_of = torch.arange(n, device=device).repeat_interleave(block_size)  # [N*Bs]
-    same_block = block_of[:, None] == block_of[None, :]  # [N*Bs, N*Bs]
-    ctx_part = sees_ctx.reshape(b, n * block_size, context_len)  # [B, N*Bs, T]
-    blk_part = same_block[None].expand(b, -1, -1)  # [B, N*Bs, N*Bs]
-    return torch.cat([ctx_part, blk_part], dim=-1)[:, None]  # [B, 1, N*Bs, T+N*Bs]
-
-
 class DFlashDrafter(nn.Module):
     """Fusion + KV-injected block layers; the embedding and LM head are the target's.
 
     The shared modules are held outside the module tree, so `parameters()` and
     `state_dict()` hold only what the drafter trains and saves.
+    `activation_checkpointing` recomputes each layer in the backward instead of keeping
+    its activations; `attention_backend` is a `block_sparse_attention` backend.
     """
+
+    activation_checkpointing: bool = False
+    attention_backend: str = "auto"
 
     def __init__(
         self, config: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear
@@ -204,9 +185,30 @@ class DFlashDrafter(nn.Module):
         return torch.where(is_mask[..., None], self.mask_embedding.to(emb.dtype), emb)
 
     def forward(
-        self, context_hidden: Tensor, block_ids: Tensor, anchors: Tensor, keep: Tensor
+        self,
+        context_hidden: Tensor,
+        block_ids: Tensor,
+        anchors: Tensor,
+        keep: Tensor,
+        ctx_start: Tensor | None = None,
     ) -> Tensor:
         """context_hidden[B,T,K*D], block_ids[B,N,Bs], anchors/keep[B,N] -> logits[B,N,Bs,V]."""
+        hidden = self.hidden_states(context_hidden, block_ids, anchors, keep, ctx_start)
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))  # [B, N, Bs, V]
+
+    def hidden_states(
+        self,
+        context_hidden: Tensor,
+        block_ids: Tensor,
+        anchors: Tensor,
+        keep: Tensor,
+        ctx_start: Tensor | None = None,
+    ) -> Tensor:
+        """Final-normed states [B, N, Bs, D] (the LM head's input).
+
+        ctx_start[B, N] (default 0): first context position each block may see, so a
+        block of a packed row sees only its own document.
+        """
         b, n, bs = block_ids.shape
         t = context_hidden.shape[1]
         ctx = self.fc_norm(self.fc(context_hidden.to(self.fc.weight.dtype)))  # [B, T, D]
@@ -219,11 +221,17 @@ class DFlashDrafter(nn.Module):
         q_cos, q_sin = rope_cos_sin(q_pos, self.config.head_dim, self.config.rope_theta)
         kv_cos, kv_sin = rope_cos_sin(kv_pos, self.config.head_dim, self.config.rope_theta)
         rope = (q_cos, q_sin, kv_cos, kv_sin)
-        mask = block_attention_mask(anchors, keep, t, bs)  # [B, 1, N*Bs, T+N*Bs]
+        layout = BlockLayout(anchors, keep, t, bs, ctx_start)
+
+        def attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return block_sparse_attention(q, k, v, layout, backend=self.attention_backend)
+
         for layer in self.layers:
-            x = layer(x, ctx, rope, mask)
-        logits = self.lm_head(self.norm(x).to(self.lm_head.weight.dtype))  # [B, N*Bs, V]
-        return logits.reshape(b, n, bs, -1)  # [B, N, Bs, V]
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, ctx, rope, attend, use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope, attend)
+        return self.norm(x).reshape(b, n, bs, -1)  # [B, N, Bs, D]
 
     @torch.no_grad()
     def draft(self, context_hidden: Tensor, anchor_token: int, anchor_pos: int) -> list[int]:
