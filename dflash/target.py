@@ -42,6 +42,7 @@ class TargetError(ValueError):
 class TargetOutput:
     hidden: Tensor  # [B, T, K*D]: chosen layers' outputs concatenated in the order asked
     logits: Tensor | None  # [B, T, V] or None when not asked for
+    final_hidden: Tensor | None = None  # [B, T, D] final-norm output (the LM head's input)
 
 
 class _StopForward(Exception):
@@ -119,23 +120,46 @@ class TargetModel(nn.Module):
     def _is_hf(self) -> bool:
         return not isinstance(self.model, TinyLM)
 
+    def final_norm(self) -> nn.Module:
+        """The norm whose output feeds the LM head."""
+        decoder = self.model.get_decoder() if self._is_hf else self.model
+        norm = getattr(decoder, "norm", None)
+        if not isinstance(norm, nn.Module):
+            raise TargetError(f"cannot find the final norm of {type(self.model).__name__}")
+        return norm
+
     @torch.no_grad()
-    def capture(self, input_ids: Tensor, layer_ids: list[int], with_logits: bool) -> TargetOutput:
-        """input_ids[B, T] -> hidden[B, T, K*D] (+ logits[B, T, V] when with_logits)."""
+    def capture(
+        self,
+        input_ids: Tensor,
+        layer_ids: list[int],
+        with_logits: bool,
+        with_final_hidden: bool = False,
+    ) -> TargetOutput:
+        """input_ids[B, T] -> hidden[B, T, K*D] (+ logits[B, T, V] when with_logits).
+
+        with_final_hidden adds the final-norm output [B, T, D]: soft labels from it and
+        the LM head need no logits; the forward then stops before the LM head.
+        """
         validate_target_layers(layer_ids, self.num_layers)
         wanted = sorted(set(layer_ids))
-        kept: dict[int, Tensor] = {}
+        kept: dict[int | str, Tensor] = {}
         last = wanted[-1]
+        runs_to_norm = with_final_hidden and not with_logits
 
-        def make_hook(i: int) -> Callable[..., None]:
+        def make_hook(i: int | str) -> Callable[..., None]:
             def hook(_module: nn.Module, _args: Any, output: Any) -> None:
                 kept[i] = output[0] if isinstance(output, tuple) else output
-                if i == last and not with_logits:
+                if i == "norm" and runs_to_norm:
+                    raise _StopForward
+                if i == last and not (with_logits or with_final_hidden):
                     raise _StopForward
 
             return hook
 
         handles = [self._layers[i].register_forward_hook(make_hook(i)) for i in wanted]
+        if with_final_hidden:
+            handles.append(self.final_norm().register_forward_hook(make_hook("norm")))
         logits = None
         try:
             logits = self._run(input_ids)
@@ -145,7 +169,7 @@ class TargetModel(nn.Module):
             for handle in handles:
                 handle.remove()
         hidden = torch.cat([kept[i] for i in layer_ids], dim=-1)  # [B, T, K*D]
-        return TargetOutput(hidden=hidden, logits=logits)
+        return TargetOutput(hidden=hidden, logits=logits, final_hidden=kept.get("norm"))
 
     @torch.no_grad()
     def logits(self, input_ids: Tensor) -> Tensor:
