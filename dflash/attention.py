@@ -154,36 +154,39 @@ def _group_bounds(layout: BlockLayout, max_groups: int) -> list[tuple[int, int, 
 def _grouped_attention(
     q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout, max_groups: int
 ) -> Tensor:
-    b, h, _, hd = q.shape
-    hkv, t, bs = k.shape[1], layout.context_len, layout.block_size
-    n, g = layout.anchors.shape[1], h // k.shape[1]
-    scale = hd**-0.5
-    qh = q.reshape(b, hkv, g, n, bs, hd) * scale  # [B, Hkv, G, N, Bs, Hd]
-    k_blk = k[:, :, t:].reshape(b, hkv, 1, n, bs, hd)  # [B, Hkv, 1, N, Bs, Hd]
-    v_blk = v[:, :, t:].reshape(b, hkv, 1, n, bs, hd)
+    """Per group of consecutive blocks: keys [context lo:hi ; the group's block tokens].
+
+    The masked keys still computed are the context between the group's anchors and the
+    other blocks of the group, a bounded share; each group runs one fused SDPA kernel.
+    Groups are taken with split (its backward is one cat; a slice's is a zero-filled copy).
+    """
+    t, bs = layout.context_len, layout.block_size
+    gqa = q.shape[1] != k.shape[1]
+    k_ctx, k_blk = k.split([t, k.shape[2] - t], dim=2)
+    v_ctx, v_blk = v.split([t, k.shape[2] - t], dim=2)
+    bounds = _group_bounds(layout, max_groups)
+    rows = [(j1 - j0) * bs for j0, j1, _, _ in bounds]
+    pieces = zip(bounds, q.split(rows, 2), k_blk.split(rows, 2), v_blk.split(rows, 2), strict=True)
     starts, ends = layout.starts(), layout.ends()
     outs = []
-    for j0, j1, lo, hi in _group_bounds(layout, max_groups):
-        qg, kb, vb = qh[:, :, :, j0:j1], k_blk[:, :, :, j0:j1], v_blk[:, :, :, j0:j1]
-        s_blk = qg @ kb.transpose(-1, -2)  # [B, Hkv, G, n_g, Bs, Bs]
-        if hi <= lo:
-            p = torch.softmax(s_blk, dim=-1, dtype=torch.float32).to(q.dtype)
-            outs.append(p @ vb)  # [B, Hkv, G, n_g, Bs, Hd]
-            continue
-        ng, width = j1 - j0, hi - lo
-        kc, vc = k[:, :, lo:hi], v[:, :, lo:hi]  # [B, Hkv, L, Hd]
-        s_ctx = qg.reshape(b, hkv, g * ng * bs, hd) @ kc.transpose(-1, -2)  # [B, Hkv, G*n_g*Bs, L]
-        s_ctx = s_ctx.reshape(b, hkv, g, ng, bs, width)
-        pos = torch.arange(lo, hi, device=q.device)  # [L]
-        sees = (pos >= starts[:, j0:j1, None]) & (pos < ends[:, j0:j1, None])  # [B, n_g, L]
-        s_ctx = s_ctx.masked_fill(~sees[:, None, None, :, None, :], float("-inf"))
-        p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1, dtype=torch.float32)
-        p = p.to(q.dtype)  # [B, Hkv, G, n_g, Bs, L+Bs]
-        p_ctx = p[..., :width].reshape(b, hkv, g * ng * bs, width)
-        out_ctx = (p_ctx @ vc).reshape(b, hkv, g, ng, bs, hd)
-        outs.append(out_ctx + p[..., width:] @ vb)
-    out = torch.cat(outs, dim=3)  # [B, Hkv, G, N, Bs, Hd]
-    return out.reshape(b, h, n * bs, hd)
+    for (j0, j1, lo, hi), qg, kb, vb in pieces:
+        hi = max(hi, lo)
+        kg = torch.cat([k_ctx[:, :, lo:hi], kb], dim=2)  # [B, Hkv, L + n_g*Bs, Hd]
+        vg = torch.cat([v_ctx[:, :, lo:hi], vb], dim=2)
+        mask = _group_mask(starts[:, j0:j1], ends[:, j0:j1], lo, hi, bs)
+        outs.append(F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, enable_gqa=gqa))
+    return torch.cat(outs, dim=2)  # [B, H, Q, Hd]
+
+
+def _group_mask(starts: Tensor, ends: Tensor, lo: int, hi: int, bs: int) -> Tensor:
+    """starts/ends[B, n_g] -> BoolTensor[B, 1, n_g*Bs, (hi-lo) + n_g*Bs]."""
+    b, ng = starts.shape
+    pos = torch.arange(lo, hi, device=starts.device)  # [L]
+    sees_ctx = (pos >= starts[..., None]) & (pos < ends[..., None])  # [B, n_g, L]
+    sees_ctx = sees_ctx.repeat_interleave(bs, dim=1)  # [B, n_g*Bs, L]
+    block_of = torch.arange(ng, device=starts.device).repeat_interleave(bs)  # [n_g*Bs]
+    own = (block_of[:, None] == block_of[None, :]).expand(b, -1, -1)  # [B, n_g*Bs, n_g*Bs]
+    return torch.cat([sees_ctx, own], dim=-1)[:, None]
 
 
 # --------------------------------------------------------------------------- flex
