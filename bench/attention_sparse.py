@@ -6,7 +6,11 @@ head, the grouped path computes each group's context prefix plus its own block o
 Prints the median time of the forward and of forward+backward per path, the speedup
 and the largest difference of the outputs.
 
-    python bench/attention_sparse.py [--reps 5] [--heads 8] [--head-dim 64]
+    python bench/attention_sparse.py [--reps 7] [--heads 8] [--head-dim 64] [--threads 1]
+
+One intra-op thread by default: on oversubscribed shared cores every parallel kernel
+waits for its slowest thread, which punishes the grouped path's many small kernels
+and measures the machine's load rather than the work; pass --threads 2 to see it.
 """
 
 from __future__ import annotations
@@ -64,7 +68,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     inputs = make_inputs(args)
     print(f"T={args.context} anchors={args.anchors} block={args.block_size} "
           f"batch={args.batch} heads={args.heads} head_dim={args.head_dim} "
