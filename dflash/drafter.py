@@ -132,17 +132,24 @@ class DrafterConfig:
 
 
 def block_attention_mask(
-    anchors: Tensor, keep: Tensor, context_len: int, block_size: int
+    anchors: Tensor,
+    keep: Tensor,
+    context_len: int,
+    block_size: int,
+    ctx_start: Tensor | None = None,
 ) -> Tensor:
-    """Training mask: block j sees context positions < anchors[j] and its own block.
+    """Training mask: block j sees context positions in [ctx_start[j], anchors[j]) and
+    its own block (ctx_start None: from 0; packed rows give each anchor's document start).
 
-    anchors, keep: [B, N] -> BoolTensor[B, 1, N*Bs, T+N*Bs] (True = may attend). A
-    padded block (keep False) sees only itself, so no row is all False (NaN-free).
+    anchors, keep, ctx_start: [B, N] -> BoolTensor[B, 1, N*Bs, T+N*Bs] (True = may
+    attend). A padded block (keep False) sees only itself, so no row is all False.
     """
     b, n = anchors.shape
     device = anchors.device
     ctx_pos = torch.arange(context_len, device=device)  # [T]
     sees_ctx = (ctx_pos[None, None, :] < anchors[:, :, None]) & keep[:, :, None]  # [B, N, T]
+    if ctx_start is not None:
+        sees_ctx &= ctx_pos[None, None, :] >= ctx_start[:, :, None]
     sees_ctx = sees_ctx[:, :, None, :].expand(b, n, block_size, context_len)  # [B, N, Bs, T]
     block_of = torch.arange(n, device=device).repeat_interleave(block_size)  # [N*Bs]
     same_block = block_of[:, None] == block_of[None, :]  # [N*Bs, N*Bs]
@@ -204,9 +211,16 @@ class DFlashDrafter(nn.Module):
         return torch.where(is_mask[..., None], self.mask_embedding.to(emb.dtype), emb)
 
     def forward(
-        self, context_hidden: Tensor, block_ids: Tensor, anchors: Tensor, keep: Tensor
+        self,
+        context_hidden: Tensor,
+        block_ids: Tensor,
+        anchors: Tensor,
+        keep: Tensor,
+        ctx_start: Tensor | None = None,
     ) -> Tensor:
-        """context_hidden[B,T,K*D], block_ids[B,N,Bs], anchors/keep[B,N] -> logits[B,N,Bs,V]."""
+        """context_hidden[B,T,K*D], block_ids[B,N,Bs], anchors/keep[B,N] -> logits[B,N,Bs,V].
+
+        ctx_start[B, N] (packed rows): first context position each block may see."""
         b, n, bs = block_ids.shape
         t = context_hidden.shape[1]
         ctx = self.fc_norm(self.fc(context_hidden.to(self.fc.weight.dtype)))  # [B, T, D]
@@ -219,7 +233,7 @@ class DFlashDrafter(nn.Module):
         q_cos, q_sin = rope_cos_sin(q_pos, self.config.head_dim, self.config.rope_theta)
         kv_cos, kv_sin = rope_cos_sin(kv_pos, self.config.head_dim, self.config.rope_theta)
         rope = (q_cos, q_sin, kv_cos, kv_sin)
-        mask = block_attention_mask(anchors, keep, t, bs)  # [B, 1, N*Bs, T+N*Bs]
+        mask = block_attention_mask(anchors, keep, t, bs, ctx_start)  # [B, 1, N*Bs, T+N*Bs]
         for layer in self.layers:
             x = layer(x, ctx, rope, mask)
         logits = self.lm_head(self.norm(x).to(self.lm_head.weight.dtype))  # [B, N*Bs, V]
