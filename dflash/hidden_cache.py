@@ -47,9 +47,8 @@ def target_fingerprint(target: TargetModel) -> str:
     without reading billions of parameters.
     """
     config = target.model.config
-    blob = json.dumps(asdict(config), sort_keys=True) if is_dataclass(config) else None
-    if blob is None:
-        blob = config.to_json_string(use_diff=False)
+    fields = asdict(config) if is_dataclass(config) else config.to_dict()
+    blob = json.dumps(fields, sort_keys=True, default=str)
     h = hashlib.sha256(f"{target.spec}\n{blob}".encode())
     for name, param in target.model.state_dict().items():
         probe = param.detach().reshape(-1)[:16].float().cpu()
