@@ -86,15 +86,20 @@ class RegenReport:
 # --------------------------------------------------------------------------- items
 
 
-def _text_windows(tokenizer: Any, text: str, settings: RegenerateSettings) -> list[list[int]]:
-    """Prefixes (token ids) of the windows of one document."""
-    (ids,) = encode_texts(tokenizer, [text])
+def window_starts(num_tokens: int, settings: RegenerateSettings) -> list[int]:
+    """Starts of the prefix_tokens + max_new_tokens windows of a text of num_tokens."""
     window = settings.prefix_tokens + settings.max_new_tokens
-    starts = list(range(0, max(len(ids) - settings.prefix_tokens + 1, 0), window))
+    starts = list(range(0, max(num_tokens - settings.prefix_tokens + 1, 0), window))
     k = settings.windows_per_document
     if k is not None and len(starts) > k:
         starts = [starts[round(i * (len(starts) - 1) / max(k - 1, 1))] for i in range(k)]
-    return [ids[s : s + settings.prefix_tokens].tolist() for s in starts]
+    return starts
+
+
+def _text_windows(tokenizer: Any, text: str, settings: RegenerateSettings) -> list[list[int]]:
+    """Prefixes (token ids) of the windows of one document."""
+    (ids,) = encode_texts(tokenizer, [text])
+    return [ids[s : s + settings.prefix_tokens].tolist() for s in window_starts(len(ids), settings)]
 
 
 def read_items(source: str, report: DataReport, heldout_fraction: float) -> list[dict[str, Any]]:
