@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash.documents import same_document_as_anchor
+
 
 class ObjectiveError(ValueError):
     """An objective setting out of range; the message names the flag."""
@@ -107,11 +109,15 @@ class LossOutput:
 
 
 def select_anchors(
-    loss_mask: Tensor, num_anchors: int, generator: torch.Generator | None = None
+    loss_mask: Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    doc_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Up to num_anchors anchors per sequence, uniformly without replacement.
 
-    Valid anchors p have loss_mask[p] and loss_mask[p+1]. loss_mask[B, T] ->
+    Valid anchors p have loss_mask[p] and loss_mask[p+1] (and, with doc_ids[B, T],
+    p+1 in p's document; the random draws are the same either way). loss_mask[B, T] ->
     anchors[B, N] sorted ascending (kept ones first), keep[B, N]; N = min(num_anchors, T-1);
     padding slots hold position 0 with keep False.
     """
@@ -122,6 +128,9 @@ def select_anchors(
     mask = loss_mask.bool().cpu()
     valid = torch.zeros(b, t, dtype=torch.bool)
     valid[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    if doc_ids is not None:
+        docs = doc_ids.cpu()
+        valid[:, :-1] &= docs[:, :-1] == docs[:, 1:]
     # Random keys in [0, 1) for valid positions, 2 for invalid: the n smallest keys are
     # a uniform sample of the valid positions, followed by invalid ones as padding.
     keys = torch.rand(b, t, generator=generator).masked_fill(~valid, 2.0)
@@ -156,16 +165,20 @@ def build_blocks(
     noise: NoiseSchedule | None = None,
     step: int = 0,
     generator: torch.Generator | None = None,
+    doc_ids: Tensor | None = None,
 ) -> Tensor:
     """block_ids[B, N, Bs]: the clean anchor, then masked (or, per noise, clean) tokens.
 
-    Positions past the end of the sequence are always masked (there is no clean token).
+    Positions past the end of the sequence, or of the anchor's document when
+    doc_ids[B, T] is given, are always masked (there is no clean token).
     """
     noise = noise or NoiseSchedule()
     positions = _block_positions(anchors, block_size)  # [B, N, Bs]
     clean = _gather_tokens(input_ids, positions)
     masked = noise.sample(tuple(positions.shape), step, generator, input_ids.device)
     masked |= positions >= input_ids.shape[1]
+    if doc_ids is not None:
+        masked[..., 1:] |= ~same_document_as_anchor(anchors, doc_ids, block_size)[..., 1:]
     return clean.masked_fill(masked, mask_token_id)
 
 
@@ -176,11 +189,13 @@ def block_labels(
     keep: Tensor,
     block_size: int,
     masked: Tensor | None = None,
+    doc_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Unshifted labels: position k predicts the token at anchor+k.
 
     -> labels[B, N, Bs], valid[B, N, Bs] = keep & in_bounds & loss_mask[a+k] & k >= 1
-    (& masked, when given: a partially masked block does not score its visible tokens).
+    (& masked, when given: a partially masked block does not score its visible tokens;
+    & a+k in the anchor's document, when doc_ids[B, T] is given).
     """
     t = input_ids.shape[1]
     positions = _block_positions(anchors, block_size)  # [B, N, Bs]
@@ -190,6 +205,8 @@ def block_labels(
     valid[..., 0] = False
     if masked is not None:
         valid &= masked
+    if doc_ids is not None:
+        valid &= same_document_as_anchor(anchors, doc_ids, block_size)
     return labels, valid
 
 

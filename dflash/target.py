@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash.data import MASK_ID, ByteTokenizer
+from dflash.documents import document_positions
 from dflash.tiny import TinyLM, load_tiny_lm, prepare_builtin_target
 
 __all__ = [
@@ -110,11 +111,16 @@ class TargetModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def _run(self, input_ids: Tensor) -> Tensor:
+    def _run(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         if not self._is_hf:
-            return self.model(input_ids)
+            return self.model(input_ids, doc_ids)
         # No KV cache: it would hold every layer's keys/values for nothing.
-        return self.model(input_ids=input_ids, use_cache=False).logits
+        if doc_ids is None:
+            return self.model(input_ids=input_ids, use_cache=False).logits
+        # Positions restarting per document, no 2D mask and no cache: transformers
+        # then builds a block-diagonal causal mask from the position resets.
+        positions = document_positions(doc_ids)
+        return self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
 
     @property
     def _is_hf(self) -> bool:
@@ -135,11 +141,13 @@ class TargetModel(nn.Module):
         layer_ids: list[int],
         with_logits: bool,
         with_final_hidden: bool = False,
+        doc_ids: Tensor | None = None,
     ) -> TargetOutput:
         """input_ids[B, T] -> hidden[B, T, K*D] (+ logits[B, T, V] when with_logits).
 
         with_final_hidden adds the final-norm output [B, T, D]: soft labels from it and
         the LM head need no logits; the forward then stops before the LM head.
+        doc_ids[B, T] (packed rows) keeps every document's attention to itself.
         """
         validate_target_layers(layer_ids, self.num_layers)
         wanted = sorted(set(layer_ids))
@@ -162,7 +170,7 @@ class TargetModel(nn.Module):
             handles.append(self.final_norm().register_forward_hook(make_hook("norm")))
         logits = None
         try:
-            logits = self._run(input_ids)
+            logits = self._run(input_ids, doc_ids)
         except _StopForward:
             pass
         finally:
@@ -172,9 +180,9 @@ class TargetModel(nn.Module):
         return TargetOutput(hidden=hidden, logits=logits, final_hidden=kept.get("norm"))
 
     @torch.no_grad()
-    def logits(self, input_ids: Tensor) -> Tensor:
+    def logits(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """input_ids[B, T] -> logits[B, T, V]."""
-        return self._run(input_ids)
+        return self._run(input_ids, doc_ids)
 
 
 def _builtin_target(

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash.data import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, embedded_corpus
+from dflash.documents import document_causal_mask, document_positions
 from dflash.layers import RMSNorm, SwiGLU, apply_rope, merge_heads, rope_cos_sin, split_heads
 
 
@@ -49,12 +50,16 @@ class CausalSelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=False)
         self.o_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        """mask[B, 1, T, T] (True = attend) replaces the plain causal mask when given."""
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # 3 x [B, T, D]
         q = apply_rope(split_heads(q, self.num_heads), cos, sin)  # [B, H, T, Hd]
         k = apply_rope(split_heads(k, self.num_heads), cos, sin)  # [B, H, T, Hd]
         v = split_heads(v, self.num_heads)  # [B, H, T, Hd]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(merge_heads(out))  # [B, T, D]
 
 
@@ -66,8 +71,8 @@ class TinyDecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None = None) -> Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, mask)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -95,14 +100,22 @@ class TinyLM(nn.Module):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """input_ids[B, T] -> logits[B, T, V]."""
+    def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """input_ids[B, T] -> logits[B, T, V].
+
+        doc_ids[B, T] (packed rows): attention stays inside each document and
+        positions restart at 0 per document, as if each ran alone.
+        """
         b, t = input_ids.shape
-        positions = torch.arange(t, device=input_ids.device).expand(b, t)  # [B, T]
+        mask = None
+        if doc_ids is None:
+            positions = torch.arange(t, device=input_ids.device).expand(b, t)  # [B, T]
+        else:
+            positions, mask = document_positions(doc_ids), document_causal_mask(doc_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         return self.lm_head(self.norm(x))
 
 
