@@ -294,13 +294,27 @@ class Metrics:
     def full_name(self, name: str) -> str:
         return f"{self.cfg.namespace}.{name}" if self.cfg.namespace else name
 
-    def observe_counter(self, name: str, fn: Callable[[], float], *, unit: str,
-                        description: str = "", attributes: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+    def observe_counter(
+        self,
+        name: str,
+        fn: Callable[[], float],
+        *,
+        unit: str,
+        description: str = "",
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
         """A monotonic counter read through `fn()` at each collection."""
         self._observe("counter", name, fn, unit, description, attributes)
 
-    def observe_gauge(self, name: str, fn: Callable[[], float], *, unit: str,
-                      description: str = "", attributes: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+    def observe_gauge(
+        self,
+        name: str,
+        fn: Callable[[], float],
+        *,
+        unit: str,
+        description: str = "",
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
         """A gauge read through `fn()` at each collection (queue depths, memory)."""
         self._observe("gauge", name, fn, unit, description, attributes)
 
