@@ -27,6 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCKER = REPO_ROOT / "docker"
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 GO_MOD = REPO_ROOT / "tools" / "jaeger" / "go.mod"
+PROMETHEUS_GO_MOD = REPO_ROOT / "tools" / "prometheus" / "go.mod"
 
 PHASES = (
     "batch",
@@ -263,6 +264,21 @@ def jaeger_version_problems(stack: Stack) -> list[str]:
         return [
             f"Jaeger image {image}, but tools/jaeger builds v1.{module[1]}.{module[2]} = {expected}"
         ]
+    return []
+
+
+def prometheus_version_problems(stack: Stack, go_mod: str | None = None) -> list[str]:
+    """The compose image is the release tools/prometheus builds: v3.X.Y is the Go module
+    version v0.3XX.Y (minor zero-padded to two digits)."""
+    text = PROMETHEUS_GO_MOD.read_text() if go_mod is None else go_mod
+    found = re.search(r"github\.com/prometheus/prometheus v0\.3(\d\d)\.(\d+)\b", text)
+    if not found:
+        return ["tools/prometheus/go.mod requires no github.com/prometheus/prometheus v0.3XX.Y"]
+    release = f"v3.{int(found[1])}.{found[2]}"
+    image = services(stack)[service_with_image(stack, "prom/prometheus")]["image"]
+    tag = image.rsplit(":", 1)[-1]
+    if tag != release:
+        return [f"compose runs {image}, tools/prometheus builds {release} ({found[0].split()[-1]})"]
     return []
 
 
@@ -613,6 +629,7 @@ def test_real_stack_has_no_problems(stack: Stack) -> None:
         + pipeline_problems(stack["jaeger"])
         + image_problems(stack)
         + jaeger_version_problems(stack)
+        + prometheus_version_problems(stack)
         + published_port_problems(stack)
         + wiring_problems(stack)
         + mount_problems(stack)
@@ -664,6 +681,14 @@ def test_jaeger_version_check_catches_drift(stack: Stack) -> None:
     broken = copy.deepcopy(stack)
     services(broken)["jaeger"]["image"] = "jaegertracing/jaeger:2.12.0"
     assert len(jaeger_version_problems(broken)) == 1
+
+
+def test_prometheus_version_check_catches_drift(stack: Stack) -> None:
+    assert prometheus_version_problems(stack) == []
+    drifted = PROMETHEUS_GO_MOD.read_text().replace("v0.307.3", "v0.308.1")
+    assert prometheus_version_problems(stack, drifted) == [
+        "compose runs prom/prometheus:v3.7.3, tools/prometheus builds v3.8.1 (v0.308.1)"
+    ]
 
 
 def test_port_checks_catch_disagreement(stack: Stack) -> None:

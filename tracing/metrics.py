@@ -51,6 +51,9 @@ from tracing.stats import BUCKETS_PER_OCTAVE, ProfileStats
 
 logger = logging.getLogger("tracing")
 SCOPE = InstrumentationScope("tracing.metrics")
+# The histograms built from ProfileStats get a scope of their own: the OTLP encoder
+# keys scopes by name, and would let one replace the SDK instruments' scope.
+STATS_SCOPE = InstrumentationScope("tracing.metrics.stats")
 METRICS_EXPORTERS = ("none", "otlp", "console")
 ENV_METRICS_EXPORTER = "OTEL_METRICS_EXPORTER"
 ENV_EXPORT_INTERVAL = "OTEL_METRIC_EXPORT_INTERVAL"
@@ -368,7 +371,7 @@ class Metrics:
     def _with_stats(self, data: MetricsData) -> MetricsData:
         if not self._histograms:
             return data
-        extra = ScopeMetrics(SCOPE, [h.metric() for h in self._histograms], "")
+        extra = ScopeMetrics(STATS_SCOPE, [h.metric() for h in self._histograms], "")
         if not data.resource_metrics:
             return MetricsData([ResourceMetrics(self.resource, [extra], "")])
         first, *rest = data.resource_metrics

@@ -102,6 +102,25 @@ def test_instruments_carry_namespace_units_and_values() -> None:
     assert metrics.shutdown().exports_failed == 0
 
 
+def test_otlp_request_holds_instruments_and_stats_histogram() -> None:
+    from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
+
+    memory = MemoryMetricExporter()
+    metrics = start_metrics(MetricsConfig(export_interval_s=3600), tracing.TracingConfig(),
+                            exporters=[memory])  # fmt: skip
+    metrics.observe_gauge("depth", lambda: 1, unit="{item}")
+    stats = tracing.ProfileStats()
+    stats.add("p", 0.01)
+    metrics.observe_stats(stats)
+    metrics.force_flush()
+    request = encode_metrics(memory.exports[-1])
+    names = {
+        m.name for rm in request.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    }
+    assert names == {"depth", "phase.duration"}
+    metrics.shutdown()
+
+
 def reference_bucket_counts(values: Sequence[float]) -> list[int]:
     """OTel explicit-bucket rule: bucket i counts bounds[i-1] < v <= bounds[i]."""
     counts = [0] * (len(PHASE_BOUNDS_S) + 1)
