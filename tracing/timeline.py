@@ -21,6 +21,7 @@ Memory is bounded by `max_events`; beyond it events are dropped and counted.
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import logging
 import os
@@ -82,6 +83,8 @@ class Timeline:
         self._open_spans: dict[int, tuple[int, int, int]] = {}  # id(handle) -> serial, tid, ns
         self._counters: list[tuple[str, int, dict[str, float]]] = []
         self._thread_names: dict[int, str] = {}
+        self._local = threading.local()
+        self._tids = itertools.count(1)  # next() is atomic under the GIL
         self._serial = 0
         self._lock = threading.Lock()
         self._gauges: list[tuple[str, Sampler]] = []
@@ -93,10 +96,15 @@ class Timeline:
     # --- PhaseHook (hot path) ---------------------------------------------------------
 
     def _tid(self) -> int:
-        tid = threading.get_ident()
-        if tid not in self._thread_names:
+        """A track id of the calling thread: a serial, not the thread ident, which the
+        OS reuses once a thread ends (a later thread would land on an old track)."""
+        local = self._local
+        try:
+            return local.tid
+        except AttributeError:
+            local.tid = tid = next(self._tids)
             self._thread_names[tid] = threading.current_thread().name
-        return tid
+            return tid
 
     def phase_started(self, phase: Any) -> None:
         pass  # the slice is taken whole at the end: the phase knows its start time

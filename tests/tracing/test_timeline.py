@@ -142,6 +142,24 @@ def test_timeline_has_threads_phases_flows_and_counters(tmp_path: Path) -> None:
     assert len(rates) == 1 and rates[0]["args"]["drafter"] > 0
 
 
+def test_threads_that_end_keep_their_own_tracks(tmp_path: Path) -> None:
+    timeline = Timeline(tmp_path / "t.json")
+    tracing.setup(tracing.TracingConfig(level="off"), phase_hooks=[timeline])
+
+    def work() -> None:
+        with tracing.phase(threading.current_thread().name):
+            pass
+
+    for index in range(4):  # one after the other: the OS may hand out the same ident
+        thread = threading.Thread(target=work, name=f"worker-{index}")
+        thread.start()
+        thread.join()
+    doc = json.loads(timeline.close().read_text())
+    names = {e["tid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    slices = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert len(slices) == 4 and all(names[e["tid"]] == e["name"] for e in slices)
+
+
 def test_timeline_sees_unsampled_phases_and_attributes_of_sampled_roots(tmp_path: Path) -> None:
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
