@@ -334,16 +334,20 @@ def _flow_events(
     flows: Mapping[int, list[tuple[int, int, int]]], pid: int, us: Callable[[int], float]
 ) -> list[dict[str, Any]]:
     """One arrow chain per span, through its slices in time order. Each flow event sits
-    at the middle of its slice, so "enclosing slice" binding finds exactly that slice."""
+    just inside the start of its slice (so "enclosing slice" binding finds that slice,
+    and the chain's timestamps follow the slices' start order)."""
     events = []
     for serial, steps in flows.items():
         steps = sorted(s for s in steps if s[1] > s[0])  # a zero-length slice encloses nothing
         if len(steps) < 2:
             continue
+        last_ns = 0
         for index, (start, end, tid) in enumerate(steps):
+            at_ns = min(end - 1, max(start + min(end - start, 1000) // 2, last_ns))
+            last_ns = at_ns
             phase = "s" if index == 0 else "f" if index == len(steps) - 1 else "t"
             event = {"name": "batch", "cat": "flow", "ph": phase, "id": serial, "pid": pid,
-                     "tid": tid, "ts": us((start + end) // 2), "bp": "e"}  # fmt: skip
+                     "tid": tid, "ts": us(at_ns), "bp": "e"}  # fmt: skip
             events.append(event)
     return events
 
