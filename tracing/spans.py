@@ -42,7 +42,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Runtime:
     """What `setup` installs for `phase` to read; replaced as a whole, never mutated."""
 
-    __slots__ = ("recorder", "level_rank", "stats", "clock", "sync", "resolver", "plain")
+    __slots__ = ("recorder", "level_rank", "stats", "clock", "sync", "resolver", "plain", "hooks")
 
     def __init__(
         self,
@@ -52,8 +52,10 @@ class Runtime:
         clock: DeviceClock | None = None,
         sync: bool = False,
         resolver: EventResolver | None = None,
+        hooks: tuple[Any, ...] = (),
     ) -> None:
         self.stats = stats
+        self.hooks = hooks  # tracing.hooks.PhaseHook objects (timeline, NVTX)
         # None when no span can be recorded at any level: phases then skip all span work.
         self.recorder = recorder if level_rank > 0 else None
         self.level_rank = level_rank
@@ -61,7 +63,7 @@ class Runtime:
         self.sync = sync
         self.resolver = resolver
         # Phases can take the minimal path: nothing but clock reads and one `add`.
-        self.plain = self.recorder is None and clock is None
+        self.plain = self.recorder is None and clock is None and not hooks
 
 
 DEFAULT_STATS = ProfileStats()
@@ -196,6 +198,8 @@ class SpanHandle:
             return
         self._ended = True
         end_ns = _time_ns() if end_time_ns is None else end_time_ns
+        for hook in _runtime.hooks:
+            hook.span_ended(self, end_ns)
         if self._stats is not None:
             self._stats.add(self.name, (end_ns - self.start_time_ns) / 1e9, thread=NO_THREAD)
         self._finish(end_ns)
@@ -239,6 +243,8 @@ def start_span(
     recorder = rt.recorder
     if recorder is not None and _level_rank(level) <= rt.level_rank:
         handle._begin(recorder, None if parent is None else _resolve_parent(parent), attributes)
+    for hook in rt.hooks:
+        hook.span_started(handle)
     return handle
 
 
@@ -286,6 +292,8 @@ class Phase(SpanHandle):
         recorder = rt.recorder
         if recorder is not None and _level_rank(self._level) <= rt.level_rank:
             self._start_span(recorder)
+        for hook in rt.hooks:
+            hook.phase_started(self)
         return self
 
     def _enter_device(self, rt: Runtime) -> None:
@@ -321,6 +329,8 @@ class Phase(SpanHandle):
                 stats = self._rt.stats
             stats.add(self.name, (_time_ns() - self.start_time_ns) / 1e9)
             return False
+        for hook in self._rt.hooks:
+            hook.phase_ended(self, exc)
         if mode is _DEVICE:
             self._exit_device(exc)
             return False

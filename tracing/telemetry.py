@@ -191,6 +191,7 @@ def setup(
     span_processors: Sequence[SpanProcessor] = (),
     device_clock: DeviceClock | None = None,
     install_global_provider: bool = False,
+    phase_hooks: Sequence[object] = (),
 ) -> Telemetry:
     """Configures tracing for this process and makes `phase(...)` use it.
 
@@ -199,7 +200,9 @@ def setup(
     SimpleSpanProcessor around an InMemorySpanExporter in tests): they get each sampled
     phase span through `on_end`, on the ending thread (phases do not call `on_start`:
     they are not SDK spans until they end). `device_clock`
-    replaces the CUDA clock (a HostClock in tests). A previous setup is shut down first.
+    replaces the CUDA clock (a HostClock in tests). `phase_hooks` (tracing.hooks.PhaseHook:
+    a Timeline, NvtxRanges) see every phase start and end, sampled or not, on its thread.
+    A previous setup is shut down first.
     """
     cfg = TracingConfig.from_env() if cfg is None else cfg
     previous = _active
@@ -242,11 +245,16 @@ def setup(
         clock = device_clock if device_clock is not None else cuda_clock_or_none(cfg.cuda_timing)
     resolver = EventResolver(clock) if clock is not None and cfg.cuda_timing == "events" else None
     telemetry = Telemetry(cfg, stats, provider, processors, resolver)
-    _install(telemetry, recorder, clock)
+    _install(telemetry, recorder, clock, tuple(phase_hooks))
     return telemetry
 
 
-def _install(telemetry: Telemetry, recorder: Recorder | None, clock: DeviceClock | None) -> None:
+def _install(
+    telemetry: Telemetry,
+    recorder: Recorder | None,
+    clock: DeviceClock | None,
+    hooks: tuple[object, ...] = (),
+) -> None:
     global _active
     cfg = telemetry.cfg
     runtime = spans.Runtime(
@@ -256,6 +264,7 @@ def _install(telemetry: Telemetry, recorder: Recorder | None, clock: DeviceClock
         clock=clock,
         sync=cfg.cuda_timing == "sync",
         resolver=telemetry.resolver,
+        hooks=hooks,
     )
     with _lock:
         _active = telemetry
