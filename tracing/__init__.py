@@ -56,6 +56,7 @@ Device clocks
     DeviceClock protocol; CudaClock (torch.cuda events); HostClock (host-clock fake for tests).
 """
 
+from tracing.clock import now_ns
 from tracing.config import TracingConfig, TracingConfigError
 from tracing.device import CudaClock, DeviceClock, EventResolver, HostClock
 from tracing.export import BoundedBatchSpanProcessor, DeliveryCounts, OtlpJsonFileExporter
@@ -91,6 +92,7 @@ __all__ = [
     "format_duration",
     "format_table",
     "get_stats",
+    "now_ns",
     "phase",
     "setup",
     "shutdown",

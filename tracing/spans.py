@@ -13,7 +13,6 @@ record, a phase is two clock reads and one `ProfileStats.add`.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any, TypeVar
@@ -24,6 +23,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import SpanContext, Status
 
 from tracing import record
+from tracing.clock import now_ns
 from tracing.config import TracingConfigError
 from tracing.device import DeviceClock, EventResolver
 from tracing.format import DEVICE_SUFFIX
@@ -32,7 +32,7 @@ from tracing.stats import NO_THREAD, ProfileStats
 
 LEVEL_RANK = {"off": 0, "step": 1, "phase": 2}
 _EMPTY_CONTEXT = Context()
-_time_ns = time.time_ns
+_time_ns = now_ns
 _new_span_id = record.new_span_id
 # Phase._mode: what `__exit__` has to undo (identity-compared small ints).
 _PLAIN, _SPAN, _DEVICE = 0, 1, 2
