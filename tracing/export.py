@@ -106,8 +106,28 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stopping = False  # mirrors _stop for the hot path: a bool reads faster
-        self._flush_waiters: list[threading.Event] = []
+        self._flush_waiters: list[_FlushWaiter] = []
+        self._name = name
         self._worker = threading.Thread(target=self._run, name=name, daemon=True)
+        self._worker.start()
+
+    def reinit_after_fork(self, exporter: SpanExporter | None = None) -> None:
+        """In a forked child: fresh locks, counts and worker; the parent's queued spans
+        are the parent's to export. `exporter` replaces one that cannot cross a fork
+        (a connection or an open file shared with the parent)."""
+        if exporter is not None:
+            self.exporter = exporter
+        self._queue = deque()
+        self._counts = DeliveryCounts()
+        self._counts_lock = threading.Lock()
+        self._in_flight = 0
+        self._last_export_ok = True
+        self._shutdown_counts = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._stopping = False
+        self._flush_waiters = []
+        self._worker = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._worker.start()
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
@@ -135,10 +155,15 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         while not self._stop.is_set():
             self._wake.wait(self._schedule_delay_s)
             self._wake.clear()
+            self._round()
+        self._round()
+
+    def _round(self) -> None:
+        try:
             self._export_all()
             self._release_flush_waiters()
-        self._export_all()
-        self._release_flush_waiters()
+        except Exception:  # the worker must outlive any bug: spans would queue forever
+            logger.exception("tracing: export worker error")
 
     def _export_all(self) -> None:
         while self._queue:
@@ -167,17 +192,28 @@ class BoundedBatchSpanProcessor(SpanProcessor):
 
     def _release_flush_waiters(self) -> None:
         waiters, self._flush_waiters = self._flush_waiters, []
+        with self._counts_lock:
+            failed = self._counts.failed
         for waiter in waiters:
-            waiter.set()
+            if failed != waiter.failed_before or self._stop.is_set():
+                waiter.release(failed == waiter.failed_before and not self._queue)
+            elif self._queue:  # spans came in meanwhile: the next round exports them
+                self._flush_waiters.append(waiter)
+                self._wake.set()
+            else:
+                waiter.release(True)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        """Asks the worker to export everything queued; waits at most `timeout_millis`."""
+        """Asks the worker to export everything queued; waits at most `timeout_millis`.
+
+        True only when the queue emptied and every export since the call succeeded."""
         if self._stop.is_set() or not self._worker.is_alive():
-            return False
-        done = threading.Event()
-        self._flush_waiters.append(done)
+            return not self._queue and not self._in_flight
+        with self._counts_lock:
+            waiter = _FlushWaiter(self._counts.failed)
+        self._flush_waiters.append(waiter)
         self._wake.set()
-        return done.wait(timeout_millis / 1e3)
+        return waiter.wait(timeout_millis / 1e3)
 
     def shutdown(self, timeout_millis: int = 4000) -> None:
         self.shutdown_counted(timeout_millis / 1e3)
@@ -208,6 +244,24 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             counts = DeliveryCounts(**vars(self._counts))
             counts.pending = len(self._queue) + self._in_flight
         return counts
+
+
+class _FlushWaiter:
+    """One force_flush call: released by the worker with whether it succeeded."""
+
+    __slots__ = ("failed_before", "_done", "_ok")
+
+    def __init__(self, failed_before: int) -> None:
+        self.failed_before = failed_before
+        self._done = threading.Event()
+        self._ok = False
+
+    def release(self, ok: bool) -> None:
+        self._ok = ok
+        self._done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s) and self._ok
 
 
 def _call_bounded(fn: object, timeout_s: float) -> None:
@@ -301,8 +355,16 @@ def _quiet_otlp_loggers() -> None:
             otel_logger.addFilter(_rate_limit)
 
 
-def build_exporters(cfg: TracingConfig) -> list[SpanExporter]:
-    """The exporters named in `cfg.exporter`; imports each SDK exporter only when used."""
+def trace_file_path(path: str, rank: int) -> str:
+    """The trace file of one rank: PATH for rank 0, PATH.rankN for the others (every
+    rank appending to one file interleaves their lines)."""
+    return path if rank == 0 else f"{path}.rank{rank}"
+
+
+def build_exporters(cfg: TracingConfig, *, pid_suffix: bool = False) -> list[SpanExporter]:
+    """The exporters named in `cfg.exporter`; imports each SDK exporter only when used.
+
+    `pid_suffix`: a forked child's trace file gets `.pidN` after the rank's name."""
     exporters: list[SpanExporter] = []
     for name in cfg.exporter:
         if name == "otlp":
@@ -313,20 +375,33 @@ def build_exporters(cfg: TracingConfig) -> list[SpanExporter]:
             exporters.append(ConsoleSpanExporter())
         elif name == "file":
             assert cfg.trace_file is not None  # checked by TracingConfig
-            exporters.append(OtlpJsonFileExporter(cfg.trace_file))
+            path = trace_file_path(cfg.trace_file, cfg.rank)
+            if pid_suffix:
+                path = f"{path}.pid{os.getpid()}"
+            exporters.append(OtlpJsonFileExporter(path))
     return exporters
 
 
-def _otlp_exporter(cfg: TracingConfig) -> SpanExporter:
+def otlp_traces_url(cfg: TracingConfig) -> str:
+    """The URL the OTLP exporter sends to: for HTTP a base URL gets /v1/traces appended
+    (the signal path is fixed); OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is used as is."""
     assert cfg.otlp_endpoint is not None  # checked by TracingConfig
+    if cfg.otlp_protocol == "grpc" or cfg.otlp_endpoint_is_traces_url:
+        return cfg.otlp_endpoint
+    endpoint = cfg.otlp_endpoint.rstrip("/")
+    return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
+
+
+def _otlp_exporter(cfg: TracingConfig) -> SpanExporter:
     _quiet_otlp_loggers()
     headers = dict(cfg.otlp_headers) or None
+    url = otlp_traces_url(cfg)
     if cfg.otlp_protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         return OTLPSpanExporter(
-            endpoint=cfg.otlp_endpoint,
-            insecure=cfg.otlp_endpoint.startswith("http://"),
+            endpoint=url,
+            insecure=url.startswith("http://"),
             headers=headers,
             timeout=cfg.export_timeout_s,
         )
@@ -334,7 +409,4 @@ def _otlp_exporter(cfg: TracingConfig) -> SpanExporter:
         OTLPSpanExporter as HttpSpanExporter,
     )
 
-    endpoint = cfg.otlp_endpoint.rstrip("/")
-    if not endpoint.endswith("/v1/traces"):
-        endpoint += "/v1/traces"  # the base URL names the collector; the signal path is fixed
-    return HttpSpanExporter(endpoint=endpoint, headers=headers, timeout=cfg.export_timeout_s)
+    return HttpSpanExporter(endpoint=url, headers=headers, timeout=cfg.export_timeout_s)

@@ -15,9 +15,10 @@ follows its parent's sampled flag, local or remote.
 from __future__ import annotations
 
 import logging
+import os
+import random
 import traceback
 from collections.abc import Callable, Sequence
-from random import getrandbits
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -33,7 +34,22 @@ if TYPE_CHECKING:
     from tracing.spans import SpanHandle
 
 logger = logging.getLogger("tracing")
+
+
+def _scope_version() -> str:
+    """The version of the installed distribution that ships this package."""
+    from importlib import metadata
+
+    for dist in metadata.packages_distributions().get(__name__.partition(".")[0], []):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "0+unknown"
+
+
 SCOPE_NAME = "tracing"
+SCOPE_VERSION = _scope_version()
 _TRACE_ID_LOW_MASK = TraceIdRatioBased.TRACE_ID_LIMIT  # the bits TraceIdRatioBased reads
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
@@ -41,18 +57,47 @@ _UNSET = Status(StatusCode.UNSET)
 _NO_EVENTS: tuple[Event, ...] = ()
 
 
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Logs `message` the first time `key` comes up (misuse reported, never raised)."""
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning("tracing: %s", message)
+
+
+class _IdSource:
+    """Ids from a generator of our own, seeded from the OS and re-seeded in a forked
+    child. The process-wide `random` would give every rank and rerun the same ids once
+    the program calls random.seed (set_seed / seed_everything do), and drawing from it
+    would change the program's own random sequence."""
+
+    def __init__(self) -> None:
+        self._random = random.Random()
+        self.reseed()
+
+    def reseed(self) -> None:
+        self._random.seed(int.from_bytes(os.urandom(32), "little"))
+        self.getrandbits = self._random.getrandbits
+
+
+_ids = _IdSource()
+os.register_at_fork(after_in_child=_ids.reseed)
+
+
 def new_trace_id() -> int:
     """128 random bits, never the invalid id 0 (as the SDK's RandomIdGenerator)."""
-    trace_id = getrandbits(128)
+    trace_id = _ids.getrandbits(128)
     while not trace_id:
-        trace_id = getrandbits(128)
+        trace_id = _ids.getrandbits(128)
     return trace_id
 
 
 def new_span_id() -> int:
-    span_id = getrandbits(64)
+    span_id = _ids.getrandbits(64)
     while not span_id:
-        span_id = getrandbits(64)
+        span_id = _ids.getrandbits(64)
     return span_id
 
 
@@ -85,7 +130,7 @@ class Recorder:
         `sync_processors` get a ReadableSpan through `on_end` at once (tests)."""
         self.bound = TraceIdRatioBased.get_bound_for_rate(sample_ratio)
         self.resource = resource
-        self.scope = InstrumentationScope(SCOPE_NAME)
+        self.scope = InstrumentationScope(SCOPE_NAME, SCOPE_VERSION)
         self.limits = SpanLimits()
         self._appends = tuple(appends)
         self._sync_processors = tuple(sync_processors)

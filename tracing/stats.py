@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 import time
+import weakref
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -290,6 +292,13 @@ class ProfileStats:
 
     def __init__(self, rank: int | None = None) -> None:
         self.rank = rank
+        self._start_fresh()
+        _instances.add(self)
+
+    def _start_fresh(self) -> None:
+        """Empty figures and a new lock: at creation, and in a forked child, whose
+        figures are its own (and whose copy of the lock may be held by a thread that
+        did not survive the fork)."""
         self._lock = threading.Lock()
         # thread key -> name -> durations not folded yet (a thread appends to its own).
         self._pending: dict[object, dict[str, list[float]]] = {}
@@ -424,3 +433,14 @@ class ProfileStats:
 
     def __str__(self) -> str:
         return self.format_compact()
+
+
+_instances: weakref.WeakSet[ProfileStats] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for stats in list(_instances):
+        stats._start_fresh()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -69,7 +69,7 @@ def test_batch_path_builds_the_sdk_spans():
     assert loss.events[0].attributes["exception.type"] == "KeyError"
     assert "Traceback" in loss.events[0].attributes["exception.stacktrace"]
     assert batch.resource.attributes["service.name"] == "svc"
-    assert batch.resource.attributes["rank"] == 3
+    assert batch.resource.attributes["tracing.rank"] == 3
     assert batch.instrumentation_scope.name == "tracing"
 
 
