@@ -65,12 +65,10 @@ def parse_pairs(text: str, *, what: str, decode_keys: bool) -> tuple[dict[str, s
             continue
         key, sep, value = item.partition("=")
         key = key.strip()
-        if decode_keys:
-            key = unquote(key)
-        if not sep or not key or not _TOKEN.fullmatch(key):
+        if not sep or not _TOKEN.fullmatch(key):
             problems.append(f"{what} entry must look like name=value, got {item.strip()!r}")
             continue
-        pairs[key] = unquote(value.strip())
+        pairs[unquote(key) if decode_keys else key] = unquote(value.strip())
     return pairs, problems
 
 

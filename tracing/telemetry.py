@@ -185,10 +185,19 @@ class Telemetry:
                 propagate=runtime.propagate,
             )
         )
-        # multiprocessing children leave through os._exit, after its own exit hooks.
+        # A multiprocessing child leaves through os._exit, after running its finalizers;
+        # it clears them when it starts, then calls its after-fork hooks: register there.
         mp_util = sys.modules.get("multiprocessing.util")
         if mp_util is not None:
-            mp_util.Finalize(self, Telemetry._shutdown_at_exit, args=(self,), exitpriority=10)
+            mp_util.register_after_fork(self, _finalize_at_child_exit)
+
+
+def _finalize_at_child_exit(telemetry: Telemetry) -> None:
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(
+        telemetry, Telemetry._shutdown_at_exit, args=(telemetry,), exitpriority=10
+    )
 
 
 def _shutdown_provider(provider: TracerProvider, timeout_s: float) -> None:
