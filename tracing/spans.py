@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from threading import get_ident
@@ -29,7 +30,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.context import Context
 
 from tracing import record
-from tracing.clock import now_ns
+from tracing.clock import EPOCH_OFFSET_NS, now_ns
 from tracing.device import DeviceClock, EventResolver
 from tracing.format import DEVICE_SUFFIX
 from tracing.handle import SpanHandle, resolve_parent
@@ -42,6 +43,9 @@ DEVICE_ATTRIBUTE = "tracing.device"
 DEVICE_DURATION_ATTRIBUTE = "tracing.device.duration_s"
 TIMING_MODE_ATTRIBUTE = "tracing.timing.mode"
 _time_ns = now_ns
+# The plain path reads the clock inline (a Python call costs more than the read itself).
+_mono_ns = time.monotonic_ns
+_OFFSET_NS = EPOCH_OFFSET_NS
 # Phase._mode: what `__exit__` has to undo (identity-compared small ints).
 _PLAIN, _SPAN, _DEVICE = 0, 1, 2
 F = TypeVar("F", bound=Callable[..., Any])
@@ -126,7 +130,7 @@ class Phase(SpanHandle):
 
     __slots__ = ("_level", "_parent", "_given_attributes", "_device", "_token", "_rt",
                  "_mode", "_start_event", "_given_start_ns", "_propagate", "_otel_token",
-                 "_used", "_entries")  # fmt: skip
+                 "_entries")  # fmt: skip
 
     def __init__(
         self,
@@ -151,18 +155,18 @@ class Phase(SpanHandle):
         self._stats = stats
         self._propagate = propagate
         self._rec = None
-        self._used = False
-        self._entries = None
+        # None: never entered; False: entered once (as itself); a dict: thread -> copies.
+        self._entries: dict[int, list[Phase]] | bool | None = None
 
     def __enter__(self) -> Phase:
-        if self._used:  # re-entered, or shared between threads: a copy measures this entry
+        if self._entries is not None:  # re-entered, or shared: a copy measures this entry
             return self._enter_copy()
-        self._used = True  # no call in between: no thread switch can split the test and set
+        self._entries = False  # no call in between: no thread switch splits test and set
         rt = self._rt = _runtime
         start_ns = self._given_start_ns
         if rt.plain:  # no span, no device timing: the level-off path, kept minimal
             self._mode = _PLAIN
-            self.start_time_ns = _time_ns() if start_ns is None else start_ns
+            self.start_time_ns = _mono_ns() + _OFFSET_NS if start_ns is None else start_ns
             return self
         self._mode = _SPAN
         try:
@@ -191,7 +195,7 @@ class Phase(SpanHandle):
             propagate=self._propagate,
         )
         entries = self._entries
-        if entries is None:
+        if not isinstance(entries, dict):
             entries = self._entries = {}
         entries.setdefault(get_ident(), []).append(entry)
         return entry.__enter__()
@@ -239,8 +243,8 @@ class Phase(SpanHandle):
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
         entries = self._entries
-        if entries is not None:
-            stack = entries.get(get_ident())
+        if entries:  # copies exist: this thread's innermost one, if any, is exiting
+            stack = entries.get(get_ident())  # type: ignore[union-attr]
             if stack:
                 return stack.pop().__exit__(exc_type, exc, tb)
         mode = self._mode
@@ -248,7 +252,7 @@ class Phase(SpanHandle):
             stats = self._stats
             if stats is None:
                 stats = self._rt.stats
-            stats.add(self.name, (_time_ns() - self.start_time_ns) / 1e9)
+            stats.add(self.name, (_mono_ns() + _OFFSET_NS - self.start_time_ns) / 1e9)
             return False
         try:
             if mode is _DEVICE:
