@@ -5,8 +5,11 @@ and the reporter and force_flush telling the truth."""
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from memory_setup import setup_memory
@@ -25,7 +28,8 @@ def test_a_phase_object_reused_in_a_loop_measures_each_entry(memory) -> None:
         with timer:
             time.sleep(0.02)
     stats = tracing.get_stats().get("fwd")
-    assert stats.count == 3 and stats.total_s < 0.2  # not measured from the first entry
+    # Each entry ~20 ms; measured from the first entry they would be 20, 40, 60 ms.
+    assert stats.count == 3 and stats.max_s < 2 * stats.min_s, stats
     spans = memory.get_finished_spans()
     assert len(spans) == 3 and len({s.context.span_id for s in spans}) == 3
 
@@ -106,15 +110,30 @@ def test_a_wait_begun_before_its_parent_is_clipped_in_the_span_only(memory) -> N
     assert tracing.get_stats().get("queue.wait").total_s >= 0.02
 
 
-def test_durations_survive_a_wall_clock_step(memory, monkeypatch) -> None:
-    setup_memory(memory)
-    monkeypatch.setattr(time, "time_ns", lambda: 0)  # the wall clock steps back to 1970
+_STEPPING_CLOCK = """
+import sys, time
+real = time.time_ns
+calls = [0]
+def stepping():  # NTP steps the wall clock back 1000 s between every two reads
+    calls[0] += 1
+    return real() - (10**12 if calls[0] % 2 == 0 else 0)
+time.time_ns = stepping
+sys.path.insert(0, sys.argv[1])
+import tracing
+for _ in range(4):
     with tracing.phase("step"):
         time.sleep(0.001)
-    stats = tracing.get_stats().get("step")
-    assert 0.001 <= stats.total_s < 1.0
-    (span,) = memory.get_finished_spans()
-    assert span.start_time > 1_600_000_000 * 10**9  # still epoch time
+stats = tracing.get_stats().get("step")
+print(stats.min_s, stats.max_s)
+"""
+
+
+def test_durations_survive_a_wall_clock_step() -> None:
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", _STEPPING_CLOCK, root], capture_output=True,
+                         text=True, timeout=120, check=True).stdout  # fmt: skip
+    min_s, max_s = map(float, out.split())
+    assert 0.001 <= min_s and max_s < 100.0
 
 
 def test_reporter_thread_survives_a_failing_report() -> None:
