@@ -75,7 +75,8 @@ Device clocks
 from tracing.clock import now_ns
 from tracing.config import TracingConfig, TracingConfigError
 from tracing.device import CudaClock, DeviceClock, EventResolver, HostClock
-from tracing.export import BoundedBatchSpanProcessor, DeliveryCounts, OtlpJsonFileExporter
+from tracing.export import BoundedBatchSpanProcessor, DeliveryCounts
+from tracing.exporters import OtlpJsonFileExporter
 from tracing.format import DEVICE_SUFFIX, format_compact, format_duration, format_table
 from tracing.reporter import Reporter
 from tracing.spans import Phase, SpanHandle, current_phase, phase, start_span

@@ -31,7 +31,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 if TYPE_CHECKING:
-    from tracing.spans import SpanHandle
+    from tracing.handle import SpanHandle
 
 logger = logging.getLogger("tracing")
 
