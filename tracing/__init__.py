@@ -13,7 +13,7 @@ Setup and shutdown
         process, telemetry.sdk.*, `<attribute_namespace>.rank` and `.run.id`.
     telemetry = setup(cfg=None, *, stats=None, exporters=(), span_processors=(),
                       device_clock=None, install_global_provider=False,
-                      propagate_context=None) -> Telemetry
+                      propagate_context=None, stop_exceptions=()) -> Telemetry
     telemetry.stats                      the ProfileStats every phase feeds
     telemetry.force_flush(timeout_s=1.0) -> bool   (True only when nothing is left queued)
     report = telemetry.shutdown(timeout_s=None) -> ShutdownReport   (bounded; idempotent)

@@ -55,7 +55,7 @@ class Runtime:
     """What `setup` installs for `phase` to read; replaced as a whole, never mutated."""
 
     __slots__ = ("recorder", "level_rank", "stats", "clock", "sync", "resolver", "plain",
-                 "propagate")  # fmt: skip
+                 "propagate", "stop_exceptions")  # fmt: skip
 
     def __init__(
         self,
@@ -66,6 +66,7 @@ class Runtime:
         sync: bool = False,
         resolver: EventResolver | None = None,
         propagate: bool = False,
+        stop_exceptions: tuple[type[BaseException], ...] = (),
     ) -> None:
         self.stats = stats
         # None when no span can be recorded at any level: phases then skip all span work.
@@ -75,6 +76,8 @@ class Runtime:
         self.sync = sync
         self.resolver = resolver
         self.propagate = propagate
+        # Exceptions that end a phase without marking it ERROR: a requested stop.
+        self.stop_exceptions = stop_exceptions
         # Phases can take the minimal path: nothing but clock reads and one `add`.
         self.plain = self.recorder is None and clock is None
 
@@ -265,7 +268,7 @@ class Phase(SpanHandle):
             stats.add(self.name, (end_ns - self.start_time_ns) / 1e9)
             if self._rec is not None:
                 self._leave()
-                if exc is not None:
+                if exc is not None and not isinstance(exc, self._rt.stop_exceptions):
                     self._mark_error(exc)
                 self._ended = True
                 self._finish(end_ns)
@@ -285,7 +288,7 @@ class Phase(SpanHandle):
         stats.add(self.name, (end_ns - self.start_time_ns) / 1e9)
         if self._rec is not None:
             self._leave()
-            if exc is not None:
+            if exc is not None and not isinstance(exc, rt.stop_exceptions):
                 self._mark_error(exc)
         if end_event is not None:
             self._submit_device_timing(end_event, end_ns, stats)

@@ -184,6 +184,7 @@ class Telemetry:
                 recorder=runtime.recorder,
                 level_rank=runtime.level_rank,
                 propagate=runtime.propagate,
+                stop_exceptions=runtime.stop_exceptions,
             )
         )
         # A multiprocessing child leaves through os._exit, after running its finalizers;
@@ -248,6 +249,7 @@ def setup(
     device_clock: DeviceClock | None = None,
     install_global_provider: bool = False,
     propagate_context: bool | None = None,
+    stop_exceptions: tuple[type[BaseException], ...] = (),
 ) -> Telemetry:
     """Configures tracing for this process and makes `phase(...)` use it.
 
@@ -258,7 +260,9 @@ def setup(
     they are not SDK spans until they end). `device_clock`
     replaces the CUDA clock (a HostClock in tests). `propagate_context` (default
     cfg.propagate_context) makes each phase with a span the current OTel span while it
-    runs. A previous setup is shut down first.
+    runs. A phase ended by one of `stop_exceptions` (e.g. the application's "stop
+    requested" exception, KeyboardInterrupt) is not marked ERROR: a stop is not an
+    error. A previous setup is shut down first.
     """
     cfg = TracingConfig.from_env() if cfg is None else cfg
     previous = _active
@@ -304,12 +308,16 @@ def setup(
     resolver = EventResolver(clock) if clock is not None and cfg.cuda_timing == "events" else None
     telemetry = Telemetry(cfg, stats, provider, processors, resolver, len(built))
     propagate = cfg.propagate_context if propagate_context is None else propagate_context
-    _install(telemetry, recorder, clock, propagate)
+    _install(telemetry, recorder, clock, propagate, tuple(stop_exceptions))
     return telemetry
 
 
 def _install(
-    telemetry: Telemetry, recorder: Recorder | None, clock: DeviceClock | None, propagate: bool
+    telemetry: Telemetry,
+    recorder: Recorder | None,
+    clock: DeviceClock | None,
+    propagate: bool,
+    stop_exceptions: tuple[type[BaseException], ...],
 ) -> None:
     global _active
     cfg = telemetry.cfg
@@ -321,6 +329,7 @@ def _install(
         sync=cfg.cuda_timing == "sync",
         resolver=telemetry.resolver,
         propagate=propagate,
+        stop_exceptions=stop_exceptions,
     )
     with _lock:
         _active = telemetry

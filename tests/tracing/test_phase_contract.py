@@ -199,3 +199,20 @@ def test_phase_records_stats_at_every_level(level: str) -> None:
         pass
     assert telemetry.stats.get("x").count == 2
     telemetry.shutdown()
+
+
+def test_a_requested_stop_is_not_an_error(memory) -> None:
+    class Stopped(Exception):
+        pass
+
+    tracing.setup(
+        tracing.TracingConfig(),
+        span_processors=[SimpleSpanProcessor(memory)],
+        stop_exceptions=(Stopped, KeyboardInterrupt),
+    )
+    for exc in (Stopped(), KeyboardInterrupt(), ValueError("bad")):
+        with pytest.raises(type(exc)):
+            with tracing.phase(type(exc).__name__):
+                raise exc
+    status = {s.name: s.status.status_code.name for s in memory.get_finished_spans()}
+    assert status == {"Stopped": "UNSET", "KeyboardInterrupt": "UNSET", "ValueError": "ERROR"}
