@@ -605,6 +605,29 @@ def jaeger_test_config_problems(stack: Stack) -> list[str]:
     return problems
 
 
+def expiration_problems(stack: Stack) -> list[str]:
+    """Span metrics of services no longer sending (finished runs) expire."""
+    expiration = spanmetrics_config(stack).get("metrics_expiration")
+    if not expiration or duration_ms(str(expiration)) <= 0:
+        return ["spanmetrics: no metrics_expiration (finished runs' series live forever)"]
+    return []
+
+
+def trainer_user_problems(stack: Stack) -> list[str]:
+    """The trainer writes its bind-mounted output as the host user, with a writable HOME."""
+    problems = []
+    trainer = services(stack).get("trainer", {})
+    user = str(trainer.get("user", ""))
+    if "${" not in user:
+        problems.append(f"trainer: user {user!r} is not taken from the environment")
+    dockerfile = stack["dockerfiles"].get("docker/trainer/Dockerfile", "")
+    if not re.search(r"^ENV HOME=\S+", dockerfile, re.M) or "chmod 1777" not in dockerfile:
+        problems.append("docker/trainer/Dockerfile: no HOME that any user may write")
+    if re.search(r"^USER\s+(root|0)\b", dockerfile, re.M):
+        problems.append("docker/trainer/Dockerfile: runs as root")
+    return problems
+
+
 # --- tests ---------------------------------------------------------------------------
 
 
@@ -636,8 +659,38 @@ def test_real_stack_has_no_problems(stack: Stack) -> None:
         + bucket_problems(stack)
         + dashboard_problems(stack)
         + jaeger_test_config_problems(stack)
+        + expiration_problems(stack)
+        + trainer_user_problems(stack)
     )
     assert problems == []
+
+
+def test_expiration_check_catches_series_that_never_expire(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    del spanmetrics_config(broken)["metrics_expiration"]
+    assert expiration_problems(broken) == [
+        "spanmetrics: no metrics_expiration (finished runs' series live forever)"
+    ]
+
+
+def test_trainer_user_check_catches_a_fixed_uid(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    broken["compose"]["services"]["trainer"]["user"] = "10001"
+    broken["dockerfiles"]["docker/trainer/Dockerfile"] = "FROM python:3.12\nUSER root\n"
+    assert len(trainer_user_problems(broken)) == 3
+
+
+def test_dockerignore_keeps_the_context_to_what_the_image_copies() -> None:
+    lines = (REPO_ROOT / ".dockerignore").read_text().splitlines()
+    allowed = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
+    dockerfile = (DOCKER / "trainer" / "Dockerfile").read_text()
+    copied = {
+        word.rstrip("/")
+        for line in dockerfile.splitlines()
+        if line.startswith("COPY ")
+        for word in line.split()[1:-1]
+    }
+    assert "*" in lines and copied <= allowed, (copied, allowed)
 
 
 def test_dashboard_covers_required_views(stack: Stack) -> None:

@@ -54,7 +54,7 @@ FAST_FLAGS = (
 STEP_KEYS = ("step",)
 BATCH_ID_KEYS = ("batch.id", "batch_id")
 TOKENS_KEYS = ("tokens",)
-DEVICE_KEYS = ("device",)
+DEVICE_KEYS = ("device", "dflash.device", "tracing.device")
 
 
 def dflash_train() -> str:
