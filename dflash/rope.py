@@ -109,6 +109,7 @@ def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
 
 def _delegated(spec: RopeSpec, head_dim: int, max_positions: int) -> tuple[Tensor, float]:
     try:
+        import transformers
         from transformers import PretrainedConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     except ImportError as err:
@@ -118,8 +119,10 @@ def _delegated(spec: RopeSpec, head_dim: int, max_positions: int) -> tuple[Tenso
     cfg = PretrainedConfig()
     cfg.head_dim, cfg.hidden_size, cfg.num_attention_heads = head_dim, head_dim, 1
     cfg.max_position_embeddings = max_positions
-    cfg.rope_parameters = spec.rope_parameters()
-    cfg.rope_theta, cfg.rope_scaling = spec.theta, spec.rope_scaling()
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        cfg.rope_parameters = spec.rope_parameters()
+    else:
+        cfg.rope_theta, cfg.rope_scaling = spec.theta, spec.rope_scaling()
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[spec.rope_type](cfg, None)
     return inv_freq.float(), float(attention_scaling)
 
