@@ -8,7 +8,7 @@ forward right after the last needed layer so later layers never run.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from dflash.tiny import TinyLM, load_tiny_lm, prepare_builtin_target
 
 __all__ = [
     "MaskToken",
+    "check_mask_token_unused",
     "TargetError",
     "TargetGeometry",
     "TargetModel",
@@ -108,6 +109,17 @@ def resolve_mask_token(
         f"no mask token: the tokenizer has none and all {num_embeddings} embedding rows are "
         "tokens; give --mask-token-id (an id the data never uses)"
     )
+
+
+def check_mask_token_unused(mask_token_id: int, token_ids: Iterable[Any]) -> None:
+    """One-line error when the data contains the mask id (the drafter could not tell
+    a masked position from that token). token_ids: arrays or tensors of token ids."""
+    for ids in token_ids:
+        if bool((ids == mask_token_id).any()):
+            raise TargetError(
+                f"--mask-token-id {mask_token_id} is a token the training data uses: "
+                "choose an id the tokenizer never produces (e.g. a spare embedding row)"
+            )
 
 
 class _StopForward(Exception):

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-WORDS = "user assistant def add a b return for i in range print x y z if else while not and or".split()
+WORDS = "user assistant def add a b return for i in range print x y z if else while".split()
 SPARE_ROWS = 16
 
 

@@ -5,7 +5,13 @@ import torch
 
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.rope import RopeError, RopeSpec, rope_from_config
-from dflash.target import TargetError, hf_geometry, load_target, resolve_mask_token
+from dflash.target import (
+    TargetError,
+    check_mask_token_unused,
+    hf_geometry,
+    load_target,
+    resolve_mask_token,
+)
 from tests.dflash.hf_fixtures import SPARE_ROWS, llama3_config, qwen3_config, save_hf_target
 
 POSITIONS = torch.tensor([[0, 1, 7, 63, 64, 200, 1000, 4000]])
@@ -114,3 +120,11 @@ def test_drafter_for_a_hugging_face_target_has_its_geometry(tmp_path, arch) -> N
     rotary = target.model.model.rotary_emb
     ref_cos, _ = rotary(torch.zeros(1, 8, 32), POSITIONS)
     assert torch.allclose(drafter.rope(POSITIONS)[0], ref_cos, atol=1e-5)
+
+
+def test_a_mask_id_the_data_uses_is_an_error() -> None:
+    import numpy as np
+
+    check_mask_token_unused(9, [np.array([1, 2, 3]), torch.tensor([4, 5])])
+    with pytest.raises(TargetError, match="--mask-token-id 5 is a token the training data uses"):
+        check_mask_token_unused(5, [np.array([1, 2, 3]), torch.tensor([4, 5])])
