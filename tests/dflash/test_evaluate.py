@@ -260,3 +260,22 @@ def test_chat_template_renders_the_generation_prompt(tmp_path) -> None:
     path.write_text(json.dumps({"messages": messages}) + "\n")
     (ids,) = load_chat_prompts(path, tok)
     assert tok.decode(ids) == "<s> user add a b </s> <s> assistant"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_hugging_face_target_with_dynamic_cache_decodes_like_greedy(tmp_path, arch) -> None:
+    from dflash.target import load_target
+    from tests.dflash.hf_fixtures import save_hf_target
+
+    hf = load_target(str(save_hf_target(tmp_path / arch, arch)))
+    torch.manual_seed(0)
+    cfg = DrafterConfig.for_target(hf, num_layers=1, block_size=4)
+    drafter = DFlashDrafter(cfg, hf.embed_tokens, hf.lm_head).eval()
+    prompt = [2, 5, 6, 7]
+    reference = greedy_generate(hf, prompt, 24, use_cache=False)
+    assert greedy_generate(hf, prompt, 24) == reference  # DynamicCache path
+    cached, stats = speculative_generate(hf, drafter, prompt, 24)
+    plain, plain_stats = speculative_generate(hf, drafter, prompt, 24, use_cache=False)
+    assert cached == plain == reference
+    assert stats.accepted_per_cycle == plain_stats.accepted_per_cycle
