@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--eval-data", type=Path, default=None, help="chat JSONL prompts")
     parser.add_argument("--prompts", type=int, default=8, help="number of prompts")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per prompt")
+    parser.add_argument("--repeats", type=int, default=3, help="timings per prompt (min kept)")
     parser.add_argument("overrides", nargs="*", help="train options as KEY=VALUE")
     args = parser.parse_args()
     cfg = config_from_options(
@@ -56,7 +57,8 @@ def main() -> None:
     figures = {}
     for name, use_cache in (("cached", True), ("uncached", False)):
         result = evaluate_tau(target, drafter, prompts, args.max_new_tokens,
-                              use_cache=use_cache, compare_baseline=True)  # fmt: skip
+                              use_cache=use_cache, compare_baseline=True,
+                              timing_repeats=args.repeats)  # fmt: skip
         figures[name] = {
             "tau": round(result.tau, 4), "tau_pooled": round(result.tau_pooled, 4),
             "speedup_vs_greedy": round(result.speedup or 0.0, 3),
