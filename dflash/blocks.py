@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dflash.documents import anchor_context_start
-from dflash.objective import NoiseSchedule, block_labels, build_blocks, select_anchors
+from dflash.objective import NoiseSchedule, block_inputs, select_anchors
 
 
 @dataclass
@@ -40,9 +40,9 @@ def prepare_blocks(
     """Anchors, blocks and labels of a batch; doc_ids[B, T] (None = one document a
     row) keeps every anchor, block position and context inside the anchor's document."""
     anchors, keep = select_anchors(loss_mask, num_anchors, generator, doc_ids=doc_ids)
-    block_ids = build_blocks(
-        input_ids, anchors, block_size, mask_token_id, noise, step, generator, doc_ids=doc_ids
-    )
-    labels, valid = block_labels(input_ids, loss_mask, anchors, keep, block_size, doc_ids=doc_ids)
+    block_ids, labels, valid = block_inputs(
+        input_ids, loss_mask, anchors, keep, block_size, mask_token_id, noise, step, generator,
+        doc_ids=doc_ids,
+    )  # fmt: skip
     ctx_start = None if doc_ids is None else anchor_context_start(anchors, doc_ids)
     return BlockInputs(anchors, keep, block_ids, labels, valid, ctx_start)

@@ -58,6 +58,32 @@ class NoiseSchedule:
         if self.anneal_steps < 0:
             raise ObjectiveError(f"noise anneal_steps {self.anneal_steps} is negative")
 
+    @classmethod
+    def parse(cls, spec: str, total_steps: int) -> NoiseSchedule:
+        """`all` (every non-anchor position masked) or `linear:START:END`: the masked share
+        goes from START to END over `total_steps` optimizer steps."""
+        if spec == "all":
+            return cls()
+        parts = spec.split(":")
+        if len(parts) != 3 or parts[0] != "linear":
+            raise ObjectiveError(f"--noise-schedule {spec!r}: expected 'all' or 'linear:START:END'")
+        try:
+            start, end = float(parts[1]), float(parts[2])
+        except ValueError as err:
+            raise ObjectiveError(f"--noise-schedule {spec!r}: START and END are numbers") from err
+        for value in (start, end):
+            if not 0.0 < value <= 1.0:
+                raise ObjectiveError(f"--noise-schedule {spec!r}: {value} is outside (0, 1]")
+        return cls(start_mask_ratio=start, end_mask_ratio=end, anneal_steps=max(0, total_steps))
+
+    def describe(self) -> str:
+        if self.start_mask_ratio == self.end_mask_ratio == 1.0:
+            return "all non-anchor masked"
+        return (
+            f"masked share {self.start_mask_ratio:g} -> {self.end_mask_ratio:g} "
+            f"over {self.anneal_steps} steps"
+        )
+
     def mask_ratio(self, step: int) -> float:
         if self.anneal_steps == 0 or step >= self.anneal_steps:
             return self.end_mask_ratio
@@ -83,7 +109,12 @@ class NoiseSchedule:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """gamma None -> default_gamma(block size); streak_alpha None -> streak weighting off."""
+    """gamma None = not set by the user; streak_alpha None = streak weighting off.
+
+    Streak weights are already a decay over block positions, so with streak_alpha set
+    they replace the gamma decay unless gamma was also set explicitly (then both apply).
+    Without streak weighting an unset gamma means default_gamma(block size).
+    """
 
     gamma: float | None = None
     use_soft_labels: bool = False
@@ -100,6 +131,12 @@ class LossConfig:
             raise ObjectiveError(f"--kl-weight {self.kl_weight} is outside [0, 1]")
         if self.streak_alpha is not None and not 0.0 <= self.streak_alpha <= 1.0:
             raise ObjectiveError(f"--streak-alpha {self.streak_alpha} is outside [0, 1]")
+
+    def decay_gamma(self, block_size: int) -> float | None:
+        """The gamma of the exp decay in force, or None when streak weights replace it."""
+        if self.gamma is not None:
+            return self.gamma
+        return None if self.streak_alpha is not None else default_gamma(block_size)
 
 
 @dataclass
@@ -157,17 +194,17 @@ def _gather_tokens(input_ids: Tensor, positions: Tensor) -> Tensor:
     return input_ids.gather(1, flat).reshape(b, n, bs)
 
 
-def build_blocks(
+def _masked_and_blocks(
     input_ids: Tensor,
     anchors: Tensor,
     block_size: int,
     mask_token_id: int,
-    noise: NoiseSchedule | None = None,
-    step: int = 0,
-    generator: torch.Generator | None = None,
+    noise: NoiseSchedule | None,
+    step: int,
+    generator: torch.Generator | None,
     doc_ids: Tensor | None = None,
-) -> Tensor:
-    """block_ids[B, N, Bs]: the clean anchor, then masked (or, per noise, clean) tokens.
+) -> tuple[Tensor, Tensor]:
+    """-> masked[B, N, Bs] (True = the drafter sees the mask token), block_ids[B, N, Bs].
 
     Positions past the end of the sequence, or of the anchor's document when
     doc_ids[B, T] is given, are always masked (there is no clean token).
@@ -179,7 +216,46 @@ def build_blocks(
     masked |= positions >= input_ids.shape[1]
     if doc_ids is not None:
         masked[..., 1:] |= ~same_document_as_anchor(anchors, doc_ids, block_size)[..., 1:]
-    return clean.masked_fill(masked, mask_token_id)
+    return masked, clean.masked_fill(masked, mask_token_id)
+
+
+def build_blocks(
+    input_ids: Tensor,
+    anchors: Tensor,
+    block_size: int,
+    mask_token_id: int,
+    noise: NoiseSchedule | None = None,
+    step: int = 0,
+    generator: torch.Generator | None = None,
+    doc_ids: Tensor | None = None,
+) -> Tensor:
+    """block_ids[B, N, Bs]: the clean anchor, then masked (or, per noise, clean) tokens."""
+    return _masked_and_blocks(
+        input_ids, anchors, block_size, mask_token_id, noise, step, generator, doc_ids
+    )[1]
+
+
+def block_inputs(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    anchors: Tensor,
+    keep: Tensor,
+    block_size: int,
+    mask_token_id: int,
+    noise: NoiseSchedule | None = None,
+    step: int = 0,
+    generator: torch.Generator | None = None,
+    doc_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """-> block_ids, labels, valid [B, N, Bs]; a position scores only when it was masked
+    (a partial noise schedule leaves some tokens visible: predicting those is free)."""
+    masked, block_ids = _masked_and_blocks(
+        input_ids, anchors, block_size, mask_token_id, noise, step, generator, doc_ids
+    )
+    labels, valid = block_labels(
+        input_ids, loss_mask, anchors, keep, block_size, masked, doc_ids=doc_ids
+    )
+    return block_ids, labels, valid
 
 
 def block_labels(
@@ -234,12 +310,13 @@ def decay_weights(block_size: int, gamma: float, device: torch.device) -> Tensor
 def streak_weights(ce: Tensor, valid: Tensor, alpha: float) -> Tensor:
     """Streak-aware weights from per-position CE[B, N, Bs] (detached).
 
-    q_i = exp(-CE_i), q~_i = (1-alpha) q_i + alpha over positions 1..Bs-1 (position 0
-    and invalid positions act as q~ = 1); weight_j = sum_{m>=j} prod_{i<=m} q~_i.
+    q_i = exp(-CE_i), q~_i = (1-alpha) q_i + alpha over positions 1..Bs-1;
+    weight_j = sum_{m>=j} prod_{i<=m} q~_i. An invalid position (past the row, outside
+    the loss mask) ends the streak: its q~ is 0, so neither it nor anything after counts.
     """
     q = torch.exp(-ce.detach().float())
-    q_tilde = torch.where(valid, (1 - alpha) * q + alpha, torch.ones_like(q))
-    q_tilde[..., 0] = 1.0
+    q_tilde = torch.where(valid, (1 - alpha) * q + alpha, torch.zeros_like(q))
+    q_tilde[..., 0] = 1.0  # the anchor is given, not predicted
     reach = torch.cumprod(q_tilde, dim=-1)  # [B, N, Bs]: prod_{i<=m}
     reach = reach * (torch.arange(ce.shape[-1], device=ce.device) >= 1)  # m ranges over k>=1
     return reach.flip(-1).cumsum(-1).flip(-1)  # suffix sums over m >= j
@@ -282,10 +359,12 @@ def dflash_loss(
     gather_target_logits) is required when cfg.use_soft_labels.
     """
     b, n, bs, v = logits.shape
-    gamma = cfg.gamma if cfg.gamma is not None else default_gamma(bs)
+    gamma = cfg.decay_gamma(bs)
     ce = F.cross_entropy(logits.float().reshape(-1, v), labels.reshape(-1), reduction="none")
     ce = ce.reshape(b, n, bs)  # [B, N, Bs]
-    weights = valid.float() * decay_weights(bs, gamma, logits.device)
+    weights = valid.float()
+    if gamma is not None:
+        weights = weights * decay_weights(bs, gamma, logits.device)
     if cfg.streak_alpha is not None:
         weights = weights * streak_weights(ce, valid, cfg.streak_alpha)
     per_pos = ce
