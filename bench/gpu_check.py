@@ -61,7 +61,10 @@ class Step:
         self.recipe, self.device = recipe, device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.target = random_qwen3_target(recipe.shape, device, dtype)
-        cfg = DrafterConfig.for_target(self.target, recipe.drafter_layers, recipe.block_size)
+        cfg = DrafterConfig.for_target(
+            self.target, recipe.drafter_layers, recipe.block_size,
+            mask_token_id=recipe.shape.mask_token_id,
+        )  # fmt: skip
         self.drafter = DFlashDrafter(cfg, self.target.embed_tokens, self.target.lm_head)
         self.drafter.to(device)  # fp32 master weights; autocast computes in bf16
         self.params = list(self.drafter.parameters())

@@ -26,7 +26,6 @@ from dflash.objective import (
     LossConfig,
     ObjectiveError,
     decay_weights,
-    default_gamma,
     gather_target_logits,
     streak_weights,
 )
@@ -60,7 +59,7 @@ def _chunk_terms(
     valid: Tensor,
     head: nn.Linear,
     cfg: LossConfig,
-    gamma: float,
+    gamma: float | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """One chunk: hidden[C, Bs, D] -> (sum w*l, sum w, sum ce*valid, correct[C, Bs], run[C]).
 
@@ -69,7 +68,9 @@ def _chunk_terms(
     c, bs, _ = hidden.shape
     logits = head(hidden.to(head.weight.dtype)).float()  # [C, Bs, V]
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(c, bs)
-    weights = valid.float() * decay_weights(bs, gamma, hidden.device)  # [C, Bs]
+    weights = valid.float()  # [C, Bs]
+    if gamma is not None:  # None: streak weights replace the decay
+        weights = weights * decay_weights(bs, gamma, hidden.device)
     if cfg.streak_alpha is not None:
         weights = weights * streak_weights(ce, valid, cfg.streak_alpha)
     per_pos = ce
@@ -114,7 +115,7 @@ def chunked_dflash_loss(
     if cfg.use_soft_labels and target_hidden is None:
         raise ObjectiveError("--use-soft-labels needs the target's final-norm hidden states")
     b, n, bs, d = hidden.shape
-    gamma = cfg.gamma if cfg.gamma is not None else default_gamma(bs)
+    gamma = cfg.decay_gamma(bs)
     flat_h, flat_labels, flat_valid = (
         hidden.reshape(b * n, bs, d),
         labels.reshape(-1, bs),

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from dflash.target import TargetModel
+from dflash.target import TargetModel, hf_geometry
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def random_qwen3_target(
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     fields = asdict(shape)
-    mask_token_id = fields.pop("mask_token_id")
+    fields.pop("mask_token_id")  # no tokenizer: drafters take it as an explicit id
     config = Qwen3Config(**fields, tie_word_embeddings=False, torch_dtype=dtype)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
@@ -67,8 +67,5 @@ def random_qwen3_target(
         model.model.layers,
         spec=f"random:qwen3-{shape.hidden_size}x{shape.num_hidden_layers}",
         tokenizer=None,
-        mask_token_id=mask_token_id,
-        num_heads=shape.num_attention_heads,
-        intermediate_size=shape.intermediate_size,
-        rope_theta=shape.rope_theta,
+        geometry=hf_geometry(config),
     )

@@ -25,7 +25,7 @@ def _hf_target(arch: str) -> TargetModel:
     import transformers
 
     from dflash.data import ByteTokenizer
-    from dflash.target import _find_decoder_layers
+    from dflash.target import _find_decoder_layers, hf_geometry
 
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -40,7 +40,7 @@ def _hf_target(arch: str) -> TargetModel:
     model = model_cls(cfg).eval()
     return TargetModel(
         model, _find_decoder_layers(model, 3), spec=f"test-{arch}", tokenizer=ByteTokenizer(),
-        mask_token_id=259, num_heads=2, intermediate_size=64,
+        geometry=hf_geometry(cfg),
     )  # fmt: skip
 
 
