@@ -12,10 +12,12 @@ from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExporter
 
-from tracing import ProfileStats, TracingConfig
+from tracing import ProfileStats, TracingConfig, TracingConfigError
 from tracing.metrics import Metrics, MetricsConfig, start_metrics
 
 NAMESPACE = "dflash"
+"""Prefix of the instrument names and the traces' `attribute_namespace`: the resource
+keys `dflash.run.id` and `dflash.rank` become the labels the dashboard selects by."""
 Reader = Callable[[], float]
 
 
@@ -70,14 +72,15 @@ def start_run_metrics(
 ) -> Metrics:
     """Metrics of one rank: `tokens`/`steps` map a stage name to a monotonic counter,
     `queues` a queue name to its depth, `memory` a device to its peak bytes since the
-    last read. Endpoint and protocol follow the traces unless OTEL_*METRICS* say else."""
+    last read. Endpoint and protocol follow the traces unless OTEL_*METRICS* say else;
+    the resource is the traces' (`tracing_cfg.attribute_namespace` must be NAMESPACE)."""
+    if tracing_cfg.attribute_namespace != NAMESPACE:
+        raise TracingConfigError(
+            f"run metrics need attribute_namespace {NAMESPACE!r} (the dashboard selects runs "
+            f"by {NAMESPACE}_run_id), got {tracing_cfg.attribute_namespace!r}"
+        )
     cfg = MetricsConfig.from_env(tracing_cfg, environ, namespace=NAMESPACE, **cfg_overrides)
-    metrics = start_metrics(
-        cfg,
-        tracing_cfg,
-        exporters=exporters,
-        resource_attributes={"dflash.run.id": tracing_cfg.run_id, "dflash.rank": tracing_cfg.rank},
-    )
+    metrics = start_metrics(cfg, tracing_cfg, exporters=exporters)
     for stage, fn in tokens.items():
         _observe(metrics, "tokens", fn, stage=stage)
     for stage, fn in steps.items():

@@ -10,7 +10,7 @@ import dataclasses
 import os
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -91,12 +91,12 @@ class TracingConfig:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalize in place once
-        set_(self, "exporter", _parse_exporters(self.exporter))
-        set_(self, "otlp_protocol", _parse_protocol(self.otlp_protocol))
-        set_(self, "otlp_headers", _explicit_headers(self.otlp_headers))
+        set_(self, "exporter", parse_exporters(self.exporter))
+        set_(self, "otlp_protocol", parse_protocol(self.otlp_protocol))
+        set_(self, "otlp_headers", parse_header_argument(self.otlp_headers))
         set_(self, "resource_attributes", _explicit_attributes(self.resource_attributes))
-        _check_choice("level", self.level, LEVELS)
-        _check_choice("cuda_timing", self.cuda_timing, CUDA_TIMINGS)
+        check_choice("level", self.level, LEVELS)
+        check_choice("cuda_timing", self.cuda_timing, CUDA_TIMINGS)
         self._check_numbers()
         if self.service_name is None:
             named = self.resource_attributes.get("service.name")
@@ -167,8 +167,8 @@ class TracingConfig:
             or default_service_name
         )
         if "otlp_headers" in given:
-            values["otlp_headers"] = {**values.get("otlp_headers", {}),
-                                      **_explicit_headers(given.pop("otlp_headers"))}  # fmt: skip
+            explicit_headers = parse_header_argument(given.pop("otlp_headers"))
+            values["otlp_headers"] = {**values.get("otlp_headers", {}), **explicit_headers}
         if "otlp_endpoint" in given:
             values["otlp_endpoint_is_traces_url"] = False
         values.update(given)
@@ -184,22 +184,22 @@ def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
     """The settings the OTEL_* variables give; malformed ones are warned and left out."""
     read = otel_env.read
     values: dict[str, Any] = {}
-    protocol = read(env, otel_env.TRACES_PROTOCOL, _env_protocol) or read(
-        env, otel_env.PROTOCOL, _env_protocol
+    protocol = read(env, otel_env.TRACES_PROTOCOL, env_parser(parse_protocol)) or read(
+        env, otel_env.PROTOCOL, env_parser(parse_protocol)
     )
     if protocol:
         values["otlp_protocol"] = protocol
     protocol_now = str(protocol or TracingConfig.otlp_protocol)
 
-    def endpoint(text: str) -> str:
-        return _env_endpoint(text, protocol_now)
-
+    endpoint = env_parser(parse_endpoint, protocol_now)
     traces_url = read(env, otel_env.TRACES_ENDPOINT, endpoint, "sending nowhere")
     base_url = read(env, otel_env.ENDPOINT, endpoint, "sending nowhere")
     if traces_url or base_url:
         values["otlp_endpoint"] = traces_url or base_url
         values["otlp_endpoint_is_traces_url"] = bool(traces_url)
-    exporters = read(env, otel_env.TRACES_EXPORTER, _env_exporters, "using the default")
+    exporters = read(
+        env, otel_env.TRACES_EXPORTER, env_parser(parse_exporters), "using the default"
+    )
     if exporters is not None:
         values["exporter"] = exporters
         if "otlp" in exporters and "otlp_endpoint" not in values:
@@ -242,58 +242,58 @@ def _env_batching(env: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
-def _as_parse_error(fn: Any, text: str, *args: Any) -> Any:
-    try:
-        return fn(text, *args)
-    except TracingConfigError as exc:
-        raise otel_env.ParseError(str(exc).split(", got ")[0]) from None
+def env_parser(parse: Callable[..., Any], *args: Any) -> Callable[[str], Any]:
+    """`parse` (which raises TracingConfigError) as a parser for `env.read`: the problem
+    becomes an env.ParseError without the value, which the warning names already."""
+
+    def parse_text(text: str) -> Any:
+        try:
+            return parse(text, *args)
+        except TracingConfigError as exc:
+            raise otel_env.ParseError(str(exc).split(", got ")[0]) from None
+
+    return parse_text
 
 
-def _env_protocol(text: str) -> str:
-    return _as_parse_error(_parse_protocol, text)
-
-
-def _env_exporters(text: str) -> tuple[str, ...]:
-    return _as_parse_error(_parse_exporters, text)
-
-
-def _env_endpoint(text: str, protocol: str) -> str:
-    return _as_parse_error(parse_endpoint, text, protocol)
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    """Raises TracingConfigError naming `name` unless `value` is one of `choices`."""
     if value not in choices:
         raise TracingConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def _parse_exporters(value: object) -> tuple[str, ...]:
+def parse_exporters(
+    value: object, choices: tuple[str, ...] = EXPORTERS, setting: str = "exporter"
+) -> tuple[str, ...]:
+    """A name or comma-separated list (or a sequence) of exporters; `("none",)` if empty."""
     if isinstance(value, str):
         names = tuple(part.strip().lower() for part in value.split(",") if part.strip())
     elif isinstance(value, (list, tuple)):
         names = tuple(str(part).strip().lower() for part in value)
     else:
-        raise TracingConfigError(f"exporter must be a name or a list of names, got {value!r}")
+        raise TracingConfigError(f"{setting} must be a name or a list of names, got {value!r}")
     for name in names:
-        _check_choice("exporter", name, EXPORTERS)
+        check_choice(setting, name, choices)
     names = tuple(dict.fromkeys(name for name in names if name != "none"))
     return names or ("none",)
 
 
-def _parse_protocol(value: object) -> str:
-    # OTEL_EXPORTER_OTLP_PROTOCOL spells HTTP as "http/protobuf" (http/json: unsupported).
+def parse_protocol(value: object, setting: str = "otlp_protocol") -> str:
+    """grpc or http; OTEL_EXPORTER_OTLP_*PROTOCOL spells HTTP "http/protobuf" (http/json:
+    unsupported)."""
     normalized = {"http/protobuf": "http"}.get(str(value).strip().lower(), value)
-    _check_choice("otlp_protocol", normalized, PROTOCOLS)
+    check_choice(setting, normalized, PROTOCOLS)
     return str(normalized)
 
 
-def _explicit_headers(value: object) -> dict[str, str]:
+def parse_header_argument(value: object, setting: str = "otlp_headers") -> dict[str, str]:
+    """Explicit headers: a mapping or a `k=v,k2=v2` string; names lower-cased."""
     if isinstance(value, Mapping):
         return {str(k).strip().lower(): str(v) for k, v in value.items()}
     if not isinstance(value, str):
-        raise TracingConfigError(f"otlp_headers must be a mapping or 'k=v,k2=v2', got {value!r}")
+        raise TracingConfigError(f"{setting} must be a mapping or 'k=v,k2=v2', got {value!r}")
     headers, problems = otel_env.parse_headers(value)
     if problems:
-        raise TracingConfigError(f"otlp_{problems[0]}")
+        raise TracingConfigError(f"{setting}: {problems[0]}")
     return headers
 
 
@@ -313,16 +313,16 @@ def _explicit_attributes(value: object) -> dict[str, ResourceValue]:
     return dict(pairs)
 
 
-def parse_endpoint(value: object, protocol: str) -> str:
+def parse_endpoint(value: object, protocol: str, setting: str = "otlp_endpoint") -> str:
     """An OTLP endpoint URL with a scheme `protocol` can use and a host; else an error."""
     text = str(value).strip()
     try:
         parsed = urlparse(text)
         parsed.port  # noqa: B018 - raises on a malformed port
     except ValueError:
-        raise TracingConfigError(f"otlp_endpoint is not a valid URL, got {value!r}") from None
+        raise TracingConfigError(f"{setting} is not a valid URL, got {value!r}") from None
     if parsed.scheme not in ("http", "https") or not parsed.hostname or "://" not in text:
         raise TracingConfigError(
-            f"otlp_endpoint for OTLP/{protocol} must be http(s)://host[:port][/path], got {value!r}"
+            f"{setting} for OTLP/{protocol} must be http(s)://host[:port][/path], got {value!r}"
         )
     return text

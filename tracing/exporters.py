@@ -87,8 +87,10 @@ _OTLP_LOGGERS = (
 _rate_limit = _RateLimitFilter()
 
 
-def _quiet_otlp_loggers() -> None:
-    for name in _OTLP_LOGGERS:
+def quiet_otlp_loggers(*extra_loggers: str) -> None:
+    """Rate-limits the SDK's OTLP exporter loggers (and `extra_loggers`, e.g. another
+    signal's exporter) to one record per message every minute."""
+    for name in (*_OTLP_LOGGERS, *extra_loggers):
         otel_logger = logging.getLogger(name)
         if _rate_limit not in otel_logger.filters:
             otel_logger.addFilter(_rate_limit)
@@ -132,7 +134,7 @@ def otlp_traces_url(cfg: TracingConfig) -> str:
 
 
 def _otlp_exporter(cfg: TracingConfig) -> SpanExporter:
-    _quiet_otlp_loggers()
+    quiet_otlp_loggers()
     headers = dict(cfg.otlp_headers) or None
     url = otlp_traces_url(cfg)
     if cfg.otlp_protocol == "grpc":

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -45,99 +44,31 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-from tracing import config as tconfig
-from tracing.config import TracingConfig, TracingConfigError
+from tracing.clock import now_ns
+from tracing.config import TracingConfig
+from tracing.exporters import quiet_otlp_loggers
+from tracing.metrics_config import METRICS_EXPORTERS, MetricsConfig, otlp_metrics_url
 from tracing.stats import BUCKETS_PER_OCTAVE, ProfileStats
+from tracing.telemetry import build_resource
+
+__all__ = [
+    "METRICS_EXPORTERS",
+    "PHASE_BOUNDS_S",
+    "Metrics",
+    "MetricsConfig",
+    "MetricsReport",
+    "build_metric_exporters",
+    "start_metrics",
+]
 
 logger = logging.getLogger("tracing")
 SCOPE = InstrumentationScope("tracing.metrics")
 # The histograms built from ProfileStats get a scope of their own: the OTLP encoder
 # keys scopes by name, and would let one replace the SDK instruments' scope.
 STATS_SCOPE = InstrumentationScope("tracing.metrics.stats")
-METRICS_EXPORTERS = ("none", "otlp", "console")
-ENV_METRICS_EXPORTER = "OTEL_METRICS_EXPORTER"
-ENV_EXPORT_INTERVAL = "OTEL_METRIC_EXPORT_INTERVAL"
-ENV_EXPORT_TIMEOUT = "OTEL_METRIC_EXPORT_TIMEOUT"
-ENV_METRICS_ENDPOINT = "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT"
-ENV_METRICS_PROTOCOL = "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL"
 # Octave edges from ~61 µs to 8 s: each ProfileStats bucket (8 per octave) lies inside
 # one of them, so the histogram counts are exact, and ms phases get several buckets.
 PHASE_BOUNDS_S = tuple(2.0**k for k in range(-14, 4))
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    """Settings of the metrics signal; validated on construction."""
-
-    exporter: str = "none"
-    """none, otlp or console (OTEL_METRICS_EXPORTER)."""
-    otlp_endpoint: str | None = None
-    """Collector URL; OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, else the traces' endpoint."""
-    otlp_protocol: str = "grpc"
-    otlp_headers: Mapping[str, str] = field(default_factory=dict)
-    export_interval_s: float = 60.0
-    """Period of collection and export (OTEL_METRIC_EXPORT_INTERVAL, in ms there)."""
-    export_timeout_s: float = 2.0
-    """Bound on one export (OTEL_METRIC_EXPORT_TIMEOUT, in ms there)."""
-    shutdown_timeout_s: float = 3.0
-    namespace: str = ""
-    """Prefix of every instrument name (`myapp` makes `tokens` into `myapp.tokens`)."""
-
-    def __post_init__(self) -> None:
-        set_ = object.__setattr__
-        tconfig._check_choice("metrics exporter", self.exporter, METRICS_EXPORTERS)
-        set_(self, "otlp_protocol", tconfig._parse_protocol(self.otlp_protocol))
-        set_(self, "otlp_headers", tconfig._parse_mapping("otlp_headers", self.otlp_headers))
-        for name in ("export_interval_s", "export_timeout_s", "shutdown_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise TracingConfigError(
-                    f"metrics {name} must be a positive number of seconds, got {value!r}"
-                )
-        if self.otlp_endpoint is not None:
-            set_(self, "otlp_endpoint", tconfig._parse_endpoint(self.otlp_endpoint))
-        if self.exporter == "otlp" and self.otlp_endpoint is None:
-            raise TracingConfigError(
-                "metrics exporter 'otlp' needs an endpoint: set " + ENV_METRICS_ENDPOINT
-            )
-
-    @classmethod
-    def from_env(
-        cls,
-        base: TracingConfig | None = None,
-        environ: Mapping[str, str] | None = None,
-        **overrides: Any,
-    ) -> MetricsConfig:
-        """OTEL_* variables, then the traces' endpoint/protocol/headers from `base`;
-        keyword arguments that are not None win over both."""
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        if base is not None:
-            values.update(otlp_protocol=base.otlp_protocol, otlp_headers=dict(base.otlp_headers))
-            if base.otlp_endpoint:
-                values["otlp_endpoint"] = base.otlp_endpoint
-        if env.get(ENV_METRICS_ENDPOINT):
-            values["otlp_endpoint"] = env[ENV_METRICS_ENDPOINT]
-        if env.get(ENV_METRICS_PROTOCOL):
-            values["otlp_protocol"] = env[ENV_METRICS_PROTOCOL]
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        values.setdefault("exporter", "otlp" if values.get("otlp_endpoint") else "none")
-        if env.get(ENV_METRICS_EXPORTER) and overrides.get("exporter") is None:
-            values["exporter"] = env[ENV_METRICS_EXPORTER].strip().lower()
-        for key, name in (("export_interval_s", ENV_EXPORT_INTERVAL),
-                          ("export_timeout_s", ENV_EXPORT_TIMEOUT)):  # fmt: skip
-            if env.get(name) and overrides.get(key) is None:
-                values[key] = _millis(name, env[name])
-        if env.get(tconfig.ENV_SDK_DISABLED, "").strip().lower() == "true":
-            values["exporter"] = "none"
-        return cls(**values)
-
-
-def _millis(name: str, text: str) -> float:
-    try:
-        return float(text) / 1e3
-    except ValueError:
-        raise TracingConfigError(f"{name} must be milliseconds, got {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -223,21 +154,21 @@ class _StatsHistogram:
 
     def __init__(self, stats: ProfileStats, name: str, description: str) -> None:
         self.stats, self.name, self.description = stats, name, description
-        self.start_ns = time.time_ns()
+        self.start_ns = now_ns()
         self._last_total = 0
 
     def metric(self) -> Metric:
         snap = self.stats.snapshot()
         total = sum(s.count for s in snap.phases.values())
         if total < self._last_total:  # the stats were reset: a new cumulative series
-            self.start_ns = time.time_ns()
+            self.start_ns = now_ns()
         self._last_total = total
-        now_ns = time.time_ns()
+        time_ns = now_ns()
         points = [
             HistogramDataPoint(
                 attributes={"phase": name},
                 start_time_unix_nano=self.start_ns,
-                time_unix_nano=now_ns,
+                time_unix_nano=time_ns,
                 count=s.count,
                 sum=s.total_s,
                 bucket_counts=_bucket_counts(s.buckets),
@@ -413,38 +344,34 @@ class Metrics:
 
 
 def build_metric_exporters(cfg: MetricsConfig) -> list[MetricExporter]:
-    """The exporter `cfg.exporter` names (none: an empty list)."""
-    if cfg.exporter == "console":
-        return [ConsoleMetricExporter()]
-    if cfg.exporter != "otlp":
-        return []
-    from tracing.export import _quiet_otlp_loggers, _rate_limit
+    """The exporters `cfg.exporter` names; imports each SDK exporter only when used."""
+    exporters: list[MetricExporter] = []
+    for name in cfg.exporter:
+        if name == "console":
+            exporters.append(ConsoleMetricExporter())
+        elif name == "otlp":
+            exporters.append(_otlp_metric_exporter(cfg))
+    return exporters
 
-    _quiet_otlp_loggers()
-    logging.getLogger("opentelemetry.exporter.otlp.proto.http.metric_exporter").addFilter(
-        _rate_limit
-    )
-    assert cfg.otlp_endpoint is not None  # checked by MetricsConfig
+
+def _otlp_metric_exporter(cfg: MetricsConfig) -> MetricExporter:
+    quiet_otlp_loggers("opentelemetry.exporter.otlp.proto.http.metric_exporter")
     headers = dict(cfg.otlp_headers) or None
+    url = otlp_metrics_url(cfg)
     if cfg.otlp_protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 
-        return [
-            OTLPMetricExporter(
-                endpoint=cfg.otlp_endpoint,
-                insecure=cfg.otlp_endpoint.startswith("http://"),
-                headers=headers,
-                timeout=cfg.export_timeout_s,
-            )
-        ]
+        return OTLPMetricExporter(
+            endpoint=url,
+            insecure=url.startswith("http://"),
+            headers=headers,
+            timeout=cfg.export_timeout_s,
+        )
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
         OTLPMetricExporter as HttpMetricExporter,
     )
 
-    endpoint = cfg.otlp_endpoint.rstrip("/")
-    if not endpoint.endswith("/v1/metrics"):
-        endpoint += "/v1/metrics"
-    return [HttpMetricExporter(endpoint=endpoint, headers=headers, timeout=cfg.export_timeout_s)]
+    return HttpMetricExporter(endpoint=url, headers=headers, timeout=cfg.export_timeout_s)
 
 
 def start_metrics(
@@ -452,11 +379,9 @@ def start_metrics(
     tracing_cfg: TracingConfig,
     *,
     exporters: Sequence[MetricExporter] = (),
-    resource_attributes: Mapping[str, Any] | None = None,
 ) -> Metrics:
-    """Metrics with the traces' resource (plus `resource_attributes`) and the exporters
-    `cfg` names, plus `exporters` (e.g. an in-memory one in tests)."""
-    from tracing.telemetry import _resource
-
-    attributes = {**_resource(tracing_cfg).attributes, **(resource_attributes or {})}
-    return Metrics(cfg, Resource(attributes), [*build_metric_exporters(cfg), *exporters])
+    """Metrics with the traces' resource (`build_resource`: the same service.instance.id,
+    `<attribute_namespace>.rank` and `.run.id`) and the exporters `cfg` names, plus
+    `exporters` (e.g. an in-memory one in tests)."""
+    resource = build_resource(tracing_cfg)
+    return Metrics(cfg, resource, [*build_metric_exporters(cfg), *exporters])

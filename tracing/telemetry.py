@@ -224,7 +224,8 @@ class _HashOnceResource(Resource):
         return super().__eq__(other)
 
 
-def _resource(cfg: TracingConfig) -> Resource:
+def build_resource(cfg: TracingConfig) -> Resource:
+    """The resource of every signal of this process (traces and metrics share it)."""
     attributes = {
         "host.name": socket.gethostname(),
         "process.pid": os.getpid(),
@@ -280,7 +281,7 @@ def setup(
         # The provider serves other tracers (install_global_provider) and flush/shutdown;
         # phases record through `recorder`, with the same resource, sampling and processors.
         provider = TracerProvider(
-            resource=_resource(cfg),
+            resource=build_resource(cfg),
             sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
             shutdown_on_exit=False,  # its atexit hook would wait the SDK's 30 s default
         )

@@ -26,13 +26,13 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from tracing.clock import now_ns
 from tracing.config import TracingConfigError
-from tracing.spans import SpanHandle
+from tracing.handle import SpanHandle
 
 logger = logging.getLogger("tracing")
 Sampler = Mapping[str, Callable[[], float]]
@@ -75,7 +75,7 @@ class Timeline:
         self.process_name = process_name or f"rank {rank}"
         self.max_events = max_events
         self.dropped = 0
-        self._t0_ns = time.time_ns()
+        self._t0_ns = now_ns()
         # (thread id, name, start ns, end ns, flow serial or None, error name or None)
         self._slices: list[tuple[int, str, int, int, int | None, str | None]] = []
         # serial, name, start thread, start ns, end ns, batch attributes
@@ -119,9 +119,7 @@ class Timeline:
             opened = self._open_spans.get(id(parent))
             flow = opened[0] if opened is not None else None
         error = type(exc).__name__ if exc is not None else None
-        self._slices.append(
-            (self._tid(), phase.name, phase.start_time_ns, time.time_ns(), flow, error)
-        )
+        self._slices.append((self._tid(), phase.name, phase.start_time_ns, now_ns(), flow, error))
 
     def span_started(self, handle: SpanHandle) -> None:
         with self._lock:
@@ -147,7 +145,7 @@ class Timeline:
         if len(self._counters) >= self.max_events:
             self.dropped += 1
             return
-        when = time.time_ns() if time_ns is None else time_ns
+        when = now_ns() if time_ns is None else time_ns
         self._counters.append((name, when, {k: float(v) for k, v in values.items()}))
 
     def watch(self, name: str, gauges: Sampler) -> None:
@@ -174,21 +172,21 @@ class Timeline:
 
     def sample(self) -> None:
         """Takes one sample of every watched gauge and rate now (never raises)."""
-        now_ns = time.time_ns()
+        sample_ns = now_ns()
         for name, gauges in self._gauges:
             values = _read(gauges)
             if values:
-                self.add_counter(name, values, now_ns)
+                self.add_counter(name, values, sample_ns)
         for name, counters, last in self._rates:
             rates = {}
             for key, value in _read(counters).items():
                 if key in last:
                     then_ns, before = last[key]
-                    if now_ns > then_ns:
-                        rates[key] = (value - before) * 1e9 / (now_ns - then_ns)
-                last[key] = (now_ns, value)
+                    if sample_ns > then_ns:
+                        rates[key] = (value - before) * 1e9 / (sample_ns - then_ns)
+                last[key] = (sample_ns, value)
             if rates:
-                self.add_counter(name, rates, now_ns)
+                self.add_counter(name, rates, sample_ns)
 
     # --- output ---------------------------------------------------------------------
 

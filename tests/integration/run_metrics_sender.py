@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import tracing
 from dflash.bottleneck import WaitShares
-from dflash.run_metrics import record_step, start_run_metrics
+from dflash.run_metrics import NAMESPACE, record_step, start_run_metrics
 
 TICK_S = 0.1
 
@@ -23,7 +23,7 @@ def metrics_run(
     service: str, endpoint: str, run_id: str, shares: WaitShares, interval_s: float = 0.2
 ) -> Iterator[tracing.ProfileStats]:
     """Exports every dflash metric of one run while the block runs (then shuts down)."""
-    cfg = tracing.TracingConfig(service_name=service, run_id=run_id)
+    cfg = tracing.TracingConfig(service_name=service, run_id=run_id, attribute_namespace=NAMESPACE)
     stats = tracing.ProfileStats()
     tokens = {"target": 0.0, "drafter": 0.0}
     metrics = start_run_metrics(

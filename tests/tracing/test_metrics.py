@@ -1,4 +1,5 @@
-"""The metrics signal: config from OTEL_*, instruments, the stats histogram, a dead collector."""
+"""The metrics signal: instruments, the stats histogram, a dead collector (the OTEL_*
+variables: test_metrics_env.py)."""
 
 from __future__ import annotations
 
@@ -40,35 +41,6 @@ class MemoryMetricExporter(MetricExporter):
         return found
 
 
-def test_config_honours_otel_variables() -> None:
-    base = tracing.TracingConfig(exporter="otlp", otlp_endpoint="http://collector:4317")
-    cfg = MetricsConfig.from_env(base, {})
-    assert (cfg.exporter, cfg.otlp_endpoint, cfg.export_interval_s) == (
-        "otlp",
-        "http://collector:4317",
-        60.0,
-    )
-    env = {
-        "OTEL_METRIC_EXPORT_INTERVAL": "500",
-        "OTEL_METRIC_EXPORT_TIMEOUT": "250",
-        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://metrics:4318/v1/metrics",
-        "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf",
-    }
-    cfg = MetricsConfig.from_env(base, env)
-    assert (cfg.export_interval_s, cfg.export_timeout_s) == (0.5, 0.25)
-    assert (cfg.otlp_endpoint, cfg.otlp_protocol) == ("http://metrics:4318/v1/metrics", "http")
-    assert MetricsConfig.from_env(base, {"OTEL_METRICS_EXPORTER": "none"}).exporter == "none"
-    assert MetricsConfig.from_env(base, {"OTEL_SDK_DISABLED": "true"}).exporter == "none"
-    assert MetricsConfig.from_env(None, {}).exporter == "none"  # no endpoint: nothing sent
-    assert MetricsConfig.from_env(base, env, export_interval_s=2.0).export_interval_s == 2.0
-    with pytest.raises(tracing.TracingConfigError, match="OTEL_METRIC_EXPORT_INTERVAL.*'soon'"):
-        MetricsConfig.from_env(base, {"OTEL_METRIC_EXPORT_INTERVAL": "soon"})
-    with pytest.raises(tracing.TracingConfigError, match="needs an endpoint"):
-        MetricsConfig.from_env(None, {"OTEL_METRICS_EXPORTER": "otlp"})
-    with pytest.raises(tracing.TracingConfigError, match="one of none, otlp, console"):
-        MetricsConfig.from_env(base, {"OTEL_METRICS_EXPORTER": "prometheus"})
-
-
 def test_instruments_carry_namespace_units_and_values() -> None:
     memory = MemoryMetricExporter()
     cfg = MetricsConfig(namespace="app", export_interval_s=3600)
@@ -92,7 +64,7 @@ def test_instruments_carry_namespace_units_and_values() -> None:
     assert [(p.attributes, p.value) for p in points["app.queue.depth"][1]] == [({"queue": "y"}, 3)]
     assert [p.value for p in points["app.train.loss"][1]] == [2.5]
     resource = memory.exports[-1].resource_metrics[0].resource.attributes
-    assert resource["service.name"] == "dflash-train" and resource["run.id"] == "r1"
+    assert resource["tracing.run.id"] == "r1" and resource["service.instance.id"]
     tokens["a"] = 15.0
     metrics.record({"train.loss": 2.0})
     metrics.force_flush()

@@ -155,7 +155,7 @@ def test_service_name_precedence(clean_env, env, kwargs, expected) -> None:
         clean_env.setenv(name, value)
     cfg = TracingConfig.from_env(**kwargs)
     assert cfg.service_name.startswith(expected)
-    resource = tracing.telemetry._resource(cfg)
+    resource = tracing.telemetry.build_resource(cfg)
     assert resource.attributes["service.name"] == cfg.service_name
     assert resource.attributes["telemetry.sdk.language"] == "python"
     assert resource.attributes["telemetry.sdk.name"] == "opentelemetry"
@@ -166,7 +166,7 @@ def test_instance_id_unique_and_run_id_from_the_application(clean_env) -> None:
     first = TracingConfig(run_id="run-7", attribute_namespace="app", rank=1)
     second = TracingConfig(run_id="run-7", attribute_namespace="app", rank=1)
     assert first.service_instance_id != second.service_instance_id
-    attributes = tracing.telemetry._resource(first).attributes
+    attributes = tracing.telemetry.build_resource(first).attributes
     assert attributes["app.run.id"] == "run-7" and attributes["app.rank"] == 1
     assert attributes["service.instance.id"] == first.service_instance_id
 
