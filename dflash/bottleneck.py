@@ -3,14 +3,27 @@
 The pipeline has three places a thread can stall: target threads waiting for
 input on `batch_queue`, target threads blocked on a full `hs_queue` (drafters
 too slow), and drafter threads waiting on an empty `hs_queue` (targets too slow).
+Shares are per thread (each thread's wait over its own wall time), averaged over
+the threads of a stage: with eight target threads each idle 95 % of the time the
+stage is idle 95 %, not 95 / 8.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from tracing import StatsSnapshot
 
 # Below this share of wall time a wait is noise, not a bottleneck.
 DEFAULT_THRESHOLD = 0.15
+
+BATCH_WAIT = "batch_queue.wait"
+HS_PUT = "hs_queue.put"
+HS_WAIT = "hs_queue.wait"
+# The entries that identify a thread as one of a stage's threads.
+TARGET_PHASES = (BATCH_WAIT, "target.forward", HS_PUT)
+DRAFTER_PHASES = (HS_WAIT, "drafter.step")
 
 
 @dataclass(frozen=True)
@@ -22,32 +35,91 @@ class WaitShares:
     drafter_wait: float  # drafter threads waiting on hs_queue.get
 
 
+def wait_shares(snap: StatsSnapshot) -> WaitShares:
+    """The mean over each stage's threads of the share of its wall time in each wait."""
+    targets = snap.threads_of(*TARGET_PHASES)
+    drafters = snap.threads_of(*DRAFTER_PHASES)
+
+    def share(name: str, threads: set[str]) -> float:
+        value = snap.share(name, threads) if threads else None
+        return 0.0 if value is None else value
+
+    return WaitShares(
+        target_input_wait=share(BATCH_WAIT, targets),
+        target_output_wait=share(HS_PUT, targets),
+        drafter_wait=share(HS_WAIT, drafters),
+    )
+
+
+def shared_device(devices: Iterable[str]) -> str | None:
+    """The one device every stage runs on (e.g. "cpu"), or None when they differ.
+
+    Threads on one device share its compute: more threads there do not add any."""
+    names = {_normalized(str(device)) for device in devices}
+    return names.pop() if len(names) == 1 else None
+
+
+def _normalized(device: str) -> str:
+    name = device.strip().lower()
+    return "cuda:0" if name == "cuda" else name
+
+
+def snapshot_verdict(
+    snap: StatsSnapshot,
+    *,
+    shared_device: str | None = None,
+    threshold: float = DEFAULT_THRESHOLD,
+) -> str | None:
+    """The verdict of one interval's snapshot; None when no stage ran in it."""
+    if HS_WAIT not in snap.phases and BATCH_WAIT not in snap.phases:
+        return None  # nothing trained in this interval (setup, evaluation)
+    return verdict(wait_shares(snap), threshold, shared_device=shared_device)
+
+
 def _pct(share: float) -> str:
     return f"{100 * share:.0f}%"
 
 
-def verdict(shares: WaitShares, threshold: float = DEFAULT_THRESHOLD) -> str:
-    """One line naming the bottleneck and what to do about it."""
+def _more_devices(kind: str, shared: str | None) -> str:
+    if shared is None:
+        return f"add {kind} devices"
+    return (
+        f"but every stage runs on {shared}, so {shared} itself is the limit: more {kind} "
+        "threads on it will not help; give each stage its own device"
+    )
+
+
+def verdict(
+    shares: WaitShares,
+    threshold: float = DEFAULT_THRESHOLD,
+    *,
+    shared_device: str | None = None,
+) -> str:
+    """One line naming the bottleneck and what to do about it.
+
+    `shared_device`: the device all stages share (see `shared_device()`); the advice
+    then names it as the limit instead of advising more devices of one kind."""
+    input_bound = (
+        "input-bound; speed up data loading or raise --batch-queue-size"
+        if shared_device is None
+        else f"input-bound; speed up data loading (it shares {shared_device} with the stages)"
+    )
     if shares.drafter_wait >= threshold:
         if shares.target_input_wait >= threshold:
             return (
                 f"drafters waited {_pct(shares.drafter_wait)} on hs_queue and targets "
-                f"{_pct(shares.target_input_wait)} on batch_queue: input-bound; "
-                "speed up data loading or raise --batch-queue-size"
+                f"{_pct(shares.target_input_wait)} on batch_queue: {input_bound}"
             )
         return (
             f"drafters waited {_pct(shares.drafter_wait)} on hs_queue: target-bound; "
-            "add target devices"
+            + _more_devices("target", shared_device)
         )
     if shares.target_output_wait >= threshold:
         return (
             f"targets waited {_pct(shares.target_output_wait)} on a full hs_queue: "
-            "drafter-bound; add drafter devices"
+            "drafter-bound; " + _more_devices("drafter", shared_device)
         )
     if shares.target_input_wait >= threshold:
-        return (
-            f"targets waited {_pct(shares.target_input_wait)} on batch_queue: input-bound; "
-            "speed up data loading or raise --batch-queue-size"
-        )
+        return f"targets waited {_pct(shares.target_input_wait)} on batch_queue: {input_bound}"
     worst = max(shares.drafter_wait, shares.target_output_wait, shares.target_input_wait)
     return f"balanced: no stage waited more than {_pct(worst)} of the interval"

@@ -138,7 +138,7 @@ class LossConfig(Section):
     gamma: float | None = setting(
         None,
         "γ of the position weight exp(-(k-1)/γ); unset picks it from the block size "
-        "(4 for 8, 5 for 10, 7 for 16).",
+        "(4 for 8, 5 for 10, 7 for 16), or turns the decay off when --streak-alpha is set.",
         option="loss_decay_gamma", gt=0.0,
     )  # fmt: skip
     use_soft_labels: bool = setting(
@@ -152,9 +152,13 @@ class LossConfig(Section):
         None, "Streak-aware weighting strength α; unset turns it off.", min=0.0, max=1.0
     )
 
-    def effective_gamma(self, block_size: int) -> float:
-        """The γ the loss uses: the one set, else the paper's value for the block size."""
-        return self.gamma if self.gamma is not None else default_gamma(block_size)
+    def decay_gamma(self, block_size: int) -> float | None:
+        """The γ of the exp decay in force: the one set; else None when streak weights
+        replace the decay (they already decay over block positions, as in the reference
+        trainers); else the paper's value for the block size."""
+        if self.gamma is not None:
+            return self.gamma
+        return None if self.streak_alpha is not None else default_gamma(block_size)
 
 
 @dataclass(frozen=True)
@@ -292,9 +296,9 @@ class TrainConfig:
             )
 
     @property
-    def gamma(self) -> float:
-        """The loss decay γ actually used (explicit or by block size)."""
-        return self.loss.effective_gamma(self.drafter.block_size)
+    def gamma(self) -> float | None:
+        """The loss decay γ actually used (None: streak weights replace the decay)."""
+        return self.loss.decay_gamma(self.drafter.block_size)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict (tuples become lists); `from_dict` reads it back."""

@@ -14,25 +14,51 @@ import os
 import sys
 import sysconfig
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from dflash.errors import DFlashError
+from dflash.packing import (
+    PACKING_MODES,
+    Document,
+    Rows,
+    frame,
+    pack_concat,
+    pack_documents,
+    stream,
+)
+from dflash.sources import (
+    DataError,
+    DataReport,
+    encode_chat,
+    encode_texts,
+    iter_jsonl,
+    read_documents,
+    read_jsonl,
+)
+
+__all__ = [  # reading lives in dflash.sources; these names are part of this module's face
+    "DataError",
+    "DataReport",
+    "Document",
+    "encode_chat",
+    "encode_texts",
+    "iter_jsonl",
+    "read_documents",
+    "read_jsonl",
+]
 
 # Byte-level vocabulary: ids 0..255 are raw bytes, then the special tokens.
 PAD_ID, BOS_ID, EOS_ID, MASK_ID = 256, 257, 258, 259
 BYTE_VOCAB_SIZE = 260
 
 # Bump when the embedded token cache layout or the packing rules change.
-_CACHE_VERSION = 2
-
-
-class DataError(DFlashError):
-    """The corpus cannot be used; the message is one line naming file (and line)."""
+_CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -98,21 +124,29 @@ def embedded_corpus(split: str = "train", heldout_fraction: float = 0.05) -> lis
 
 @dataclass(frozen=True)
 class Batch:
-    """One training batch: token rows and where the loss counts."""
+    """One training batch: token rows, where the loss counts, and (for `docs`
+    packing) which document each token belongs to and its position in it."""
 
     batch_id: int
     input_ids: torch.Tensor  # [B, T] long
     loss_mask: torch.Tensor  # [B, T] bool
+    doc_ids: torch.Tensor | None = None  # [B, T] long; None: each row is one document
+    position_ids: torch.Tensor | None = None  # [B, T] long, restarting at 0 per document
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
     def to(self, device: torch.device | str) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
         return Batch(
             self.batch_id,
             self.input_ids.to(device, non_blocking=True),
             self.loss_mask.to(device, non_blocking=True),
+            move(self.doc_ids),
+            move(self.position_ids),
         )
 
 
@@ -131,12 +165,17 @@ class PackedDataset:
         batch_size: int,
         seed: int,
         stream: np.ndarray | None = None,
+        doc_ids: np.ndarray | None = None,
+        positions: np.ndarray | None = None,
+        report: DataReport | None = None,
     ) -> None:
         assert ids.shape == mask.shape and ids.ndim == 2 and len(ids) > 0
-        self.ids, self.mask = ids, mask
+        assert (doc_ids is None) == (positions is None)
+        self.ids, self.mask, self.doc_ids, self.positions = ids, mask, doc_ids, positions
         # The unpacked token stream, so eval prompts do not depend on --seq-len.
         self.stream = stream if stream is not None else ids.reshape(-1)
         self.batch_size, self.seed = batch_size, seed
+        self.report = report or DataReport()
         self._perms: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
 
@@ -146,6 +185,19 @@ class PackedDataset:
     @property
     def seq_len(self) -> int:
         return self.ids.shape[1]
+
+    @property
+    def packing(self) -> str:
+        return "concat" if self.doc_ids is None else "docs"
+
+    def fingerprint(self) -> str:
+        """Hash of the rows and of how batches are drawn from them."""
+        h = hashlib.sha256(f"{self.batch_size} {self.seed} {self.packing}".encode())
+        for array in (self.ids, self.mask, self.doc_ids):
+            if array is not None:
+                h.update(f"{array.shape} {array.dtype}".encode())
+                h.update(np.ascontiguousarray(array).tobytes())
+        return h.hexdigest()[:20]
 
     def _perm(self, epoch: int) -> np.ndarray:
         with self._lock:
@@ -168,208 +220,44 @@ class PackedDataset:
         rows = self.row_indices(index)
         ids = torch.from_numpy(self.ids[rows].astype(np.int64))
         mask = torch.from_numpy(self.mask[rows].copy())
-        return Batch(index, ids, mask)
+        if self.doc_ids is None or self.positions is None:
+            return Batch(index, ids, mask)
+        doc_ids = torch.from_numpy(self.doc_ids[rows].astype(np.int64))
+        positions = torch.from_numpy(self.positions[rows].astype(np.int64))
+        return Batch(index, ids, mask, doc_ids, positions)
 
 
-# --------------------------------------------------------------------------- tokenizing
-
-
-def _is_byte_tokenizer(tokenizer: Any) -> bool:
-    return isinstance(tokenizer, ByteTokenizer)
-
-
-def encode_texts(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
-    """Token ids of each text, without special tokens."""
-    if _is_byte_tokenizer(tokenizer):
-        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) for t in texts]
-    if not texts:
-        return []
-    out = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-    return [np.asarray(ids, dtype=np.int32) for ids in out]
-
-
-def _render_plain_chat(tokenizer: Any, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """Turn-by-turn rendering for tokenizers without a chat template."""
-    ids: list[np.ndarray] = []
-    mask: list[np.ndarray] = []
-    for msg in messages:
-        header, body = encode_texts(tokenizer, [f"<|{msg['role']}|>\n", msg["content"] + "\n"])
-        ids += [header, body]
-        mask += [np.zeros(len(header), bool), np.full(len(body), msg["role"] == "assistant")]
-    return np.concatenate(ids), np.concatenate(mask)
-
-
-def _render_template_chat(tokenizer: Any, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """Chat template rendered turn by turn; loss only on assistant replies.
-
-    Templates with `{% generation %}` give the assistant mask directly; others are
-    rendered prefix by prefix, the assistant header (generation prompt) kept out of
-    the loss.
-    """
-    try:
-        out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        mask = np.asarray(out["assistant_masks"], dtype=bool)
-        if mask.any():
-            return np.asarray(out["input_ids"], dtype=np.int32), mask
-    except (ValueError, KeyError, TypeError):
-        pass  # the template has no generation markers: render by prefixes below
-    segments: list[tuple[str, bool]] = []
-    done = ""
-    for i, msg in enumerate(messages):
-        if msg["role"] == "assistant":
-            head = tokenizer.apply_chat_template(
-                messages[:i], tokenize=False, add_generation_prompt=True
-            )
-            segments.append((head[len(done) :] if head.startswith(done) else head, False))
-            done = head
-        text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        segment = text[len(done) :] if text.startswith(done) else text
-        segments.append((segment, msg["role"] == "assistant"))
-        done = text
-    encoded = encode_texts(tokenizer, [s for s, _ in segments])
-    mask_parts = [np.full(len(e), m) for e, (_, m) in zip(encoded, segments, strict=True)]
-    return np.concatenate(encoded), np.concatenate(mask_parts)
-
-
-def encode_chat(tokenizer: Any, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, loss mask) of one conversation; the mask holds on assistant turns only."""
-    if getattr(tokenizer, "chat_template", None):
-        return _render_template_chat(tokenizer, messages)
-    return _render_plain_chat(tokenizer, messages)
-
-
-# --------------------------------------------------------------------------- sources
-
-
-@dataclass
-class Document:
-    name: str
-    ids: np.ndarray  # [n] int32
-    mask: np.ndarray  # [n] bool
-    templated: bool = False  # rendered by a chat template, which adds its own BOS
-
-
-def _check_messages(messages: Any, where: str) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: 'messages' must be a non-empty list")
-    for m in messages:
-        ok = isinstance(m, dict) and isinstance(m.get("role"), str)
-        if not ok or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: each message needs string 'role' and 'content'")
-    return messages
-
-
-def read_jsonl(path: Path, tokenizer: Any) -> list[Document]:
-    """Documents of a JSONL file: one object per line with `text` or `messages`."""
-    docs: list[Document] = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read {path}: {exc}") from exc
-    for lineno, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{where}: malformed JSON ({exc.msg})") from exc
-        if isinstance(obj, dict) and isinstance(obj.get("text"), str):
-            (ids,) = encode_texts(tokenizer, [obj["text"]])
-            docs.append(Document(where, ids, np.ones(len(ids), bool)))
-        elif isinstance(obj, dict) and "messages" in obj:
-            ids, mask = encode_chat(tokenizer, _check_messages(obj["messages"], where))
-            templated = bool(getattr(tokenizer, "chat_template", None))
-            docs.append(Document(where, ids, mask, templated))
-        else:
-            raise DataError(f"{where}: expected an object with a 'text' string or 'messages'")
-    return docs
-
-
-def _read_text_file(path: Path, tokenizer: Any, name: str) -> list[Document]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read {path} as UTF-8 text: {exc}") from exc
-    (ids,) = encode_texts(tokenizer, [text])
-    return [Document(name, ids, np.ones(len(ids), bool))]
-
-
-def read_documents(source: str, tokenizer: Any) -> list[Document]:
-    """Documents of a text file, a JSONL file or a folder of them."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise DataError(f"--data {source!r}: no such file or folder")
-    if path.is_file():
-        if path.suffix == ".jsonl":
-            return read_jsonl(path, tokenizer)
-        return _read_text_file(path, tokenizer, path.name)
-    docs: list[Document] = []
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
-        rel = file.relative_to(path)
-        if any(part.startswith(".") for part in rel.parts):
-            continue
-        if file.suffix == ".jsonl":
-            docs += read_jsonl(file, tokenizer)
-            continue
-        try:
-            docs += _read_text_file(file, tokenizer, rel.as_posix())
-        except DataError:
-            continue  # binary files in a folder are skipped, not fatal
-    return docs
-
-
-# --------------------------------------------------------------------------- packing
-
-
-def _stream(
-    docs: list[Document], eos_id: int | None, bos_id: int | None = None
-) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate documents as [BOS] doc EOS, the framing the tiny target was trained on.
-
-    BOS never counts for the loss (nothing predicts a document start); EOS counts
-    where the document's last token did.
-    """
-    ids: list[np.ndarray] = []
-    mask: list[np.ndarray] = []
-    for doc in docs:
-        if len(doc.ids) == 0:
-            continue
-        if bos_id is not None and not doc.templated:
-            ids.append(np.array([bos_id], np.int32))
-            mask.append(np.zeros(1, bool))
-        ids.append(doc.ids)
-        mask.append(doc.mask)
-        if eos_id is not None:
-            ids.append(np.array([eos_id], np.int32))
-            mask.append(doc.mask[-1:].copy())
-    if not ids:
-        return np.zeros(0, np.int32), np.zeros(0, bool)
-    return np.concatenate(ids).astype(np.int32), np.concatenate(mask)
+# --------------------------------------------------------------------------- corpora
 
 
 def pack(ids: np.ndarray, mask: np.ndarray, seq_len: int, pad_id: int):
-    """Cut a token stream into [R, seq_len] rows; a short stream pads one row."""
-    num_rows = len(ids) // seq_len
-    if num_rows == 0:
-        row_ids = np.full((1, seq_len), pad_id, np.int32)
-        row_mask = np.zeros((1, seq_len), bool)
-        row_ids[0, : len(ids)], row_mask[0, : len(ids)] = ids, mask
-        return row_ids, row_mask
-    keep = num_rows * seq_len
-    return ids[:keep].reshape(num_rows, seq_len), mask[:keep].reshape(num_rows, seq_len)
+    """Cut a token stream into [R, seq_len] rows (`concat` packing)."""
+    return pack_concat(ids, mask, seq_len, pad_id)
 
 
 @dataclass
 class Corpus:
-    """Train and held-out token streams (before packing)."""
+    """Framed train and held-out documents (before packing)."""
 
-    train_ids: np.ndarray
-    train_mask: np.ndarray
-    heldout_ids: np.ndarray
-    heldout_mask: np.ndarray
+    train: list[Document]
+    heldout: list[Document]
+    report: DataReport = field(default_factory=DataReport)
+
+    @cached_property
+    def train_stream(self) -> tuple[np.ndarray, np.ndarray]:
+        return stream(self.train)
+
+    @cached_property
+    def heldout_stream(self) -> tuple[np.ndarray, np.ndarray]:
+        return stream(self.heldout)
+
+    @property
+    def train_ids(self) -> np.ndarray:
+        return self.train_stream[0]
+
+    @property
+    def heldout_ids(self) -> np.ndarray:
+        return self.heldout_stream[0]
 
 
 def cache_dir() -> Path:
@@ -379,14 +267,14 @@ def cache_dir() -> Path:
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """Stable id of a tokenizer's vocabulary, for cache keys."""
-    if _is_byte_tokenizer(tokenizer):
+    if isinstance(tokenizer, ByteTokenizer):
         return f"byte-{tokenizer.vocab_size}"
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
     return hashlib.sha256(vocab.encode("utf-8")).hexdigest()[:16]
 
 
-def _special_ids(tokenizer: Any) -> tuple[int | None, int | None]:
-    """(EOS, BOS) ids; chat documents rendered by a template already carry their own."""
+def special_ids(tokenizer: Any) -> tuple[int | None, int | None]:
+    """(EOS, BOS) ids; chat documents rendered by a template already carry their own BOS."""
     return getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "bos_token_id", None)
 
 
@@ -407,42 +295,60 @@ def _save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
     os.replace(tmp, path)
 
 
+def _split_stream(ids: np.ndarray, mask: np.ndarray, starts: np.ndarray) -> list[Document]:
+    bounds = list(starts[1:]) if len(starts) else []
+    return [
+        Document("", i, m)
+        for i, m in zip(np.split(ids, bounds), np.split(mask, bounds), strict=True)
+    ]
+
+
 def embedded_tokens(tokenizer: Any, heldout_fraction: float = 0.05) -> Corpus:
-    """The embedded corpus tokenized once per tokenizer and cached under cache_dir()."""
+    """The embedded corpus tokenized and framed once per tokenizer, cached under cache_dir()."""
     path = cache_dir() / "tokens" / f"embedded-{_embedded_key(tokenizer, heldout_fraction)}.npz"
+    names = ("train", "h")
     if path.exists():
         try:
             with np.load(path) as z:
-                return Corpus(*(z[k] for k in ("train_ids", "train_mask", "h_ids", "h_mask")))
+                splits = [
+                    _split_stream(*(z[f"{n}_{k}"] for k in ("ids", "mask", "starts")))
+                    for n in names
+                ]
+            return Corpus(*splits)
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache is rebuilt below
-    eos, bos = _special_ids(tokenizer)
-    streams = []
-    for split in ("train", "heldout"):
+    eos, bos = special_ids(tokenizer)
+    splits, arrays = [], {}
+    for name, split in zip(names, ("train", "heldout"), strict=True):
         texts = embedded_corpus(split, heldout_fraction)
-        ids = encode_texts(tokenizer, texts)
-        streams.append(_stream([Document("", i, np.ones(len(i), bool)) for i in ids], eos, bos))
-    corpus = Corpus(streams[0][0], streams[0][1], streams[1][0], streams[1][1])
-    arrays = {"train_ids": corpus.train_ids, "train_mask": corpus.train_mask}
-    arrays |= {"h_ids": corpus.heldout_ids, "h_mask": corpus.heldout_mask}
+        plain = [Document("", i, np.ones(len(i), bool)) for i in encode_texts(tokenizer, texts)]
+        docs = [frame(d, bos, eos) for d in plain if len(d.ids)]
+        splits.append(docs)
+        arrays[f"{name}_ids"], arrays[f"{name}_mask"] = stream(docs)
+        arrays[f"{name}_starts"] = np.cumsum([0] + [len(d.ids) for d in docs[:-1]]).astype(np.int64)
     _save_npz_atomic(path, arrays)
-    return corpus
+    return Corpus(*splits)
 
 
 def load_corpus(source: str, tokenizer: Any, heldout_fraction: float = 0.05) -> Corpus:
-    """Tokenized train/held-out streams of `--data` (documents split by name hash)."""
+    """Framed train/held-out documents of `--data` (documents split by name hash)."""
     if source == "embedded":
         return embedded_tokens(tokenizer, heldout_fraction)
-    docs = read_documents(source, tokenizer)
-    docs = [d for d in docs if len(d.ids) > 0]
+    report = DataReport()
+    docs = [d for d in read_documents(source, tokenizer, report) if len(d.ids) > 0]
     if not docs or not any(d.mask.any() for d in docs):
-        raise DataError(f"--data {source!r}: corpus is empty (no tokens to train on)")
-    eos, bos = _special_ids(tokenizer)
+        why = f" (skipped {report.skipped_lines} lines; first: {report.first_bad_line})"
+        raise DataError(
+            f"--data {source!r}: corpus is empty (no tokens to train on)"
+            + (why if report.skipped_lines else "")
+        )
+    eos, bos = special_ids(tokenizer)
+    docs = [frame(d, bos, eos) for d in docs]
     train = [d for d in docs if not is_heldout(d.name, heldout_fraction)]
     heldout = [d for d in docs if is_heldout(d.name, heldout_fraction)]
     if not train:  # every document hashed to held-out: train on all, split rows later
         train, heldout = docs, []
-    return Corpus(*_stream(train, eos, bos), *_stream(heldout, eos, bos))
+    return Corpus(train, heldout, report)
 
 
 def _pad_id(tokenizer: Any) -> int:
@@ -453,6 +359,17 @@ def _pad_id(tokenizer: Any) -> int:
     return 0
 
 
+def pack_split(
+    docs: list[Document], seq_len: int, pad_id: int, eos_id: int | None, packing: str
+) -> Rows:
+    """Rows of one split by `packing` (`docs` or `concat`)."""
+    if packing not in PACKING_MODES:
+        raise DataError(f"--packing {packing!r}: expected one of {', '.join(PACKING_MODES)}")
+    if packing == "docs":
+        return pack_documents(docs, seq_len, pad_id, eos_id)
+    return Rows(*pack_concat(*stream(docs), seq_len, pad_id))
+
+
 def build_datasets(
     source: str,
     tokenizer: Any,
@@ -460,28 +377,40 @@ def build_datasets(
     batch_size: int,
     seed: int,
     heldout_fraction: float = 0.05,
+    *,
+    packing: str = "docs",
+    log: Callable[[str], None] | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
     """(train, held-out) datasets of packed rows.
 
     When the document split leaves nothing held out (one file, few lines) the
     last rows of the training stream are held out instead, so eval always has
-    data that training never saw unless the corpus is a single row.
+    data that training never saw unless the corpus is a single row. `log` gets
+    one line per thing the user should know (skipped lines, truncated chats).
     """
+    if packing not in PACKING_MODES:
+        raise DataError(f"--packing {packing!r}: expected one of {', '.join(PACKING_MODES)}")
     corpus = load_corpus(source, tokenizer, heldout_fraction)
-    pad = _pad_id(tokenizer)
-    train_ids, train_mask = pack(corpus.train_ids, corpus.train_mask, seq_len, pad)
-    if len(corpus.heldout_ids) > 0:
-        held_ids, held_mask = pack(corpus.heldout_ids, corpus.heldout_mask, seq_len, pad)
-    elif len(train_ids) >= 2:
-        num_held = max(1, round(heldout_fraction * len(train_ids)))
-        held_ids, held_mask = train_ids[-num_held:], train_mask[-num_held:]
-        train_ids, train_mask = train_ids[:-num_held], train_mask[:-num_held]
+    pad, eos = _pad_id(tokenizer), special_ids(tokenizer)[0]
+    train = pack_split(corpus.train, seq_len, pad, eos, packing)
+    corpus.report.pack = train.report
+    if corpus.heldout:
+        held = pack_split(corpus.heldout, seq_len, pad, eos, packing)
+    elif len(train) >= 2:
+        num_held = max(1, round(heldout_fraction * len(train)))
+        train, held = train.take(slice(None, -num_held)), train.take(slice(-num_held, None))
     else:
-        held_ids, held_mask = train_ids, train_mask
-    train = PackedDataset(train_ids, train_mask, batch_size, seed)
-    held_stream = corpus.heldout_ids if len(corpus.heldout_ids) > 0 else None
-    heldout = PackedDataset(held_ids, held_mask, batch_size, seed, stream=held_stream)
-    return train, heldout
+        held = train
+    if log is not None:
+        for line in corpus.report.lines(seq_len):
+            log(line)
+    datasets = []
+    for rows, stream_ids in ((train, None), (held, corpus.heldout_ids if corpus.heldout else None)):
+        datasets.append(PackedDataset(
+            rows.ids, rows.mask, batch_size, seed, stream=stream_ids,
+            doc_ids=rows.doc_ids, positions=rows.positions, report=corpus.report,
+        ))  # fmt: skip
+    return datasets[0], datasets[1]
 
 
 def heldout_prompts(

@@ -39,18 +39,23 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+def rope_tables(
+    positions: Tensor, inv_freq: Tensor, attention_scaling: float = 1.0
+) -> tuple[Tensor, Tensor]:
     """cos/sin tables for arbitrary (not necessarily contiguous) positions.
 
-    positions: LongTensor[B, L] -> cos, sin: float32 [B, L, Hd]. The drafter needs
-    arbitrary positions because block tokens sit at anchor+k, not at 0..L-1.
+    positions: LongTensor[B, L], inv_freq: float32[Hd/2] -> cos, sin: float32 [B, L, Hd].
+    The drafter needs arbitrary positions because block tokens sit at anchor+k.
     """
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
-    )
-    angles = positions.float()[..., None] * inv_freq  # [B, L, Hd/2]
+    angles = positions.float()[..., None] * inv_freq.to(positions.device)  # [B, L, Hd/2]
     angles = torch.cat([angles, angles], dim=-1)  # [B, L, Hd]
-    return angles.cos(), angles.sin()
+    return angles.cos() * attention_scaling, angles.sin() * attention_scaling
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """Plain (unscaled) rope tables: positions[B, L] -> cos, sin float32[B, L, Hd]."""
+    exponents = torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim
+    return rope_tables(positions, 1.0 / (theta**exponents))
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

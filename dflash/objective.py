@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dflash.config import LossConfig, default_gamma
+from dflash.documents import same_document_as_anchor
 from dflash.errors import DFlashError
 
 __all__ = ["LossConfig", "default_gamma"]  # the loss settings live in the config tree
@@ -43,6 +44,32 @@ class NoiseSchedule:
                 raise ObjectiveError(f"noise {name} {value} is outside [0, 1]")
         if self.anneal_steps < 0:
             raise ObjectiveError(f"noise anneal_steps {self.anneal_steps} is negative")
+
+    @classmethod
+    def parse(cls, spec: str, total_steps: int) -> NoiseSchedule:
+        """`all` (every non-anchor position masked) or `linear:START:END`: the masked share
+        goes from START to END over `total_steps` optimizer steps."""
+        if spec == "all":
+            return cls()
+        parts = spec.split(":")
+        if len(parts) != 3 or parts[0] != "linear":
+            raise ObjectiveError(f"--noise-schedule {spec!r}: expected 'all' or 'linear:START:END'")
+        try:
+            start, end = float(parts[1]), float(parts[2])
+        except ValueError as err:
+            raise ObjectiveError(f"--noise-schedule {spec!r}: START and END are numbers") from err
+        for value in (start, end):
+            if not 0.0 < value <= 1.0:
+                raise ObjectiveError(f"--noise-schedule {spec!r}: {value} is outside (0, 1]")
+        return cls(start_mask_ratio=start, end_mask_ratio=end, anneal_steps=max(0, total_steps))
+
+    def describe(self) -> str:
+        if self.start_mask_ratio == self.end_mask_ratio == 1.0:
+            return "all non-anchor masked"
+        return (
+            f"masked share {self.start_mask_ratio:g} -> {self.end_mask_ratio:g} "
+            f"over {self.anneal_steps} steps"
+        )
 
     def mask_ratio(self, step: int) -> float:
         if self.anneal_steps == 0 or step >= self.anneal_steps:
@@ -74,11 +101,15 @@ class LossOutput:
 
 
 def select_anchors(
-    loss_mask: Tensor, num_anchors: int, generator: torch.Generator | None = None
+    loss_mask: Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    doc_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Up to num_anchors anchors per sequence, uniformly without replacement.
 
-    Valid anchors p have loss_mask[p] and loss_mask[p+1]. loss_mask[B, T] ->
+    Valid anchors p have loss_mask[p] and loss_mask[p+1] (and, with doc_ids[B, T],
+    p+1 in p's document; the random draws are the same either way). loss_mask[B, T] ->
     anchors[B, N] sorted ascending (kept ones first), keep[B, N]; N = min(num_anchors, T-1);
     padding slots hold position 0 with keep False.
     """
@@ -89,6 +120,9 @@ def select_anchors(
     mask = loss_mask.bool().cpu()
     valid = torch.zeros(b, t, dtype=torch.bool)
     valid[:, :-1] = mask[:, :-1] & mask[:, 1:]
+    if doc_ids is not None:
+        docs = doc_ids.cpu()
+        valid[:, :-1] &= docs[:, :-1] == docs[:, 1:]
     # Random keys in [0, 1) for valid positions, 2 for invalid: the n smallest keys are
     # a uniform sample of the valid positions, followed by invalid ones as padding.
     keys = torch.rand(b, t, generator=generator).masked_fill(~valid, 2.0)
@@ -115,6 +149,31 @@ def _gather_tokens(input_ids: Tensor, positions: Tensor) -> Tensor:
     return input_ids.gather(1, flat).reshape(b, n, bs)
 
 
+def _masked_and_blocks(
+    input_ids: Tensor,
+    anchors: Tensor,
+    block_size: int,
+    mask_token_id: int,
+    noise: NoiseSchedule | None,
+    step: int,
+    generator: torch.Generator | None,
+    doc_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """-> masked[B, N, Bs] (True = the drafter sees the mask token), block_ids[B, N, Bs].
+
+    Positions past the end of the sequence, or of the anchor's document when
+    doc_ids[B, T] is given, are always masked (there is no clean token).
+    """
+    noise = noise or NoiseSchedule()
+    positions = _block_positions(anchors, block_size)  # [B, N, Bs]
+    clean = _gather_tokens(input_ids, positions)
+    masked = noise.sample(tuple(positions.shape), step, generator, input_ids.device)
+    masked |= positions >= input_ids.shape[1]
+    if doc_ids is not None:
+        masked[..., 1:] |= ~same_document_as_anchor(anchors, doc_ids, block_size)[..., 1:]
+    return masked, clean.masked_fill(masked, mask_token_id)
+
+
 def build_blocks(
     input_ids: Tensor,
     anchors: Tensor,
@@ -123,17 +182,35 @@ def build_blocks(
     noise: NoiseSchedule | None = None,
     step: int = 0,
     generator: torch.Generator | None = None,
+    doc_ids: Tensor | None = None,
 ) -> Tensor:
-    """block_ids[B, N, Bs]: the clean anchor, then masked (or, per noise, clean) tokens.
+    """block_ids[B, N, Bs]: the clean anchor, then masked (or, per noise, clean) tokens."""
+    return _masked_and_blocks(
+        input_ids, anchors, block_size, mask_token_id, noise, step, generator, doc_ids
+    )[1]
 
-    Positions past the end of the sequence are always masked (there is no clean token).
-    """
-    noise = noise or NoiseSchedule()
-    positions = _block_positions(anchors, block_size)  # [B, N, Bs]
-    clean = _gather_tokens(input_ids, positions)
-    masked = noise.sample(tuple(positions.shape), step, generator, input_ids.device)
-    masked |= positions >= input_ids.shape[1]
-    return clean.masked_fill(masked, mask_token_id)
+
+def block_inputs(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    anchors: Tensor,
+    keep: Tensor,
+    block_size: int,
+    mask_token_id: int,
+    noise: NoiseSchedule | None = None,
+    step: int = 0,
+    generator: torch.Generator | None = None,
+    doc_ids: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """-> block_ids, labels, valid [B, N, Bs]; a position scores only when it was masked
+    (a partial noise schedule leaves some tokens visible: predicting those is free)."""
+    masked, block_ids = _masked_and_blocks(
+        input_ids, anchors, block_size, mask_token_id, noise, step, generator, doc_ids
+    )
+    labels, valid = block_labels(
+        input_ids, loss_mask, anchors, keep, block_size, masked, doc_ids=doc_ids
+    )
+    return block_ids, labels, valid
 
 
 def block_labels(
@@ -143,11 +220,13 @@ def block_labels(
     keep: Tensor,
     block_size: int,
     masked: Tensor | None = None,
+    doc_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Unshifted labels: position k predicts the token at anchor+k.
 
     -> labels[B, N, Bs], valid[B, N, Bs] = keep & in_bounds & loss_mask[a+k] & k >= 1
-    (& masked, when given: a partially masked block does not score its visible tokens).
+    (& masked, when given: a partially masked block does not score its visible tokens;
+    & a+k in the anchor's document, when doc_ids[B, T] is given).
     """
     t = input_ids.shape[1]
     positions = _block_positions(anchors, block_size)  # [B, N, Bs]
@@ -157,6 +236,8 @@ def block_labels(
     valid[..., 0] = False
     if masked is not None:
         valid &= masked
+    if doc_ids is not None:
+        valid &= same_document_as_anchor(anchors, doc_ids, block_size)
     return labels, valid
 
 
@@ -184,12 +265,13 @@ def decay_weights(block_size: int, gamma: float, device: torch.device) -> Tensor
 def streak_weights(ce: Tensor, valid: Tensor, alpha: float) -> Tensor:
     """Streak-aware weights from per-position CE[B, N, Bs] (detached).
 
-    q_i = exp(-CE_i), q~_i = (1-alpha) q_i + alpha over positions 1..Bs-1 (position 0
-    and invalid positions act as q~ = 1); weight_j = sum_{m>=j} prod_{i<=m} q~_i.
+    q_i = exp(-CE_i), q~_i = (1-alpha) q_i + alpha over positions 1..Bs-1;
+    weight_j = sum_{m>=j} prod_{i<=m} q~_i. An invalid position (past the row, outside
+    the loss mask) ends the streak: its q~ is 0, so neither it nor anything after counts.
     """
     q = torch.exp(-ce.detach().float())
-    q_tilde = torch.where(valid, (1 - alpha) * q + alpha, torch.ones_like(q))
-    q_tilde[..., 0] = 1.0
+    q_tilde = torch.where(valid, (1 - alpha) * q + alpha, torch.zeros_like(q))
+    q_tilde[..., 0] = 1.0  # the anchor is given, not predicted
     reach = torch.cumprod(q_tilde, dim=-1)  # [B, N, Bs]: prod_{i<=m}
     reach = reach * (torch.arange(ce.shape[-1], device=ce.device) >= 1)  # m ranges over k>=1
     return reach.flip(-1).cumsum(-1).flip(-1)  # suffix sums over m >= j
@@ -237,10 +319,12 @@ def dflash_loss(
     gather_target_logits) is required when cfg.use_soft_labels.
     """
     b, n, bs, v = logits.shape
-    gamma = cfg.effective_gamma(bs)
+    gamma = cfg.decay_gamma(bs)
     ce = F.cross_entropy(logits.float().reshape(-1, v), labels.reshape(-1), reduction="none")
     ce = ce.reshape(b, n, bs)  # [B, N, Bs]
-    weights = valid.float() * decay_weights(bs, gamma, logits.device)
+    weights = valid.float()
+    if gamma is not None:
+        weights = weights * decay_weights(bs, gamma, logits.device)
     if cfg.streak_alpha is not None:
         weights = weights * streak_weights(ce, valid, cfg.streak_alpha)
     per_pos = ce

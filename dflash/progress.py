@@ -17,7 +17,11 @@ from dflash.config import TrainConfig
 def format_loss_config(cfg: TrainConfig) -> str:
     """The objective on one line (issue 5 prints the telemetry line right after it)."""
     obj = cfg.loss
-    gamma_src = "set" if obj.gamma is not None else "by block size"
+    gamma = cfg.gamma
+    if gamma is None:
+        decay = "no γ decay (streak weights replace it)"
+    else:
+        decay = f"γ {gamma:g} ({'set' if obj.gamma is not None else 'by block size'})"
     soft = (
         f"soft labels on (KL T={obj.kl_temperature:g}, weight {obj.kl_weight:g})"
         if obj.use_soft_labels
@@ -27,7 +31,7 @@ def format_loss_config(cfg: TrainConfig) -> str:
     if obj.streak_alpha is not None:
         streak = f"streak α {obj.streak_alpha:g}"
     return (
-        f"loss: block size {cfg.drafter.block_size}, γ {cfg.gamma:g} ({gamma_src}), {soft}, "
+        f"loss: block size {cfg.drafter.block_size}, {decay}, {soft}, "
         f"{streak}, up to {obj.num_anchors} anchors/sequence, noise: all non-anchor masked"
     )
 

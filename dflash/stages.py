@@ -140,16 +140,15 @@ def _take(
     """Next item of `in_q` (or END); the wait becomes a span under the item's batch."""
     wait_name = f"{in_q.name}.wait"
     stage.enter(wait_name)
-    wait_start_ns = time.time_ns()
+    wait_start_ns = tracing.now_ns()
     item, depth = in_q.get_with_depth()
     if item is END:
         return END
     counters.queue_depth(in_q.name, depth)
-    # A consumer may have begun waiting before its batch existed (at startup, or beside
-    # another consumer): the span starts with its batch so it stays inside the trace.
-    start_ns = max(wait_start_ns, item.span.start_time_ns)
+    # The tables get the whole wait, also the part before the batch existed (an idle
+    # consumer); tracing clips only the exported span to start with its parent batch.
     attrs = {**thread_attrs, names.QUEUE_DEPTH: depth}
-    with tracing.phase(wait_name, parent=item.span, start_time_ns=start_ns, attributes=attrs):
+    with tracing.phase(wait_name, parent=item.span, start_time_ns=wait_start_ns, attributes=attrs):
         pass
     return item
 

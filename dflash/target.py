@@ -8,7 +8,7 @@ forward right after the last needed layer so later layers never run.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,17 +16,24 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dflash.data import MASK_ID, ByteTokenizer
+from dflash.data import ByteTokenizer
+from dflash.documents import document_positions
 from dflash.errors import DFlashError
+from dflash.kvcache import KVCache, crop_hf_cache
+from dflash.rope import RopeSpec, rope_from_config
 from dflash.tiny import TinyLM, load_tiny_lm, prepare_builtin_target
 
 __all__ = [
+    "MaskToken",
+    "check_mask_token_unused",
     "TargetError",
+    "TargetGeometry",
     "TargetModel",
     "TargetOutput",
     "default_target_layers",
     "load_target",
     "prepare_builtin_target",
+    "resolve_mask_token",
     "validate_target_layers",
 ]
 
@@ -43,6 +50,79 @@ class TargetError(DFlashError):
 class TargetOutput:
     hidden: Tensor  # [B, T, K*D]: chosen layers' outputs concatenated in the order asked
     logits: Tensor | None  # [B, T, V] or None when not asked for
+    final_hidden: Tensor | None = None  # [B, T, D] final-norm output (the LM head's input)
+
+
+@dataclass(frozen=True)
+class TargetGeometry:
+    """The attention and norm geometry a drafter copies from its target."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope: RopeSpec
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    max_position_embeddings: int = 2048
+
+
+@dataclass(frozen=True)
+class MaskToken:
+    """The embedding row used for masked block positions, and how it was chosen."""
+
+    token_id: int
+    source: str  # "tokenizer" | "spare-row" | "explicit"
+
+    def describe(self) -> str:
+        how = {
+            "tokenizer": "the tokenizer's mask token",
+            "spare-row": "the first embedding row past the tokenizer's vocabulary",
+            "explicit": "--mask-token-id",
+        }[self.source]
+        return f"mask token id {self.token_id} ({how})"
+
+
+def tokenizer_vocab_size(tokenizer: Any) -> int:
+    """Ids the tokenizer can produce (added tokens included)."""
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return int(tokenizer.vocab_size)
+
+
+def resolve_mask_token(
+    tokenizer: Any, num_embeddings: int, explicit_id: int | None = None
+) -> MaskToken:
+    """An explicit id when given; else the tokenizer's mask token; else the first spare row."""
+    if explicit_id is not None:
+        if not 0 <= explicit_id < num_embeddings:
+            raise TargetError(
+                f"--mask-token-id {explicit_id} is out of range: the target has "
+                f"{num_embeddings} embedding rows (valid ids 0..{num_embeddings - 1})"
+            )
+        return MaskToken(int(explicit_id), "explicit")
+    tok_mask = getattr(tokenizer, "mask_token_id", None)
+    if isinstance(tok_mask, int) and 0 <= tok_mask < num_embeddings:
+        return MaskToken(tok_mask, "tokenizer")
+    vocab = tokenizer_vocab_size(tokenizer)
+    if vocab < num_embeddings:
+        return MaskToken(vocab, "spare-row")
+    raise TargetError(
+        f"no mask token: the tokenizer has none and all {num_embeddings} embedding rows are "
+        "tokens; give --mask-token-id (an id the data never uses)"
+    )
+
+
+def check_mask_token_unused(mask_token_id: int, token_ids: Iterable[Any]) -> None:
+    """One-line error when the data contains the mask id (the drafter could not tell
+    a masked position from that token). token_ids: arrays or tensors of token ids."""
+    for ids in token_ids:
+        if bool((ids == mask_token_id).any()):
+            raise TargetError(
+                f"--mask-token-id {mask_token_id} is a token the training data uses: "
+                "choose an id the tokenizer never produces (e.g. a spare embedding row)"
+            )
 
 
 class _StopForward(Exception):
@@ -84,23 +164,25 @@ class TargetModel(nn.Module):
         *,
         spec: str,
         tokenizer: Any,
-        mask_token_id: int | None,
-        num_heads: int,
-        intermediate_size: int,
-        rope_theta: float = 10000.0,
+        geometry: TargetGeometry,
+        stop_token_ids: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self._layers = layers  # registered through self.model already
-        self.spec, self.tokenizer, self.mask_token_id = spec, tokenizer, mask_token_id
+        self.spec, self.tokenizer, self.geometry = spec, tokenizer, geometry
+        self.stop_token_ids = tuple(stop_token_ids)  # generation ends at any of these
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.get_output_embeddings()
         self.vocab_size = self.lm_head.out_features
         self.hidden_size = self.embed_tokens.embedding_dim
         self.num_layers = len(layers)
-        self.num_heads, self.intermediate_size = num_heads, intermediate_size
-        self.head_dim = self.hidden_size // num_heads
-        self.rope_theta = rope_theta
+        self.num_heads, self.intermediate_size = geometry.num_heads, geometry.intermediate_size
+        self.head_dim = geometry.head_dim
+
+    def mask_token(self, explicit_id: int | None = None) -> MaskToken:
+        """The mask row for a drafter of this target (see resolve_mask_token)."""
+        return resolve_mask_token(self.tokenizer, self.embed_tokens.num_embeddings, explicit_id)
 
     def train(self, mode: bool = True) -> TargetModel:
         # Frozen: never leave eval mode (dropout etc. would change the features).
@@ -110,48 +192,128 @@ class TargetModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def _run(self, input_ids: Tensor) -> Tensor:
+    def _run(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         if not self._is_hf:
-            return self.model(input_ids)
+            return self.model(input_ids, doc_ids)
         # No KV cache: it would hold every layer's keys/values for nothing.
-        return self.model(input_ids=input_ids, use_cache=False).logits
+        if doc_ids is None:
+            return self.model(input_ids=input_ids, use_cache=False).logits
+        # Positions restarting per document, no 2D mask and no cache: transformers
+        # then builds a block-diagonal causal mask from the position resets.
+        positions = document_positions(doc_ids)
+        return self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
 
     @property
     def _is_hf(self) -> bool:
         return not isinstance(self.model, TinyLM)
 
+    def final_norm(self) -> nn.Module:
+        """The norm whose output feeds the LM head."""
+        decoder = self.model.get_decoder() if self._is_hf else self.model
+        norm = getattr(decoder, "norm", None)
+        if not isinstance(norm, nn.Module):
+            raise TargetError(f"cannot find the final norm of {type(self.model).__name__}")
+        return norm
+
     @torch.no_grad()
-    def capture(self, input_ids: Tensor, layer_ids: list[int], with_logits: bool) -> TargetOutput:
-        """input_ids[B, T] -> hidden[B, T, K*D] (+ logits[B, T, V] when with_logits)."""
+    def capture(
+        self,
+        input_ids: Tensor,
+        layer_ids: list[int],
+        with_logits: bool,
+        with_final_hidden: bool = False,
+        doc_ids: Tensor | None = None,
+    ) -> TargetOutput:
+        """input_ids[B, T] -> hidden[B, T, K*D] (+ logits[B, T, V] when with_logits).
+
+        with_final_hidden adds the final-norm output [B, T, D]: soft labels from it and
+        the LM head need no logits; the forward then stops before the LM head.
+        doc_ids[B, T] (packed rows) keeps every document's attention to itself.
+        """
         validate_target_layers(layer_ids, self.num_layers)
         wanted = sorted(set(layer_ids))
-        kept: dict[int, Tensor] = {}
+        kept: dict[int | str, Tensor] = {}
         last = wanted[-1]
+        runs_to_norm = with_final_hidden and not with_logits
 
-        def make_hook(i: int) -> Callable[..., None]:
+        def make_hook(i: int | str) -> Callable[..., None]:
             def hook(_module: nn.Module, _args: Any, output: Any) -> None:
                 kept[i] = output[0] if isinstance(output, tuple) else output
-                if i == last and not with_logits:
+                if i == "norm" and runs_to_norm:
+                    raise _StopForward
+                if i == last and not (with_logits or with_final_hidden):
                     raise _StopForward
 
             return hook
 
         handles = [self._layers[i].register_forward_hook(make_hook(i)) for i in wanted]
+        if with_final_hidden:
+            handles.append(self.final_norm().register_forward_hook(make_hook("norm")))
         logits = None
         try:
-            logits = self._run(input_ids)
+            logits = self._run(input_ids, doc_ids)
         except _StopForward:
             pass
         finally:
             for handle in handles:
                 handle.remove()
         hidden = torch.cat([kept[i] for i in layer_ids], dim=-1)  # [B, T, K*D]
-        return TargetOutput(hidden=hidden, logits=logits)
+        return TargetOutput(hidden=hidden, logits=logits, final_hidden=kept.get("norm"))
 
     @torch.no_grad()
-    def logits(self, input_ids: Tensor) -> Tensor:
+    def logits(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """input_ids[B, T] -> logits[B, T, V]."""
-        return self._run(input_ids)
+        return self._run(input_ids, doc_ids)
+
+    # --- KV-cached decoding (evaluation, generation) ---
+
+    def new_cache(self) -> Any:
+        """An empty KV cache for `forward_cached` (a DynamicCache for HF targets)."""
+        if not self._is_hf:
+            return KVCache()
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    @staticmethod
+    def cache_len(cache: Any) -> int:
+        return cache.seq_len() if isinstance(cache, KVCache) else cache.get_seq_length()
+
+    @staticmethod
+    def crop_cache(cache: Any, length: int) -> None:
+        """Forget every cached position from `length` on (after a rejected draft)."""
+        if isinstance(cache, KVCache):
+            cache.crop(length)
+        else:
+            crop_hf_cache(cache, length)
+
+    @torch.no_grad()
+    def forward_cached(
+        self, input_ids: Tensor, cache: Any, layer_ids: list[int] | None = None
+    ) -> TargetOutput:
+        """input_ids[B, L] continuing the cached positions; appends them to `cache`.
+
+        -> logits[B, L, V] and, when layer_ids are given, hidden[B, L, K*D].
+        """
+        kept: dict[int, Tensor] = {}
+        handles = []
+        for i in sorted(set(layer_ids or [])):
+
+            def hook(_m: nn.Module, _a: Any, output: Any, i: int = i) -> None:
+                kept[i] = output[0] if isinstance(output, tuple) else output
+
+            handles.append(self._layers[i].register_forward_hook(hook))
+        try:
+            if self._is_hf:
+                out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+                logits = out.logits
+            else:
+                logits = self.model(input_ids, cache=cache)
+        finally:
+            for handle in handles:
+                handle.remove()
+        hidden = torch.cat([kept[i] for i in layer_ids], dim=-1) if layer_ids else None
+        return TargetOutput(hidden=hidden, logits=logits)  # type: ignore[arg-type]
 
 
 def _builtin_target(
@@ -169,15 +331,23 @@ def _builtin_target(
 def wrap_tiny(model: TinyLM, spec: str = "builtin:tiny") -> TargetModel:
     """A TargetModel around a TinyLM (also used by tests with untrained weights)."""
     cfg = model.config
+    tokenizer = ByteTokenizer()
+    geometry = TargetGeometry(
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        rope=RopeSpec(cfg.rope_theta),
+        rms_norm_eps=cfg.rms_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+    )
     return TargetModel(
         model,
         model.layers,
         spec=spec,
-        tokenizer=ByteTokenizer(),
-        mask_token_id=MASK_ID,
-        num_heads=cfg.num_heads,
-        intermediate_size=cfg.intermediate_size,
-        rope_theta=cfg.rope_theta,
+        tokenizer=tokenizer,
+        geometry=geometry,
+        stop_token_ids=(tokenizer.eos_token_id,),
     )
 
 
@@ -190,13 +360,6 @@ def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
         if isinstance(module, nn.ModuleList) and len(module) == num_layers:
             return module
     raise TargetError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
-
-
-def _usable_mask_id(tokenizer: Any, num_embeddings: int) -> int | None:
-    mask_id = getattr(tokenizer, "mask_token_id", None)
-    if isinstance(mask_id, int) and 0 <= mask_id < num_embeddings:
-        return mask_id
-    return None
 
 
 def _first_line(err: BaseException) -> str:
@@ -236,18 +399,50 @@ def _hf_target(spec: str, device: torch.device | str, dtype: torch.dtype | None)
         model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     )
     layers = _find_decoder_layers(model, cfg.num_hidden_layers)
-    rope_theta = getattr(cfg, "rope_theta", None) or 10000.0
     target = TargetModel(
         model,
         layers,
         spec=spec,
         tokenizer=tokenizer,
-        mask_token_id=_usable_mask_id(tokenizer, model.get_input_embeddings().num_embeddings),
-        num_heads=cfg.num_attention_heads,
-        intermediate_size=cfg.intermediate_size,
-        rope_theta=float(rope_theta),
+        geometry=hf_geometry(cfg),
+        stop_token_ids=hf_stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
     )
     return target.to(device)
+
+
+def hf_geometry(cfg: Any) -> TargetGeometry:
+    """A drafter's geometry from a transformers text config (4.x or 5.x rope layout)."""
+    from dflash.rope import RopeError
+
+    heads = int(cfg.num_attention_heads)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    try:
+        rope = rope_from_config(cfg)
+    except RopeError as err:
+        raise TargetError(f"target rope parameters: {err}") from err
+    return TargetGeometry(
+        num_heads=heads,
+        num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+        head_dim=int(head_dim),
+        intermediate_size=int(cfg.intermediate_size),
+        rope=rope,
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or 1e-6),
+        attention_bias=bool(getattr(cfg, "attention_bias", False)),
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", None) or 2048),
+    )
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def hf_stop_token_ids(tokenizer: Any, generation_config: Any) -> tuple[int, ...]:
+    """EOS of the tokenizer plus the generation config's EOS ids (chat models list several)."""
+    ids = _as_ids(getattr(tokenizer, "eos_token_id", None))
+    ids += _as_ids(getattr(generation_config, "eos_token_id", None))
+    return tuple(dict.fromkeys(ids))
 
 
 def load_target(

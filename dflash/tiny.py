@@ -24,6 +24,8 @@ from torch import Tensor, nn
 
 from dflash.data import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, embedded_corpus
 from dflash.data import cache_dir as cache_dir_default
+from dflash.documents import document_causal_mask, document_positions
+from dflash.kvcache import KVCache
 from dflash.layers import RMSNorm, SwiGLU, apply_rope, merge_heads, rope_cos_sin, split_heads
 from dflash.schedule import warmup_cosine
 
@@ -42,6 +44,11 @@ class TinyLMConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def max_position_embeddings(self) -> int:
+        # Plain rope has no hard limit; a property, so the weights' cache key stays put.
+        return 8192
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: TinyLMConfig) -> None:
@@ -50,12 +57,33 @@ class CausalSelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=False)
         self.o_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        layer_idx: int = 0,
+    ) -> Tensor:
+        """x[B, T, D]; mask[B, 1, T, T] (True = attend) replaces the plain causal mask when
+        given; with a cache, x continues the cached positions (rope tables of x's)."""
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # 3 x [B, T, D]
         q = apply_rope(split_heads(q, self.num_heads), cos, sin)  # [B, H, T, Hd]
         k = apply_rope(split_heads(k, self.num_heads), cos, sin)  # [B, H, T, Hd]
         v = split_heads(v, self.num_heads)  # [B, H, T, Hd]
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cache is None:
+            if mask is None:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.o_proj(merge_heads(out))  # [B, T, D]
+        past = cache.layer_len(layer_idx)
+        k, v = cache.update(layer_idx, k, v)  # [B, H, past+T, Hd]
+        t = q.shape[2]
+        # is_causal aligns top-left; with a past the diagonal sits at column past.
+        mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(merge_heads(out))  # [B, T, D]
 
 
@@ -67,8 +95,16 @@ class TinyDecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin)
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        layer_idx: int = 0,
+    ) -> Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, mask, cache, layer_idx)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -96,14 +132,27 @@ class TinyLM(nn.Module):
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """input_ids[B, T] -> logits[B, T, V]."""
+    def forward(
+        self, input_ids: Tensor, doc_ids: Tensor | None = None, cache: KVCache | None = None
+    ) -> Tensor:
+        """input_ids[B, T] -> logits[B, T, V].
+
+        doc_ids[B, T] (packed rows): attention stays inside each document and
+        positions restart at 0 per document, as if each ran alone. With a cache,
+        input_ids follow the cached positions (one document: doc_ids must be None).
+        """
         b, t = input_ids.shape
-        positions = torch.arange(t, device=input_ids.device).expand(b, t)  # [B, T]
+        mask = None
+        if doc_ids is None:
+            past = cache.seq_len() if cache is not None else 0
+            positions = torch.arange(past, past + t, device=input_ids.device).expand(b, t)
+        else:
+            assert cache is None, "cached decoding runs one document"
+            positions, mask = document_positions(doc_ids), document_causal_mask(doc_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i)
         return self.lm_head(self.norm(x))
 
 

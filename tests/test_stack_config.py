@@ -27,6 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DOCKER = REPO_ROOT / "docker"
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 GO_MOD = REPO_ROOT / "tools" / "jaeger" / "go.mod"
+PROMETHEUS_GO_MOD = REPO_ROOT / "tools" / "prometheus" / "go.mod"
 
 PHASES = (
     "batch",
@@ -40,6 +41,9 @@ PHASES = (
     "drafter.backward",
     "drafter.optimizer",
 )
+# Phases the stats (and so dflash.phase.duration) have but no span: targets blocked on a
+# full hs_queue.
+STATS_ONLY_PHASES = ("hs_queue.put",)
 ALL_INTERFACES = {"0.0.0.0", "", "::", "[::]"}
 # Grafana datasource type -> image repository of the service it must point at.
 DATASOURCE_IMAGES = {
@@ -263,6 +267,21 @@ def jaeger_version_problems(stack: Stack) -> list[str]:
     return []
 
 
+def prometheus_version_problems(stack: Stack, go_mod: str | None = None) -> list[str]:
+    """The compose image is the release tools/prometheus builds: v3.X.Y is the Go module
+    version v0.3XX.Y (minor zero-padded to two digits)."""
+    text = PROMETHEUS_GO_MOD.read_text() if go_mod is None else go_mod
+    found = re.search(r"github\.com/prometheus/prometheus v0\.3(\d\d)\.(\d+)\b", text)
+    if not found:
+        return ["tools/prometheus/go.mod requires no github.com/prometheus/prometheus v0.3XX.Y"]
+    release = f"v3.{int(found[1])}.{found[2]}"
+    image = services(stack)[service_with_image(stack, "prom/prometheus")]["image"]
+    tag = image.rsplit(":", 1)[-1]
+    if tag != release:
+        return [f"compose runs {image}, tools/prometheus builds {release} ({found[0].split()[-1]})"]
+    return []
+
+
 def published_port_problems(stack: Stack) -> list[str]:
     """Every published container port is one the service's config listens on."""
     problems = []
@@ -390,40 +409,51 @@ def bucket_problems(stack: Stack) -> list[str]:
     return problems
 
 
-def emitted_metrics(stack: Stack) -> tuple[set[str], set[str]]:
-    """(metric names, label names) Prometheus gets from the spanmetrics connector.
-
-    Mirrors the connector (contrib v0.140): `<namespace>.calls` (monotonic sum) and
-    `<namespace>.duration` (histogram in `histogram.unit`), and the prometheus
-    exporter's translation: dots to underscores, then the unit word and `_total`.
-    """
-    connector = spanmetrics_config(stack)
-    namespace = connector.get("namespace", "traces.span.metrics")
-    unit = connector.get("histogram", {}).get("unit", "ms")
+def prometheus_exporter(stack: Stack) -> dict[str, Any]:
     exporters = [
         e or {}
         for n, e in stack["collector"]["exporters"].items()
         if n.split("/")[0] == "prometheus"
     ]
     assert len(exporters) == 1, "the collector needs exactly one prometheus exporter"
-    exporter = exporters[0]
+    return exporters[0]
+
+
+def prometheus_name(exporter: dict[str, Any], name: str, unit: str, kind: str) -> str:
+    """The prometheus exporter's translation of one OTel metric: dots to underscores,
+    then the unit word (annotations such as {token} dropped, "1" as _ratio on gauges),
+    then `_total` for counters."""
     strategy = exporter.get("translation_strategy") or (
         "UnderscoreEscapingWithSuffixes"
         if exporter.get("add_metric_suffixes", True)
         else "UnderscoreEscapingWithoutSuffixes"
     )
-    suffixes = strategy.endswith("WithSuffixes")
-    escape = strategy.startswith("UnderscoreEscaping")
+    if strategy.startswith("UnderscoreEscaping"):
+        name = re.sub(r"[^a-zA-Z0-9_:]", "_", name)
+    if strategy.endswith("WithSuffixes"):
+        words = {"ms": "milliseconds", "s": "seconds", "By": "bytes"}
+        word = words.get(unit, "ratio" if unit == "1" and kind == "gauge" else "")
+        name += f"_{word}" if word else ""
+        name += "_total" if kind == "counter" else ""
+    prefix = exporter.get("namespace")
+    return f"{prefix}_{name}" if prefix else name
+
+
+def emitted_metrics(stack: Stack) -> tuple[set[str], set[str]]:
+    """(metric names, label names) Prometheus gets from the collector.
+
+    Mirrors the spanmetrics connector (contrib v0.140): `<namespace>.calls` (monotonic
+    sum) and `<namespace>.duration` (histogram in `histogram.unit`); the trainer's own
+    metrics (dflash.run_metrics.METRICS) when a metrics pipeline takes OTLP into the
+    prometheus exporter; and that exporter's name translation.
+    """
+    connector = spanmetrics_config(stack)
+    namespace = connector.get("namespace", "traces.span.metrics")
+    unit = connector.get("histogram", {}).get("unit", "ms")
+    exporter = prometheus_exporter(stack)
 
     def prom(name: str, unit_name: str, counter: bool) -> str:
-        if escape:
-            name = re.sub(r"[^a-zA-Z0-9_:]", "_", name)
-        if suffixes:
-            word = {"ms": "milliseconds", "s": "seconds"}.get(unit_name, "")
-            name += f"_{word}" if word else ""
-            name += "_total" if counter else ""
-        prefix = exporter.get("namespace")
-        return f"{prefix}_{name}" if prefix else name
+        return prometheus_name(exporter, name, unit_name, "counter" if counter else "")
 
     prefix = f"{namespace}." if namespace else ""
     names = {prom(f"{prefix}calls", "", True)}
@@ -434,7 +464,37 @@ def emitted_metrics(stack: Stack) -> tuple[set[str], set[str]]:
     dimensions += [d["name"] for d in connector.get("dimensions") or []]
     excluded = set(connector.get("exclude_dimensions") or [])
     labels = {re.sub(r"[^a-zA-Z0-9_]", "_", d) for d in dimensions if d not in excluded}
-    return names, labels | {"le", "job", "instance"}
+    app_names, app_labels = app_metrics(stack)
+    return names | app_names, labels | app_labels | {"le", "job", "instance"}
+
+
+# Resource attributes of the trainer's metrics that the dashboard may select on.
+APP_RESOURCE_LABELS = {"service_name", "service_instance_id", "dflash_run_id", "dflash_rank"}
+
+
+def app_metrics(stack: Stack) -> tuple[set[str], set[str]]:
+    """Prometheus names and labels of dflash.run_metrics.METRICS, when the collector has
+    a pipeline from the OTLP receiver into the prometheus exporter."""
+    from dflash.run_metrics import METRICS, NAMESPACE
+
+    pipelines = stack["collector"]["service"]["pipelines"].values()
+    if not any(
+        "otlp" in (p.get("receivers") or [])
+        and any(e.split("/")[0] == "prometheus" for e in p.get("exporters") or [])
+        for p in pipelines
+    ):
+        return set(), set()
+    exporter = prometheus_exporter(stack)
+    names: set[str] = set()
+    labels = {label for spec in METRICS for label in spec.labels}
+    for spec in METRICS:
+        base = prometheus_name(exporter, f"{NAMESPACE}.{spec.name}", spec.unit, spec.kind)
+        if spec.kind == "histogram":
+            names |= {f"{base}_bucket", f"{base}_sum", f"{base}_count"}
+        else:
+            names.add(base)
+    resource = (exporter.get("resource_to_telemetry_conversion") or {}).get("enabled")
+    return names, labels | (APP_RESOURCE_LABELS if resource else set())
 
 
 def prometheus_queries(stack: Stack) -> list[tuple[str, str]]:
@@ -500,6 +560,9 @@ def dashboard_problems(stack: Stack) -> list[str]:
         for phase in re.findall(r'span_name\s*=\s*"([^"]*)"', query):
             if phase not in PHASES:
                 problems.append(f"{where}: span_name {phase!r} is not a dflash-train phase")
+        for phase in re.findall(r'\bphase\s*=\s*"([^"]*)"', query):
+            if phase not in PHASES + STATS_ONLY_PHASES:
+                problems.append(f"{where}: phase {phase!r} is not a dflash-train phase")
     for file_name, dashboard in stack["dashboards"].items():
         uids = {s.get("uid") for s in stack["datasources"]["datasources"]}
         for panel in dashboard.get("panels", []):
@@ -542,6 +605,29 @@ def jaeger_test_config_problems(stack: Stack) -> list[str]:
     return problems
 
 
+def expiration_problems(stack: Stack) -> list[str]:
+    """Span metrics of services no longer sending (finished runs) expire."""
+    expiration = spanmetrics_config(stack).get("metrics_expiration")
+    if not expiration or duration_ms(str(expiration)) <= 0:
+        return ["spanmetrics: no metrics_expiration (finished runs' series live forever)"]
+    return []
+
+
+def trainer_user_problems(stack: Stack) -> list[str]:
+    """The trainer writes its bind-mounted output as the host user, with a writable HOME."""
+    problems = []
+    trainer = services(stack).get("trainer", {})
+    user = str(trainer.get("user", ""))
+    if "${" not in user:
+        problems.append(f"trainer: user {user!r} is not taken from the environment")
+    dockerfile = stack["dockerfiles"].get("docker/trainer/Dockerfile", "")
+    if not re.search(r"^ENV HOME=\S+", dockerfile, re.M) or "chmod 1777" not in dockerfile:
+        problems.append("docker/trainer/Dockerfile: no HOME that any user may write")
+    if re.search(r"^USER\s+(root|0)\b", dockerfile, re.M):
+        problems.append("docker/trainer/Dockerfile: runs as root")
+    return problems
+
+
 # --- tests ---------------------------------------------------------------------------
 
 
@@ -566,14 +652,45 @@ def test_real_stack_has_no_problems(stack: Stack) -> None:
         + pipeline_problems(stack["jaeger"])
         + image_problems(stack)
         + jaeger_version_problems(stack)
+        + prometheus_version_problems(stack)
         + published_port_problems(stack)
         + wiring_problems(stack)
         + mount_problems(stack)
         + bucket_problems(stack)
         + dashboard_problems(stack)
         + jaeger_test_config_problems(stack)
+        + expiration_problems(stack)
+        + trainer_user_problems(stack)
     )
     assert problems == []
+
+
+def test_expiration_check_catches_series_that_never_expire(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    del spanmetrics_config(broken)["metrics_expiration"]
+    assert expiration_problems(broken) == [
+        "spanmetrics: no metrics_expiration (finished runs' series live forever)"
+    ]
+
+
+def test_trainer_user_check_catches_a_fixed_uid(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    broken["compose"]["services"]["trainer"]["user"] = "10001"
+    broken["dockerfiles"]["docker/trainer/Dockerfile"] = "FROM python:3.12\nUSER root\n"
+    assert len(trainer_user_problems(broken)) == 3
+
+
+def test_dockerignore_keeps_the_context_to_what_the_image_copies() -> None:
+    lines = (REPO_ROOT / ".dockerignore").read_text().splitlines()
+    allowed = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
+    dockerfile = (DOCKER / "trainer" / "Dockerfile").read_text()
+    copied = {
+        word.rstrip("/")
+        for line in dockerfile.splitlines()
+        if line.startswith("COPY ")
+        for word in line.split()[1:-1]
+    }
+    assert "*" in lines and copied <= allowed, (copied, allowed)
 
 
 def test_dashboard_covers_required_views(stack: Stack) -> None:
@@ -581,6 +698,7 @@ def test_dashboard_covers_required_views(stack: Stack) -> None:
     assert "histogram_quantile(0.5" in queries and "histogram_quantile(0.95" in queries
     assert 'span_name="batch"' in queries  # batches per second
     assert 'span_name="hs_queue.wait"' in queries and 'span_name="batch_queue.wait"' in queries
+    assert 'phase="hs_queue.put"' in queries  # a full hs_queue is no span: only the metrics
 
 
 def test_pipeline_check_catches_undefined_components(stack: Stack) -> None:
@@ -616,6 +734,14 @@ def test_jaeger_version_check_catches_drift(stack: Stack) -> None:
     broken = copy.deepcopy(stack)
     services(broken)["jaeger"]["image"] = "jaegertracing/jaeger:2.12.0"
     assert len(jaeger_version_problems(broken)) == 1
+
+
+def test_prometheus_version_check_catches_drift(stack: Stack) -> None:
+    assert prometheus_version_problems(stack) == []
+    drifted = PROMETHEUS_GO_MOD.read_text().replace("v0.307.3", "v0.308.1")
+    assert prometheus_version_problems(stack, drifted) == [
+        "compose runs prom/prometheus:v3.7.3, tools/prometheus builds v3.8.1 (v0.308.1)"
+    ]
 
 
 def test_port_checks_catch_disagreement(stack: Stack) -> None:
@@ -705,23 +831,86 @@ def test_dashboard_check_catches_wrong_metric_names(stack: Stack) -> None:
     broken = copy.deepcopy(stack)
     panel = next(iter(broken["dashboards"].values()))["panels"][0]
     panel["targets"][0]["expr"] = (
-        'sum(rate(calls_total{service_name="x", span_name="hs_queue_wait", phase="y"}[1m]))'
+        'sum(rate(calls_total{service_name="x", span_name="hs_queue_wait", span_phase="y"}[1m]))'
     )
     problems = dashboard_problems(broken)
     assert any("metric calls_total is not emitted" in p for p in problems)
-    assert any("label phase is not emitted" in p for p in problems)
+    assert any("label span_phase is not emitted" in p for p in problems)
     assert any("'hs_queue_wait' is not a dflash-train phase" in p for p in problems)
 
 
 def test_emitted_names_follow_connector_and_exporter(stack: Stack) -> None:
     names, labels = emitted_metrics(stack)
-    assert names == {
+    assert {
         "traces_span_metrics_calls_total",
         "traces_span_metrics_duration_milliseconds_bucket",
         "traces_span_metrics_duration_milliseconds_sum",
         "traces_span_metrics_duration_milliseconds_count",
+        "dflash_tokens_total",
+        "dflash_steps_total",
+        "dflash_queue_depth",
+        "dflash_phase_duration_seconds_bucket",
+        "dflash_train_loss",
+        "dflash_train_acceptance_length",
+        "dflash_train_mfu_ratio",
+        "dflash_device_memory_peak_bytes",
+    } <= names
+    assert {"service_name", "span_name", "status_code", "le", "stage", "queue", "phase"} <= labels
+    assert "dflash_run_id" in labels
+
+
+def test_app_metrics_need_the_metrics_pipeline_and_resource_labels(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    del broken["collector"]["service"]["pipelines"]["metrics"]
+    assert any("dflash_tokens_total is not emitted" in p for p in dashboard_problems(broken))
+    broken = copy.deepcopy(stack)
+    del prometheus_exporter(broken)["resource_to_telemetry_conversion"]
+    assert any("label dflash_run_id is not emitted" in p for p in dashboard_problems(broken))
+    broken = copy.deepcopy(stack)
+    panel = next(iter(broken["dashboards"].values()))["panels"][-1]
+    panel["targets"][0]["expr"] = 'max(dflash_train_loss{phase="drafter.lose"})'
+    assert any("phase 'drafter.lose' is not" in p for p in dashboard_problems(broken))
+
+
+def dashboard_panel(stack: Stack, title_start: str) -> dict[str, Any]:
+    (dashboard,) = stack["dashboards"].values()
+    return next(p for p in dashboard["panels"] if p["title"].startswith(title_start))
+
+
+def test_dashboard_shows_the_run_metrics_with_a_run_selector(stack: Stack) -> None:
+    queries = " ".join(q for _, q in prometheus_queries(stack))
+    for metric in (
+        "dflash_tokens_total",
+        "dflash_queue_depth",
+        "dflash_train_loss",
+        "dflash_train_acceptance_length",
+        "dflash_phase_duration_seconds_sum",
+    ):
+        assert re.search(rf"{metric}\{{[^}}]*dflash_run_id=~\"\$run\"", queries), metric
+    (dashboard,) = stack["dashboards"].values()
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert "dflash_run_id" in variables["run"]["definition"]
+
+
+def test_bottleneck_panel_follows_the_verdict_rule(stack: Stack) -> None:
+    from dflash.bottleneck import DEFAULT_THRESHOLD, WaitShares, verdict
+
+    panel = dashboard_panel(stack, "Bottleneck")
+    (target,) = panel["targets"]
+    thresholds = {float(t) for t in re.findall(r">=\s*([\d.]+)", target["expr"])}
+    assert thresholds == {DEFAULT_THRESHOLD}
+    (mapping,) = panel["fieldConfig"]["defaults"]["mappings"]
+    texts = {int(code): option["text"] for code, option in mapping["options"].items()}
+    high, low = DEFAULT_THRESHOLD + 0.1, 0.0
+    cases = {  # the verdict's words for each code the query can return
+        0: WaitShares(low, low, low),
+        1: WaitShares(low, low, high),
+        2: WaitShares(high, low, low),
+        3: WaitShares(low, high, low),
     }
-    assert {"service_name", "span_name", "status_code", "le"} <= labels
+    for code, shares in cases.items():
+        word = texts[code].split(":")[0]
+        assert word in verdict(shares), (code, texts[code], verdict(shares))
 
 
 def test_jaeger_test_config_check_catches_drift(stack: Stack) -> None:

@@ -1,4 +1,4 @@
-"""Span processor with bounded waits and delivery counts, and the exporters `setup` builds.
+"""Span processor with bounded waits and delivery counts (the exporters: `tracing.exporters`).
 
 The SDK's BatchSpanProcessor waits up to 30 s on shutdown, has a force_flush without a
 bound and does not tell how many spans it lost. This one keeps the same shape (bounded
@@ -10,25 +10,21 @@ SDK spans are built here, on the worker thread, not on the thread that ended the
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tracing.spans import SpanHandle
+    from tracing.handle import SpanHandle
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from tracing.config import TracingConfig
 from tracing.record import to_readable
 
 logger = logging.getLogger("tracing")
@@ -106,8 +102,28 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stopping = False  # mirrors _stop for the hot path: a bool reads faster
-        self._flush_waiters: list[threading.Event] = []
+        self._flush_waiters: list[_FlushWaiter] = []
+        self._name = name
         self._worker = threading.Thread(target=self._run, name=name, daemon=True)
+        self._worker.start()
+
+    def reinit_after_fork(self, exporter: SpanExporter | None = None) -> None:
+        """In a forked child: fresh locks, counts and worker; the parent's queued spans
+        are the parent's to export. `exporter` replaces one that cannot cross a fork
+        (a connection or an open file shared with the parent)."""
+        if exporter is not None:
+            self.exporter = exporter
+        self._queue = deque()
+        self._counts = DeliveryCounts()
+        self._counts_lock = threading.Lock()
+        self._in_flight = 0
+        self._last_export_ok = True
+        self._shutdown_counts = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._stopping = False
+        self._flush_waiters = []
+        self._worker = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._worker.start()
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
@@ -135,10 +151,15 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         while not self._stop.is_set():
             self._wake.wait(self._schedule_delay_s)
             self._wake.clear()
+            self._round()
+        self._round()
+
+    def _round(self) -> None:
+        try:
             self._export_all()
             self._release_flush_waiters()
-        self._export_all()
-        self._release_flush_waiters()
+        except Exception:  # the worker must outlive any bug: spans would queue forever
+            logger.exception("tracing: export worker error")
 
     def _export_all(self) -> None:
         while self._queue:
@@ -167,17 +188,28 @@ class BoundedBatchSpanProcessor(SpanProcessor):
 
     def _release_flush_waiters(self) -> None:
         waiters, self._flush_waiters = self._flush_waiters, []
+        with self._counts_lock:
+            failed = self._counts.failed
         for waiter in waiters:
-            waiter.set()
+            if failed != waiter.failed_before or self._stop.is_set():
+                waiter.release(failed == waiter.failed_before and not self._queue)
+            elif self._queue:  # spans came in meanwhile: the next round exports them
+                self._flush_waiters.append(waiter)
+                self._wake.set()
+            else:
+                waiter.release(True)
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
-        """Asks the worker to export everything queued; waits at most `timeout_millis`."""
+        """Asks the worker to export everything queued; waits at most `timeout_millis`.
+
+        True only when the queue emptied and every export since the call succeeded."""
         if self._stop.is_set() or not self._worker.is_alive():
-            return False
-        done = threading.Event()
-        self._flush_waiters.append(done)
+            return not self._queue and not self._in_flight
+        with self._counts_lock:
+            waiter = _FlushWaiter(self._counts.failed)
+        self._flush_waiters.append(waiter)
         self._wake.set()
-        return done.wait(timeout_millis / 1e3)
+        return waiter.wait(timeout_millis / 1e3)
 
     def shutdown(self, timeout_millis: int = 4000) -> None:
         self.shutdown_counted(timeout_millis / 1e3)
@@ -210,6 +242,24 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         return counts
 
 
+class _FlushWaiter:
+    """One force_flush call: released by the worker with whether it succeeded."""
+
+    __slots__ = ("failed_before", "_done", "_ok")
+
+    def __init__(self, failed_before: int) -> None:
+        self.failed_before = failed_before
+        self._done = threading.Event()
+        self._ok = False
+
+    def release(self, ok: bool) -> None:
+        self._ok = ok
+        self._done.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        return self._done.wait(timeout_s) and self._ok
+
+
 def _call_bounded(fn: object, timeout_s: float) -> None:
     """Runs `fn()` on a daemon thread and waits at most `timeout_s` for it."""
 
@@ -222,119 +272,3 @@ def _call_bounded(fn: object, timeout_s: float) -> None:
     thread = threading.Thread(target=target, name="tracing-exporter-close", daemon=True)
     thread.start()
     thread.join(timeout_s)
-
-
-class OtlpJsonFileExporter(SpanExporter):
-    """Appends one OTLP/JSON `ExportTraceServiceRequest` object per line (ids in hex).
-
-    The format of the collector's file exporter; Jaeger's UI can load such a file.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in shutdown
-        self._lock = threading.Lock()
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        from google.protobuf.json_format import MessageToDict
-        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-
-        message = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
-        _ids_to_hex(message)
-        with self._lock:
-            if self._file.closed:
-                return SpanExportResult.FAILURE
-            self._file.write(json.dumps(message, separators=(",", ":")) + "\n")
-            self._file.flush()
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        with self._lock:
-            self._file.close()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
-
-
-def _ids_to_hex(message: dict) -> None:
-    # Protobuf's JSON mapping writes bytes in base64; OTLP/JSON wants hex ids.
-    for resource_spans in message.get("resourceSpans", []):
-        for scope_spans in resource_spans.get("scopeSpans", []):
-            for span in scope_spans.get("spans", []):
-                for item in [span, *span.get("links", [])]:
-                    for key in ("traceId", "spanId", "parentSpanId"):
-                        if item.get(key):
-                            item[key] = base64.b64decode(item[key]).hex()
-
-
-class _RateLimitFilter(logging.Filter):
-    """Lets one record per message template through every `period_s`: a dead collector
-    would otherwise log an error for every batch, all through training."""
-
-    def __init__(self, period_s: float = 60.0) -> None:
-        super().__init__()
-        self.period_s = period_s
-        self._last_s: dict[tuple[str, object], float] = {}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        key = (record.name, record.msg)
-        now_s = time.monotonic()
-        if now_s - self._last_s.get(key, -self.period_s) < self.period_s:
-            return False
-        self._last_s[key] = now_s
-        return True
-
-
-_OTLP_LOGGERS = (
-    "opentelemetry.exporter.otlp.proto.grpc.exporter",
-    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
-    "opentelemetry.exporter.otlp.proto.http._common",
-    "opentelemetry.exporter.http_transport",
-)
-_rate_limit = _RateLimitFilter()
-
-
-def _quiet_otlp_loggers() -> None:
-    for name in _OTLP_LOGGERS:
-        otel_logger = logging.getLogger(name)
-        if _rate_limit not in otel_logger.filters:
-            otel_logger.addFilter(_rate_limit)
-
-
-def build_exporters(cfg: TracingConfig) -> list[SpanExporter]:
-    """The exporters named in `cfg.exporter`; imports each SDK exporter only when used."""
-    exporters: list[SpanExporter] = []
-    for name in cfg.exporter:
-        if name == "otlp":
-            exporters.append(_otlp_exporter(cfg))
-        elif name == "console":
-            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
-            exporters.append(ConsoleSpanExporter())
-        elif name == "file":
-            assert cfg.trace_file is not None  # checked by TracingConfig
-            exporters.append(OtlpJsonFileExporter(cfg.trace_file))
-    return exporters
-
-
-def _otlp_exporter(cfg: TracingConfig) -> SpanExporter:
-    assert cfg.otlp_endpoint is not None  # checked by TracingConfig
-    _quiet_otlp_loggers()
-    headers = dict(cfg.otlp_headers) or None
-    if cfg.otlp_protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-        return OTLPSpanExporter(
-            endpoint=cfg.otlp_endpoint,
-            insecure=cfg.otlp_endpoint.startswith("http://"),
-            headers=headers,
-            timeout=cfg.export_timeout_s,
-        )
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-        OTLPSpanExporter as HttpSpanExporter,
-    )
-
-    endpoint = cfg.otlp_endpoint.rstrip("/")
-    if not endpoint.endswith("/v1/traces"):
-        endpoint += "/v1/traces"  # the base URL names the collector; the signal path is fixed
-    return HttpSpanExporter(endpoint=endpoint, headers=headers, timeout=cfg.export_timeout_s)

@@ -15,9 +15,10 @@ follows its parent's sampled flag, local or remote.
 from __future__ import annotations
 
 import logging
+import os
+import random
 import traceback
 from collections.abc import Callable, Sequence
-from random import getrandbits
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -30,10 +31,25 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 if TYPE_CHECKING:
-    from tracing.spans import SpanHandle
+    from tracing.handle import SpanHandle
 
 logger = logging.getLogger("tracing")
+
+
+def _scope_version() -> str:
+    """The version of the installed distribution that ships this package."""
+    from importlib import metadata
+
+    for dist in metadata.packages_distributions().get(__name__.partition(".")[0], []):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "0+unknown"
+
+
 SCOPE_NAME = "tracing"
+SCOPE_VERSION = _scope_version()
 _TRACE_ID_LOW_MASK = TraceIdRatioBased.TRACE_ID_LIMIT  # the bits TraceIdRatioBased reads
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
@@ -41,18 +57,47 @@ _UNSET = Status(StatusCode.UNSET)
 _NO_EVENTS: tuple[Event, ...] = ()
 
 
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Logs `message` the first time `key` comes up (misuse reported, never raised)."""
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning("tracing: %s", message)
+
+
+class _IdSource:
+    """Ids from a generator of our own, seeded from the OS and re-seeded in a forked
+    child. The process-wide `random` would give every rank and rerun the same ids once
+    the program calls random.seed (set_seed / seed_everything do), and drawing from it
+    would change the program's own random sequence."""
+
+    def __init__(self) -> None:
+        self._random = random.Random()
+        self.reseed()
+
+    def reseed(self) -> None:
+        self._random.seed(int.from_bytes(os.urandom(32), "little"))
+        self.getrandbits = self._random.getrandbits
+
+
+_ids = _IdSource()
+os.register_at_fork(after_in_child=_ids.reseed)
+
+
 def new_trace_id() -> int:
     """128 random bits, never the invalid id 0 (as the SDK's RandomIdGenerator)."""
-    trace_id = getrandbits(128)
+    trace_id = _ids.getrandbits(128)
     while not trace_id:
-        trace_id = getrandbits(128)
+        trace_id = _ids.getrandbits(128)
     return trace_id
 
 
 def new_span_id() -> int:
-    span_id = getrandbits(64)
+    span_id = _ids.getrandbits(64)
     while not span_id:
-        span_id = getrandbits(64)
+        span_id = _ids.getrandbits(64)
     return span_id
 
 
@@ -85,7 +130,7 @@ class Recorder:
         `sync_processors` get a ReadableSpan through `on_end` at once (tests)."""
         self.bound = TraceIdRatioBased.get_bound_for_rate(sample_ratio)
         self.resource = resource
-        self.scope = InstrumentationScope(SCOPE_NAME)
+        self.scope = InstrumentationScope(SCOPE_NAME, SCOPE_VERSION)
         self.limits = SpanLimits()
         self._appends = tuple(appends)
         self._sync_processors = tuple(sync_processors)
@@ -168,6 +213,12 @@ def to_readable(handle: SpanHandle) -> ReadableSpan:
         parent = span_context(parent)
     # dict(...) copies in one step under the GIL: a late set_attribute cannot break it.
     values = handle._attributes
+    start_ns = handle.start_time_ns
+    link = handle._parent_link
+    if link is not None and not isinstance(link, SpanContext) and link.start_time_ns > start_ns:
+        # A wait begun before its parent existed: the span starts with its parent (a
+        # child outside its parent confuses trace views); the statistics keep it all.
+        start_ns = link.start_time_ns
     readable = ReadableSpan(
         name=handle.name,
         context=span_context(handle),
@@ -177,7 +228,7 @@ def to_readable(handle: SpanHandle) -> ReadableSpan:
         events=tuple(handle._events) if handle._events else _NO_EVENTS,
         kind=SpanKind.INTERNAL,
         status=handle._status or _UNSET,
-        start_time=handle.start_time_ns,
+        start_time=start_ns,
         end_time=handle.end_time_ns,
         instrumentation_scope=recorder.scope,
     )

@@ -101,7 +101,10 @@ class Reporter:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.report_interval()
+            try:
+                self.report_interval()
+            except Exception:  # a broken stream or table must not end the reports
+                logger.exception("tracing: interval report failed")
 
     def report_interval(self) -> str:
         """Prints (and returns) the table of the interval since the previous one."""

@@ -1,39 +1,51 @@
 """Phase spans: the hot path. `phase(...)` times a block, feeds ProfileStats, and (at an
 enabled level, with a configured provider) records an OTel span.
 
-Cost notes: a recorded span is the handle itself: ids from `random.getrandbits`, two
-clock reads, the name, parent, attributes and status, appended to the export queue when
-it ends; the export thread builds the SDK span from it (see `tracing.record`). No OTel
-context is attached or detached, and no SDK object is built on the hot path: the
+Cost notes: a recorded span is the handle itself (`tracing.handle`): ids from a private
+generator, two clock reads, the name, parent, attributes and status, appended to the
+export queue when it ends; the export thread builds the SDK span from it. By default no
+OTel context is attached or detached and no SDK object is built on the hot path: the
 innermost open phase of the current thread/task is kept in one ContextVar of our own,
-and an OTel Context is built only when someone asks for `.context`. With no span to
-record, a phase is two clock reads and one `ProfileStats.add`.
+and an OTel Context is built only when someone asks for `.context`. With
+`propagate_context` a phase is also the current OTel span while it runs (one attach and
+one detach more). With no span to record, a phase is two clock reads and one `add`.
+
+A phase object may be entered again, and from several threads at once: the first
+entry uses the object itself, every other entry a fresh copy with the same arguments,
+so each entry is its own measurement. Telemetry never raises into the host program:
+misuse is logged once.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
+from threading import get_ident
 from typing import Any, TypeVar
 
-from opentelemetry import trace
+from opentelemetry import context as otel_context
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.trace import SpanContext, Status
 
 from tracing import record
-from tracing.config import TracingConfigError
+from tracing.clock import EPOCH_OFFSET_NS, now_ns
 from tracing.device import DeviceClock, EventResolver
 from tracing.format import DEVICE_SUFFIX
+from tracing.handle import SpanHandle, resolve_parent
 from tracing.record import Recorder
-from tracing.stats import NO_THREAD, ProfileStats
+from tracing.stats import ProfileStats
 
+logger = logging.getLogger("tracing")
 LEVEL_RANK = {"off": 0, "step": 1, "phase": 2}
-_EMPTY_CONTEXT = Context()
-_time_ns = time.time_ns
-_new_span_id = record.new_span_id
+DEVICE_ATTRIBUTE = "tracing.device"
+DEVICE_DURATION_ATTRIBUTE = "tracing.device.duration_s"
+TIMING_MODE_ATTRIBUTE = "tracing.timing.mode"
+_time_ns = now_ns
+# The plain path reads the clock inline (a Python call costs more than the read itself).
+_mono_ns = time.monotonic_ns
+_OFFSET_NS = EPOCH_OFFSET_NS
 # Phase._mode: what `__exit__` has to undo (identity-compared small ints).
 _PLAIN, _SPAN, _DEVICE = 0, 1, 2
 F = TypeVar("F", bound=Callable[..., Any])
@@ -42,7 +54,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Runtime:
     """What `setup` installs for `phase` to read; replaced as a whole, never mutated."""
 
-    __slots__ = ("recorder", "level_rank", "stats", "clock", "sync", "resolver", "plain")
+    __slots__ = ("recorder", "level_rank", "stats", "clock", "sync", "resolver", "plain",
+                 "propagate", "stop_exceptions", "hooks")  # fmt: skip
 
     def __init__(
         self,
@@ -52,16 +65,23 @@ class Runtime:
         clock: DeviceClock | None = None,
         sync: bool = False,
         resolver: EventResolver | None = None,
+        propagate: bool = False,
+        stop_exceptions: tuple[type[BaseException], ...] = (),
+        hooks: tuple[Any, ...] = (),
     ) -> None:
         self.stats = stats
+        self.hooks = hooks  # tracing.hooks.PhaseHook objects (timeline, NVTX)
         # None when no span can be recorded at any level: phases then skip all span work.
         self.recorder = recorder if level_rank > 0 else None
         self.level_rank = level_rank
         self.clock = clock
         self.sync = sync
         self.resolver = resolver
+        self.propagate = propagate
+        # Exceptions that end a phase without marking it ERROR: a requested stop.
+        self.stop_exceptions = stop_exceptions
         # Phases can take the minimal path: nothing but clock reads and one `add`.
-        self.plain = self.recorder is None and clock is None
+        self.plain = self.recorder is None and clock is None and not hooks
 
 
 DEFAULT_STATS = ProfileStats()
@@ -81,143 +101,11 @@ def runtime() -> Runtime:
 def _level_rank(level: str) -> int:
     rank = LEVEL_RANK.get(level)
     if rank is None:
-        raise TracingConfigError(f"phase level must be one of off, step, phase, got {level!r}")
+        record.warn_once(
+            f"level {level!r}", f"phase level must be one of off, step, phase, got {level!r}"
+        )
+        return LEVEL_RANK["phase"]
     return rank
-
-
-class SpanHandle:
-    """A span that may be ended on another thread; `.context` is a parent for other threads.
-
-    With tracing off the handle still measures its duration for ProfileStats. When it
-    has a span (`_rec` set), the handle is also the span's record: the processors queue
-    the ended handle itself and build the SDK span from it on their own thread.
-    """
-
-    __slots__ = ("name", "start_time_ns", "end_time_ns", "trace_id", "span_id", "sampled",
-                 "_rec", "_parent_link", "_trace_state", "_attributes", "_events", "_status",
-                 "_ended", "_stats", "_span_context", "_context", "_readable")  # fmt: skip
-
-    def __init__(
-        self,
-        name: str,
-        start_time_ns: int,
-        stats: ProfileStats | None = None,
-    ) -> None:
-        self.name = name
-        self.start_time_ns = start_time_ns
-        self._rec: Recorder | None = None
-        self._ended = False
-        self._stats = stats
-
-    # --- recording (hot path) --------------------------------------------------------
-
-    def _begin(self, recorder: Recorder, parent: object, attributes: Mapping | None) -> None:
-        """Gives the handle a span under `parent` (a SpanHandle, a SpanContext or None
-        for a new trace): ids, sampling decision, a private copy of the attributes."""
-        if parent is None:
-            trace_id = record.new_trace_id()
-            self.sampled = recorder.root_sampled(trace_id)
-            self._trace_state = None
-        elif isinstance(parent, SpanHandle):
-            trace_id = parent.trace_id
-            self.sampled = parent.sampled
-            self._trace_state = parent._trace_state
-        else:  # a SpanContext from another tracer's (possibly remote) span
-            assert isinstance(parent, SpanContext)
-            trace_id = parent.trace_id
-            self.sampled = parent.trace_flags.sampled
-            self._trace_state = parent.trace_state
-        self.trace_id = trace_id
-        self.span_id = _new_span_id()
-        self._parent_link = parent
-        self._attributes = dict(attributes) if attributes and self.sampled else None
-        self._events: list[Event] | None = None
-        self._status: Status | None = None
-        self._span_context: SpanContext | None = None
-        self._context: Context | None = None
-        self._readable: ReadableSpan | None = None
-        self._rec = recorder
-
-    def _mark_error(self, exc: BaseException) -> None:
-        if self.sampled:
-            recorder = self._rec
-            assert recorder is not None
-            event = recorder.exception_event(exc, _time_ns())
-            if self._events is None:
-                self._events = [event]
-            else:
-                self._events.append(event)
-            self._status = record.error_status(exc)
-
-    # --- public face -----------------------------------------------------------------
-
-    @property
-    def context(self) -> Context | None:
-        """OTel Context holding this span (None without a span: children then use the
-        current phase or start their own trace)."""
-        if self._rec is None:
-            return None
-        context = self._context
-        if context is None:
-            span = trace.NonRecordingSpan(record.span_context(self))
-            context = self._context = trace.set_span_in_context(span, _EMPTY_CONTEXT)
-        return context
-
-    @property
-    def span_context(self) -> SpanContext | None:
-        return None if self._rec is None else record.span_context(self)
-
-    @property
-    def span(self) -> trace.Span | None:
-        """A read-only OTel view of the span (change it through this handle's methods)."""
-        return None if self._rec is None else trace.NonRecordingSpan(record.span_context(self))
-
-    @property
-    def recording(self) -> bool:
-        return self._rec is not None and self.sampled and not self._ended
-
-    def set_attribute(self, key: str, value: Any) -> None:
-        if self._rec is None or not self.sampled or self._ended:
-            return  # no span, not sampled, or ended (the SDK ignores these too)
-        if self._attributes is None:
-            self._attributes = {key: value}
-        else:
-            self._attributes[key] = value
-
-    def record_exception(self, exc: BaseException) -> None:
-        """Marks the span ERROR with an exception event."""
-        if self._rec is not None and not self._ended:
-            self._mark_error(exc)
-
-    def end(self, end_time_ns: int | None = None) -> None:
-        """Ends the span (from any thread; a second call does nothing) and records its
-        duration in ProfileStats as a cross-thread entry (no share column)."""
-        if self._ended:
-            return
-        self._ended = True
-        end_ns = _time_ns() if end_time_ns is None else end_time_ns
-        if self._stats is not None:
-            self._stats.add(self.name, (end_ns - self.start_time_ns) / 1e9, thread=NO_THREAD)
-        self._finish(end_ns)
-
-    def _finish(self, end_ns: int) -> None:
-        self.end_time_ns = end_ns
-        recorder = self._rec
-        if recorder is not None and self.sampled:
-            recorder.finish(self)
-
-
-def _resolve_parent(parent: object) -> SpanHandle | SpanContext | None:
-    """The parent a new span hangs under: a SpanHandle with a span, a foreign valid
-    SpanContext, or None (a new trace). A handle without a span, like None, falls back
-    to the current OTel context (as the SDK's start_span(context=None) does)."""
-    if isinstance(parent, SpanHandle):
-        if parent._rec is not None:
-            return parent
-        return record.foreign_parent(None)
-    if isinstance(parent, Context):
-        return record.foreign_parent(parent)
-    raise TypeError(f"parent must be an OTel Context or a SpanHandle, got {type(parent).__name__}")
 
 
 def start_span(
@@ -238,7 +126,11 @@ def start_span(
     handle = SpanHandle(name, start_ns, stats if stats is not None else rt.stats)
     recorder = rt.recorder
     if recorder is not None and _level_rank(level) <= rt.level_rank:
-        handle._begin(recorder, None if parent is None else _resolve_parent(parent), attributes)
+        handle._begin(recorder, None if parent is None else resolve_parent(parent), attributes)
+    if rt.hooks:
+        handle._hooks = rt.hooks
+        for hook in rt.hooks:
+            hook.span_started(handle)
     return handle
 
 
@@ -246,7 +138,8 @@ class Phase(SpanHandle):
     """Context manager returned by `phase`; also usable as a decorator."""
 
     __slots__ = ("_level", "_parent", "_given_attributes", "_device", "_token", "_rt",
-                 "_mode", "_start_event")  # fmt: skip
+                 "_mode", "_start_event", "_given_start_ns", "_propagate", "_otel_token",
+                 "_entries")  # fmt: skip
 
     def __init__(
         self,
@@ -258,35 +151,66 @@ class Phase(SpanHandle):
         attributes: Mapping[str, Any] | None = None,
         device: object = None,
         stats: ProfileStats | None = None,
+        propagate: bool | None = None,
     ) -> None:
         """Times the block as phase `name` (see the package docstring for the arguments)."""
         # Only stores: at level off this object lives for two clock reads and one add.
         self.name = name
-        self.start_time_ns = start_time_ns  # type: ignore[assignment]  # None until entered
+        self._given_start_ns = start_time_ns
         self._level = level
         self._parent = parent
         self._given_attributes = attributes
         self._device = device
         self._stats = stats
+        self._propagate = propagate
         self._rec = None
+        self._hooks = ()  # phases call their hooks from the runtime, not from end()
+        # None: never entered; False: entered once (as itself); a dict: thread -> copies.
+        self._entries: dict[int, list[Phase]] | bool | None = None
 
     def __enter__(self) -> Phase:
+        if self._entries is not None:  # re-entered, or shared: a copy measures this entry
+            return self._enter_copy()
+        self._entries = False  # no call in between: no thread switch splits test and set
         rt = self._rt = _runtime
+        start_ns = self._given_start_ns
         if rt.plain:  # no span, no device timing: the level-off path, kept minimal
             self._mode = _PLAIN
-            if self.start_time_ns is None:
-                self.start_time_ns = _time_ns()
+            self.start_time_ns = _mono_ns() + _OFFSET_NS if start_ns is None else start_ns
             return self
         self._mode = _SPAN
-        self._rec = None
-        if rt.clock is not None and self._device is not None:
-            self._enter_device(rt)
-        if self.start_time_ns is None:
-            self.start_time_ns = _time_ns()
-        recorder = rt.recorder
-        if recorder is not None and _level_rank(self._level) <= rt.level_rank:
-            self._start_span(recorder)
+        try:
+            if rt.clock is not None and self._device is not None:
+                self._enter_device(rt)
+            self.start_time_ns = _time_ns() if start_ns is None else start_ns
+            recorder = rt.recorder
+            if recorder is not None and _level_rank(self._level) <= rt.level_rank:
+                self._start_span(recorder, rt)
+            for hook in rt.hooks:
+                hook.phase_started(self)
+        except Exception:  # telemetry never raises into the host program
+            logger.exception("tracing: phase %s could not start its span", self.name)
+            self._rec = None
+            self._mode = _SPAN
+            self.start_time_ns = _time_ns() if start_ns is None else start_ns
         return self
+
+    def _enter_copy(self) -> Phase:
+        entry = Phase(
+            self.name,
+            level=self._level,
+            parent=self._parent,
+            start_time_ns=self._given_start_ns,
+            attributes=self._given_attributes,
+            device=self._device,
+            stats=self._stats,
+            propagate=self._propagate,
+        )
+        entries = self._entries
+        if not isinstance(entries, dict):
+            entries = self._entries = {}
+        entries.setdefault(get_ident(), []).append(entry)
+        return entry.__enter__()
 
     def _enter_device(self, rt: Runtime) -> None:
         clock = rt.clock
@@ -297,44 +221,70 @@ class Phase(SpanHandle):
             else:
                 self._start_event = clock.record(self._device)  # type: ignore[union-attr]
 
-    def _start_span(self, recorder: Recorder) -> None:
+    def _start_span(self, recorder: Recorder, rt: Runtime) -> None:
+        propagate = rt.propagate if self._propagate is None else self._propagate
         parent = self._parent
         if parent is None:
             parent = _current.get()
-            if parent is None:
+            if propagate:
+                # Another tracer's span may be current inside this thread's phase.
+                foreign = record.foreign_parent(None)
+                if foreign is not None and (parent is None or foreign.span_id != parent.span_id):
+                    parent = foreign
+            elif parent is None:
                 parent = record.foreign_parent(None)
         else:
-            parent = _resolve_parent(parent)
+            parent = resolve_parent(parent)
         attributes = self._given_attributes
         if self._device is not None:
             attributes = {**attributes} if attributes else {}
-            attributes["device"] = str(self._device)
+            attributes[DEVICE_ATTRIBUTE] = str(self._device)
         self._begin(recorder, parent, attributes)
         self._ended = False
         self._token = _current.set(self)
+        self._otel_token = otel_context.attach(self.context) if propagate else None
+
+    def _leave(self) -> None:
+        """Undoes `_start_span`'s context changes; never raises."""
+        try:
+            if self._otel_token is not None:
+                otel_context.detach(self._otel_token)
+            _current.reset(self._token)
+        except ValueError:  # exited in another context than it was entered in
+            record.warn_once("context", f"phase {self.name} exited in another context")
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
+        entries = self._entries
+        if entries:  # copies exist: this thread's innermost one, if any, is exiting
+            stack = entries.get(get_ident())  # type: ignore[union-attr]
+            if stack:
+                return stack.pop().__exit__(exc_type, exc, tb)
         mode = self._mode
         if mode is _PLAIN:
             stats = self._stats
             if stats is None:
                 stats = self._rt.stats
-            stats.add(self.name, (_time_ns() - self.start_time_ns) / 1e9)
+            stats.add(self.name, (_mono_ns() + _OFFSET_NS - self.start_time_ns) / 1e9)
             return False
-        if mode is _DEVICE:
-            self._exit_device(exc)
-            return False
-        end_ns = _time_ns()
-        stats = self._stats
-        if stats is None:
-            stats = self._rt.stats
-        stats.add(self.name, (end_ns - self.start_time_ns) / 1e9)
-        if self._rec is not None:
-            _current.reset(self._token)
-            if exc is not None:
-                self._mark_error(exc)
-            self._ended = True
-            self._finish(end_ns)
+        try:
+            for hook in self._rt.hooks:
+                hook.phase_ended(self, exc)
+            if mode is _DEVICE:
+                self._exit_device(exc)
+                return False
+            end_ns = _time_ns()
+            stats = self._stats
+            if stats is None:
+                stats = self._rt.stats
+            stats.add(self.name, (end_ns - self.start_time_ns) / 1e9)
+            if self._rec is not None:
+                self._leave()
+                if exc is not None and not isinstance(exc, self._rt.stop_exceptions):
+                    self._mark_error(exc)
+                self._ended = True
+                self._finish(end_ns)
+        except Exception:  # telemetry never raises into the host program
+            logger.exception("tracing: phase %s could not end its span", self.name)
         return False
 
     def _exit_device(self, exc: BaseException | None) -> None:
@@ -348,13 +298,13 @@ class Phase(SpanHandle):
         stats = self._stats if self._stats is not None else rt.stats
         stats.add(self.name, (end_ns - self.start_time_ns) / 1e9)
         if self._rec is not None:
-            _current.reset(self._token)
-            if exc is not None:
+            self._leave()
+            if exc is not None and not isinstance(exc, rt.stop_exceptions):
                 self._mark_error(exc)
         if end_event is not None:
             self._submit_device_timing(end_event, end_ns, stats)
         elif self._rec is not None:
-            self.set_attribute("timing.mode", "sync")
+            self.set_attribute(TIMING_MODE_ATTRIBUTE, "sync")
             self._ended = True
             self._finish(end_ns)
 
@@ -367,27 +317,27 @@ class Phase(SpanHandle):
                 stats.add(name + DEVICE_SUFFIX, device_s, thread=thread)
             if self._rec is not None:
                 if device_s is not None:
-                    self.set_attribute("device.duration_ms", device_s * 1e3)
-                self.set_attribute("timing.mode", "events")
+                    self.set_attribute(DEVICE_DURATION_ATTRIBUTE, device_s)
+                self.set_attribute(TIMING_MODE_ATTRIBUTE, "events")
                 self._ended = True
                 self._finish(end_ns)
 
         self._rt.resolver.submit(self._start_event, end_event, on_resolved)  # type: ignore[union-attr]
 
     def end(self, end_time_ns: int | None = None) -> None:
-        raise TypeError("a phase ends when its `with` block exits")
+        record.warn_once("phase.end", "a phase ends when its `with` block exits; end() ignored")
 
     def __call__(self, fn: F) -> F:
         """Decorator form: each call of `fn` runs inside a fresh phase with these arguments."""
         kwargs: dict[str, Any] = {
             "level": self._level,
             "parent": self._parent,
-            "start_time_ns": self.start_time_ns,
+            "start_time_ns": self._given_start_ns,
             "attributes": self._given_attributes,
             "device": self._device,
             "stats": self._stats,
+            "propagate": self._propagate,
         }
-
         name = self.name
 
         @functools.wraps(fn)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 import time
+import weakref
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -63,6 +65,8 @@ class PhaseStats:
     buckets: dict[int, int] = field(default_factory=dict)
     threads: dict[str, int] = field(default_factory=dict)
     """Records per thread key; empty for names recorded with `thread=NO_THREAD`."""
+    thread_total_s: dict[str, float] = field(default_factory=dict)
+    """Seconds per thread key (the same keys as `threads`)."""
 
     @property
     def mean_s(self) -> float:
@@ -97,6 +101,9 @@ class PhaseStats:
             self.buckets[bucket] = self.buckets.get(bucket, 0) + n
         for key, n in other.threads.items():
             self.threads[thread_prefix + key] = self.threads.get(thread_prefix + key, 0) + n
+        for key, seconds in other.thread_total_s.items():
+            key = thread_prefix + key
+            self.thread_total_s[key] = self.thread_total_s.get(key, 0.0) + seconds
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +113,7 @@ class PhaseStats:
             "max_s": self.max_s,
             "buckets": {str(b): n for b, n in self.buckets.items()},
             "threads": dict(self.threads),
+            "thread_total_s": dict(self.thread_total_s),
         }
 
     @classmethod
@@ -118,6 +126,7 @@ class PhaseStats:
             max_s=float(data["max_s"]),
             buckets={int(b): int(n) for b, n in data.get("buckets", {}).items()},
             threads={str(k): int(n) for k, n in data.get("threads", {}).items()},
+            thread_total_s={str(k): float(v) for k, v in data.get("thread_total_s", {}).items()},
         )
 
 
@@ -129,13 +138,48 @@ class StatsSnapshot:
     wall_s: float
     end_time_s: float = field(default_factory=time.time)
     rank: int | None = None
+    thread_wall_s: dict[str, float] = field(default_factory=dict)
+    """Seconds each thread existed within the window (from its first record, or the
+    window's start); a thread missing here is counted with `wall_s`."""
 
-    def share(self, name: str) -> float | None:
-        """Fraction of its threads' wall time spent in `name`; None for cross-thread names."""
+    def thread_wall(self, thread: str) -> float:
+        return self.thread_wall_s.get(thread, self.wall_s)
+
+    def thread_shares(self, name: str) -> dict[str, float]:
+        """Per thread that recorded `name`: its seconds in `name` / its own wall time."""
+        stats = self.phases.get(name)
+        if stats is None:
+            return {}
+        shares = {}
+        for thread, count in stats.threads.items():
+            wall_s = self.thread_wall(thread)
+            if wall_s > 0:
+                # Figures without per-thread totals (older dicts) split the total by count.
+                seconds = stats.thread_total_s.get(thread, stats.total_s * count / stats.count)
+                shares[thread] = min(1.0, seconds / wall_s)
+        return shares
+
+    def threads_of(self, *names: str) -> set[str]:
+        """The threads that recorded any of `names` (e.g. the phases of one stage)."""
+        threads: set[str] = set()
+        for name in names:
+            stats = self.phases.get(name)
+            if stats is not None:
+                threads.update(stats.threads)
+        return threads
+
+    def share(self, name: str, threads: Iterable[str] | None = None) -> float | None:
+        """Mean over `threads` (default: those that recorded `name`) of each thread's
+        share of its own wall time spent in `name`; a listed thread that never recorded
+        it counts 0. None for cross-thread names or an empty window."""
         stats = self.phases.get(name)
         if stats is None or not stats.threads or self.wall_s <= 0:
             return None
-        return stats.total_s / (len(stats.threads) * self.wall_s)
+        per_thread = self.thread_shares(name)
+        over = list(stats.threads if threads is None else threads)
+        if not over:
+            return None
+        return sum(per_thread.get(thread, 0.0) for thread in over) / len(over)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -143,6 +187,7 @@ class StatsSnapshot:
             "wall_s": self.wall_s,
             "end_time_s": self.end_time_s,
             "rank": self.rank,
+            "thread_wall_s": dict(self.thread_wall_s),
         }
 
     @classmethod
@@ -152,12 +197,14 @@ class StatsSnapshot:
             wall_s=float(data["wall_s"]),
             end_time_s=float(data.get("end_time_s", 0.0)),
             rank=data.get("rank"),
+            thread_wall_s={str(k): float(v) for k, v in data.get("thread_wall_s", {}).items()},
         )
 
     @staticmethod
     def merge(snapshots: Iterable[StatsSnapshot]) -> StatsSnapshot:
         """Sum of several snapshots (e.g. one per rank). Threads stay distinct per snapshot."""
         merged: dict[str, PhaseStats] = {}
+        thread_wall_s: dict[str, float] = {}
         wall_s = 0.0
         end_time_s = 0.0
         for index, snap in enumerate(snapshots):
@@ -166,13 +213,17 @@ class StatsSnapshot:
             prefix = f"{snap.rank if snap.rank is not None else index}/"
             for name, stats in snap.phases.items():
                 merged.setdefault(name, PhaseStats()).merge(stats, thread_prefix=prefix)
-        return StatsSnapshot(phases=merged, wall_s=wall_s, end_time_s=end_time_s)
+                for thread in stats.threads:
+                    thread_wall_s[prefix + thread] = snap.thread_wall(thread)
+        return StatsSnapshot(
+            phases=merged, wall_s=wall_s, end_time_s=end_time_s, thread_wall_s=thread_wall_s
+        )
 
 
 class _Live:
     """Figures of one name in the current interval, updated under the lock."""
 
-    __slots__ = ("count", "total_s", "min_s", "max_s", "buckets", "threads")
+    __slots__ = ("count", "total_s", "min_s", "max_s", "buckets", "threads", "thread_total_s")
 
     def __init__(self) -> None:
         self.count = 0
@@ -181,6 +232,7 @@ class _Live:
         self.max_s = 0.0
         self.buckets: dict[int, int] = {}
         self.threads: dict[Any, int] = {}
+        self.thread_total_s: dict[Any, float] = {}
 
     def fold(self, values: list[float], thread: object) -> None:
         """Adds a chunk of durations of one thread. Sorting (C) then bisecting bucket
@@ -188,8 +240,9 @@ class _Live:
         for every duration ever added."""
         values.sort()
         n = len(values)
+        total_s = sum(values)
         self.count += n
-        self.total_s += sum(values)
+        self.total_s += total_s
         if values[0] < self.min_s:
             self.min_s = values[0]
         if values[-1] > self.max_s:
@@ -205,11 +258,13 @@ class _Live:
             start = end
         if thread is not None:
             self.threads[thread] = self.threads.get(thread, 0) + n
+            self.thread_total_s[thread] = self.thread_total_s.get(thread, 0.0) + total_s
 
     def frozen(self) -> PhaseStats:
         threads = {str(key): n for key, n in self.threads.items()}
+        totals = {str(key): s for key, s in self.thread_total_s.items()}
         return PhaseStats(
-            self.count, self.total_s, self.min_s, self.max_s, dict(self.buckets), threads
+            self.count, self.total_s, self.min_s, self.max_s, dict(self.buckets), threads, totals
         )
 
 
@@ -221,6 +276,7 @@ def _copy(stats: PhaseStats) -> PhaseStats:
         stats.max_s,
         dict(stats.buckets),
         dict(stats.threads),
+        dict(stats.thread_total_s),
     )
 
 
@@ -236,6 +292,13 @@ class ProfileStats:
 
     def __init__(self, rank: int | None = None) -> None:
         self.rank = rank
+        self._start_fresh()
+        _instances.add(self)
+
+    def _start_fresh(self) -> None:
+        """Empty figures and a new lock: at creation, and in a forked child, whose
+        figures are its own (and whose copy of the lock may be held by a thread that
+        did not survive the fork)."""
         self._lock = threading.Lock()
         # thread key -> name -> durations not folded yet (a thread appends to its own).
         self._pending: dict[object, dict[str, list[float]]] = {}
@@ -243,6 +306,7 @@ class ProfileStats:
         # `_live` holds the current interval; finished intervals fold into `_done`.
         self._live: dict[str, _Live] = {}
         self._done: dict[str, PhaseStats] = {}
+        self._thread_start_s: dict[str, float] = {}
         self._start_s = time.monotonic()
         self._interval_start_s = self._start_s
 
@@ -252,7 +316,7 @@ class ProfileStats:
             try:
                 values = self._local.pending[name]
             except (AttributeError, KeyError):
-                values = self._thread_pending().setdefault(name, [])
+                values = self._thread_pending(seconds).setdefault(name, [])
             if len(values) >= _FOLD_AT:
                 with self._lock:
                     self._fold(self._local.key, name, values)
@@ -264,12 +328,17 @@ class ProfileStats:
                     self._fold(thread, name, values)
         values.append(seconds)
 
-    def _thread_pending(self) -> dict[str, list[float]]:
-        """This thread's pending lists, registered on first use under `thread_key()`."""
+    def _thread_pending(self, seconds: float = 0.0) -> dict[str, list[float]]:
+        """This thread's pending lists, registered on first use under `thread_key()`.
+
+        The thread's wall time starts with the interval that ended in its first record
+        (`seconds` before now): a thread started late is not idle before it existed."""
         local = self._local
         if not hasattr(local, "pending"):
-            local.key = f"{get_ident()}.{next(_thread_serials)}"
-            local.pending = self._pending.setdefault(local.key, {})
+            key = f"{get_ident()}.{next(_thread_serials)}"
+            self._thread_start_s[key] = time.monotonic() - max(0.0, seconds)
+            local.key = key
+            local.pending = self._pending.setdefault(key, {})
         return local.pending
 
     def thread_key(self) -> str:
@@ -302,8 +371,18 @@ class ProfileStats:
             phases = {name: _copy(stats) for name, stats in self._done.items()}
             for name, live in self._live.items():
                 phases.setdefault(name, PhaseStats()).merge(live.frozen())
-            wall_s = time.monotonic() - self._start_s
-        return StatsSnapshot(phases=phases, wall_s=wall_s, rank=self.rank)
+            now_s = time.monotonic()
+            wall_s = now_s - self._start_s
+            thread_wall_s = self._thread_walls(self._start_s, now_s)
+        return StatsSnapshot(
+            phases=phases, wall_s=wall_s, rank=self.rank, thread_wall_s=thread_wall_s
+        )
+
+    def _thread_walls(self, window_start_s: float, now_s: float) -> dict[str, float]:
+        return {
+            key: now_s - max(window_start_s, start_s)
+            for key, start_s in list(self._thread_start_s.items())
+        }
 
     def take_interval(self) -> StatsSnapshot:
         """Figures since the previous call (or creation); the next interval starts now."""
@@ -312,11 +391,14 @@ class ProfileStats:
             now_s = time.monotonic()
             live, self._live = self._live, {}
             wall_s = now_s - self._interval_start_s
+            thread_wall_s = self._thread_walls(self._interval_start_s, now_s)
             self._interval_start_s = now_s
             phases = {name: entry.frozen() for name, entry in live.items()}
             for name, stats in phases.items():
                 self._done.setdefault(name, PhaseStats()).merge(stats)
-        return StatsSnapshot(phases=phases, wall_s=wall_s, rank=self.rank)
+        return StatsSnapshot(
+            phases=phases, wall_s=wall_s, rank=self.rank, thread_wall_s=thread_wall_s
+        )
 
     def reset(self) -> None:
         with self._lock:
@@ -351,3 +433,14 @@ class ProfileStats:
 
     def __str__(self) -> str:
         return self.format_compact()
+
+
+_instances: weakref.WeakSet[ProfileStats] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for stats in list(_instances):
+        stats._start_fresh()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -4,7 +4,10 @@ and installs them for `phase`; `Telemetry.shutdown` undoes it within a time boun
 from __future__ import annotations
 
 import atexit
+import logging
+import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -19,10 +22,12 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from tracing import spans
 from tracing.config import TracingConfig
 from tracing.device import DeviceClock, EventResolver, cuda_clock_or_none
-from tracing.export import BoundedBatchSpanProcessor, DeliveryCounts, build_exporters
+from tracing.export import BoundedBatchSpanProcessor, DeliveryCounts
+from tracing.exporters import build_exporters
 from tracing.record import Recorder
 from tracing.stats import ProfileStats
 
+logger = logging.getLogger("tracing")
 _lock = threading.Lock()
 _active: Telemetry | None = None
 
@@ -75,12 +80,16 @@ class Telemetry:
         provider: TracerProvider | None,
         processors: list[BoundedBatchSpanProcessor],
         resolver: EventResolver | None,
+        built_exporters: int = 0,
     ) -> None:
+        """`built_exporters`: how many of `processors` (the first ones) export to an
+        exporter built from `cfg` (rebuilt in a forked child)."""
         self.cfg = cfg
         self.stats = stats
         self.provider = provider
         self.processors = processors
         self.resolver = resolver
+        self._built_exporters = built_exporters
         self._report: ShutdownReport | None = None
         self._shutdown_lock = threading.Lock()
 
@@ -90,10 +99,18 @@ class Telemetry:
         return self.provider is not None
 
     def force_flush(self, timeout_s: float = 1.0) -> bool:
-        """Exports what is queued; waits at most `timeout_s`."""
+        """Exports what is queued; waits at most `timeout_s`. True only when nothing is
+        left: no device timing unresolved, no span queued, every export succeeded."""
         if self.provider is None:
             return True
-        return self.provider.force_flush(int(timeout_s * 1e3))
+        deadline = time.monotonic() + timeout_s
+        resolver = self.resolver
+        while resolver is not None and resolver.pending and time.monotonic() < deadline:
+            time.sleep(0.001)  # device-timed spans reach the queue once resolved
+        if resolver is not None and resolver.pending:
+            return False
+        left_ms = max(0.0, deadline - time.monotonic()) * 1e3
+        return self.provider.force_flush(int(left_ms)) and not self.delivery_counts().pending
 
     def delivery_counts(self) -> DeliveryCounts:
         total = DeliveryCounts()
@@ -144,7 +161,45 @@ class Telemetry:
         )
 
     def _shutdown_at_exit(self) -> None:
-        self.shutdown()
+        report = self.shutdown()
+        if not report.clean:
+            logger.warning("%s (pid %d)", report.summary(), os.getpid())
+
+    def _reinit_after_fork(self) -> None:
+        """In a forked child (one thread, the forking one): the export threads, locks and
+        exporters that cannot cross a fork start anew; the parent's queued spans stay the
+        parent's. Device timing stops (CUDA does not survive a fork). At the child's exit
+        its spans are flushed within the shutdown bound, or reported as not delivered."""
+        self._shutdown_lock = threading.Lock()
+        if self._report is not None:
+            return
+        fresh = build_exporters(self.cfg, pid_suffix=True)
+        for index, processor in enumerate(self.processors):
+            processor.reinit_after_fork(fresh[index] if index < self._built_exporters else None)
+        self.resolver = None
+        runtime = spans.runtime()
+        spans.install(
+            spans.Runtime(
+                self.stats,
+                recorder=runtime.recorder,
+                level_rank=runtime.level_rank,
+                propagate=runtime.propagate,
+                stop_exceptions=runtime.stop_exceptions,
+            )
+        )
+        # A multiprocessing child leaves through os._exit, after running its finalizers;
+        # it clears them when it starts, then calls its after-fork hooks: register there.
+        mp_util = sys.modules.get("multiprocessing.util")
+        if mp_util is not None:
+            mp_util.register_after_fork(self, _finalize_at_child_exit)
+
+
+def _finalize_at_child_exit(telemetry: Telemetry) -> None:
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(
+        telemetry, Telemetry._shutdown_at_exit, args=(telemetry,), exitpriority=10
+    )
 
 
 def _shutdown_provider(provider: TracerProvider, timeout_s: float) -> None:
@@ -169,18 +224,21 @@ class _HashOnceResource(Resource):
         return super().__eq__(other)
 
 
-def _resource(cfg: TracingConfig) -> Resource:
+def build_resource(cfg: TracingConfig) -> Resource:
+    """The resource of every signal of this process (traces and metrics share it)."""
     attributes = {
+        "host.name": socket.gethostname(),
+        "process.pid": os.getpid(),
         **cfg.resource_attributes,
         "service.name": cfg.service_name,
         "service.instance.id": cfg.service_instance_id,
-        "host.name": socket.gethostname(),
-        "run.id": cfg.run_id,
-        "rank": cfg.rank,
+        f"{cfg.attribute_namespace}.rank": cfg.rank,
+        f"{cfg.attribute_namespace}.run.id": cfg.run_id,
     }
-    # Resource(...) rather than Resource.create(...): the config already merged the
-    # environment, and explicit values must win over it.
-    return _HashOnceResource(attributes)
+    # Resource.create adds telemetry.sdk.* and the SDK's detectors; the config already
+    # merged OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME, and these values win.
+    resource = Resource.create(attributes)
+    return _HashOnceResource(dict(resource.attributes), resource.schema_url)
 
 
 def setup(
@@ -191,6 +249,9 @@ def setup(
     span_processors: Sequence[SpanProcessor] = (),
     device_clock: DeviceClock | None = None,
     install_global_provider: bool = False,
+    propagate_context: bool | None = None,
+    stop_exceptions: tuple[type[BaseException], ...] = (),
+    phase_hooks: Sequence[object] = (),
 ) -> Telemetry:
     """Configures tracing for this process and makes `phase(...)` use it.
 
@@ -199,14 +260,20 @@ def setup(
     SimpleSpanProcessor around an InMemorySpanExporter in tests): they get each sampled
     phase span through `on_end`, on the ending thread (phases do not call `on_start`:
     they are not SDK spans until they end). `device_clock`
-    replaces the CUDA clock (a HostClock in tests). A previous setup is shut down first.
+    replaces the CUDA clock (a HostClock in tests). `propagate_context` (default
+    cfg.propagate_context) makes each phase with a span the current OTel span while it
+    runs. A phase ended by one of `stop_exceptions` (e.g. the application's "stop
+    requested" exception, KeyboardInterrupt) is not marked ERROR: a stop is not an
+    error. `phase_hooks` (tracing.hooks.PhaseHook: a Timeline, NvtxRanges) see every
+    phase start and end, sampled or not, on its thread. A previous setup is shut down first.
     """
     cfg = TracingConfig.from_env() if cfg is None else cfg
     previous = _active
     if previous is not None:
         previous.shutdown(timeout_s=1.0)
     stats = stats if stats is not None else ProfileStats(rank=cfg.rank)
-    all_exporters = [*build_exporters(cfg), *exporters]
+    built = build_exporters(cfg)
+    all_exporters = [*built, *exporters]
     provider = None
     recorder = None
     processors: list[BoundedBatchSpanProcessor] = []
@@ -214,7 +281,7 @@ def setup(
         # The provider serves other tracers (install_global_provider) and flush/shutdown;
         # phases record through `recorder`, with the same resource, sampling and processors.
         provider = TracerProvider(
-            resource=_resource(cfg),
+            resource=build_resource(cfg),
             sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
             shutdown_on_exit=False,  # its atexit hook would wait the SDK's 30 s default
         )
@@ -222,6 +289,7 @@ def setup(
             processor = BoundedBatchSpanProcessor(
                 exporter,
                 max_queue_size=cfg.max_queue_size,
+                max_batch_size=cfg.max_export_batch_size,
                 schedule_delay_s=cfg.schedule_delay_s,
                 name=f"tracing-export-{index}",
             )
@@ -241,12 +309,20 @@ def setup(
     if cfg.cuda_timing != "off":
         clock = device_clock if device_clock is not None else cuda_clock_or_none(cfg.cuda_timing)
     resolver = EventResolver(clock) if clock is not None and cfg.cuda_timing == "events" else None
-    telemetry = Telemetry(cfg, stats, provider, processors, resolver)
-    _install(telemetry, recorder, clock)
+    telemetry = Telemetry(cfg, stats, provider, processors, resolver, len(built))
+    propagate = cfg.propagate_context if propagate_context is None else propagate_context
+    _install(telemetry, recorder, clock, propagate, tuple(stop_exceptions), tuple(phase_hooks))
     return telemetry
 
 
-def _install(telemetry: Telemetry, recorder: Recorder | None, clock: DeviceClock | None) -> None:
+def _install(
+    telemetry: Telemetry,
+    recorder: Recorder | None,
+    clock: DeviceClock | None,
+    propagate: bool,
+    stop_exceptions: tuple[type[BaseException], ...],
+    hooks: tuple[object, ...] = (),
+) -> None:
     global _active
     cfg = telemetry.cfg
     runtime = spans.Runtime(
@@ -256,6 +332,9 @@ def _install(telemetry: Telemetry, recorder: Recorder | None, clock: DeviceClock
         clock=clock,
         sync=cfg.cuda_timing == "sync",
         resolver=telemetry.resolver,
+        propagate=propagate,
+        stop_exceptions=stop_exceptions,
+        hooks=hooks,
     )
     with _lock:
         _active = telemetry
@@ -277,3 +356,17 @@ def shutdown(timeout_s: float | None = None) -> ShutdownReport | None:
     """Shuts down the active Telemetry, if any."""
     telemetry = _active
     return None if telemetry is None else telemetry.shutdown(timeout_s)
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # the parent may have held it while forking
+    telemetry = _active
+    if telemetry is not None:
+        try:
+            telemetry._reinit_after_fork()
+        except Exception:  # telemetry never crashes the host program
+            logger.exception("tracing: could not restart tracing in the forked child")
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -212,7 +212,7 @@ def test_tiny_end_to_end_on_the_embedded_default(tmp_path) -> None:
 def test_eval_rejects_a_bad_device_and_a_non_drafter_dir(tmp_path) -> None:
     result = invoke(["eval", "--drafter", str(tmp_path), "--device", "gpu7"])
     assert_one_line_error(result, "gpu7")
-    assert_one_line_error(invoke(["eval", "--drafter", str(tmp_path)]), "not a saved drafter")
+    assert_one_line_error(invoke(["eval", "--drafter", str(tmp_path)]), "not a DFlash checkpoint")
 
 
 def _flags(values):

@@ -61,9 +61,10 @@ def test_text_folder_with_heldout_split(tmp_path) -> None:
 def test_single_file_still_gets_a_heldout_part(tmp_path) -> None:
     path = tmp_path / "one.txt"
     path.write_text("x" * 1000)
-    train, heldout = build_datasets(str(path), ByteTokenizer(), 50, 2, 0)
-    assert len(train) >= 1 and len(heldout) >= 1
-    assert len(train) + len(heldout) == 1001 // 50
+    for packing in ("docs", "concat"):
+        train, heldout = build_datasets(str(path), ByteTokenizer(), 50, 2, 0, packing=packing)
+        assert len(train) >= 1 and len(heldout) >= 1
+        assert len(train) + len(heldout) == 1001 // 50
 
 
 def test_jsonl_text_and_chat_masks(tmp_path) -> None:
@@ -96,19 +97,28 @@ def test_chat_template_masks_only_assistant_turns() -> None:
 
 
 @pytest.mark.parametrize(
-    ("content", "fragment"),
+    ("bad", "fragment"),
     [
-        ('{"text": "ok"}\n{not json}\n', ":2: malformed JSON"),
-        ('{"text": "ok"}\n{"other": 1}\n', ":2: expected an object"),
-        ('{"messages": [{"role": "user"}]}\n', ":1: each message"),
+        ("{not json}", ":2: malformed JSON"),
+        ('{"other": 1}', ":2: expected an object with a 'text'"),
+        ("[1, 2]", ":2: expected an object, got list"),
+        ('{"messages": [{"role": "user"}]}', ":2: each message"),
+        ('{"messages": [{"role": "robot", "content": "x"}]}', ":2: unknown role 'robot'"),
     ],
 )
-def test_malformed_jsonl_names_file_and_line(tmp_path, content, fragment) -> None:
+def test_bad_jsonl_lines_are_skipped_counted_and_named(tmp_path, bad, fragment) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text(content)
-    with pytest.raises(DataError) as info:
+    good = json.dumps({"text": "usable text " * 10})
+    path.write_text("\n".join([good, bad, good, bad]) + "\n")
+    lines: list[str] = []
+    train, _ = build_datasets(str(path), ByteTokenizer(), 16, 1, 0, log=lines.append)
+    assert train.report.skipped_lines == 2
+    assert fragment in train.report.first_bad_line and "bad.jsonl" in train.report.first_bad_line
+    assert any("skipped 2 unusable JSONL lines" in line and fragment in line for line in lines)
+    path.write_text(bad + "\n" + bad + "\n")
+    with pytest.raises(DataError, match="skipped 2 lines") as info:
         build_datasets(str(path), ByteTokenizer(), 8, 1, 0)
-    assert fragment in str(info.value) and "bad.jsonl" in str(info.value)
+    assert fragment.replace(":2:", ":1:") in str(info.value)
 
 
 def test_empty_or_missing_corpus_is_a_data_error(tmp_path) -> None:

@@ -3,6 +3,7 @@ import json
 import pytest
 import torch
 
+from dflash.data import MASK_ID
 from dflash.drafter import (
     DFlashDrafter,
     DrafterConfig,
@@ -24,10 +25,8 @@ def target() -> TargetModel:
     return wrap_tiny(TinyLM(SMALL_LM))
 
 
-def make_drafter(target: TargetModel, learned_mask: bool = False) -> DFlashDrafter:
+def make_drafter(target: TargetModel) -> DFlashDrafter:
     cfg = DrafterConfig.for_target(target, num_layers=2, block_size=BS)
-    if learned_mask:
-        cfg.mask_token_id = None
     torch.manual_seed(1)
     return DFlashDrafter(cfg, target.embed_tokens, target.lm_head)
 
@@ -40,8 +39,7 @@ def test_shared_embedding_and_head_are_not_drafter_parameters(target: TargetMode
     assert drafter.embed_tokens is target.embed_tokens and drafter.lm_head is target.lm_head
     assert not target.embed_tokens.weight.requires_grad
     assert drafter.fc.weight.shape == (32, 2 * 32)  # K = 2 captured layers of D = 32
-    assert drafter.mask_embedding is None
-    assert make_drafter(target, learned_mask=True).mask_embedding is not None
+    assert drafter.mask_id == MASK_ID and drafter.config.mask_token_source == "tokenizer"
 
 
 def _forward_case(target: TargetModel, drafter: DFlashDrafter, ids: torch.Tensor):
@@ -53,9 +51,8 @@ def _forward_case(target: TargetModel, drafter: DFlashDrafter, ids: torch.Tensor
     return drafter(hidden, blocks, anchors, keep), hidden, blocks, anchors, keep
 
 
-@pytest.mark.parametrize("learned_mask", [False, True])
-def test_mask_hides_context_at_and_after_the_anchor(target: TargetModel, learned_mask) -> None:
-    drafter = make_drafter(target, learned_mask)
+def test_mask_hides_context_at_and_after_the_anchor(target: TargetModel) -> None:
+    drafter = make_drafter(target)
     torch.manual_seed(2)
     ids = torch.randint(0, 256, (1, 20))
     logits, hidden, blocks, anchors, keep = _forward_case(target, drafter, ids)
@@ -114,18 +111,18 @@ def test_draft_matches_a_single_block_forward(target: TargetModel) -> None:
 
 
 def test_save_and_load_round_trip(target: TargetModel, tmp_path) -> None:
-    drafter = make_drafter(target, learned_mask=True)
-    with torch.no_grad():
-        drafter.mask_embedding.add_(1.0)
+    drafter = make_drafter(target)
     save_drafter(drafter, tmp_path / "d")
     saved = json.loads((tmp_path / "d" / "config.json").read_text())
-    assert saved["target_spec"] == "builtin:tiny" and saved["target_layer_ids"] == [1, 3]
+    assert saved["dflash_config"] == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 3]}
+    meta = json.loads((tmp_path / "d" / "dflash_train.json").read_text())
+    assert meta["target"] == "builtin:tiny" and meta["mask_token_source"] == "tokenizer"
     loaded, same_target = load_drafter(tmp_path / "d", target=target)
     assert same_target is target
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(5))
     assert torch.equal(_forward_case(target, drafter, ids)[0],
                        _forward_case(target, loaded, ids)[0])  # fmt: skip
-    with pytest.raises(DrafterError, match="not a saved drafter"):
+    with pytest.raises(DrafterError, match="not a DFlash checkpoint"):
         load_drafter(tmp_path / "missing", target=target)
 
 
@@ -149,3 +146,18 @@ def test_training_step_reduces_loss(target: TargetModel) -> None:
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.2
     assert target.embed_tokens.weight.grad is None
+
+
+def test_cached_drafting_matches_the_cache_less_draft(target: TargetModel) -> None:
+    from dflash.kvcache import KVCache
+
+    drafter = make_drafter(target)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(7))
+    hidden = target.capture(ids, drafter.config.target_layer_ids, False).hidden
+    cache = KVCache()
+    for start, anchor in ((0, 6), (6, 9), (9, 15)):  # growing context, as decoding does
+        cached = drafter.draft_logits_cached(hidden[:, start:anchor], int(ids[0, anchor]),
+                                             anchor, cache)  # fmt: skip
+        full = drafter.draft_logits(hidden, int(ids[0, anchor]), anchor)
+        assert torch.allclose(cached, full, atol=1e-5)
+        assert cache.seq_len() == anchor  # the block's own keys/values were dropped

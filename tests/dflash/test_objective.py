@@ -181,3 +181,71 @@ def test_metrics_count_accuracy_and_accept_proxy() -> None:
 def test_bad_loss_settings_name_the_flag(kwargs: dict, flag: str) -> None:
     with pytest.raises(DFlashError, match=flag):  # the loss settings live in dflash.config
         LossConfig(**kwargs)
+
+
+def test_streak_weights_stop_at_the_first_invalid_position() -> None:
+    # B=8, only k=1..3 valid (the row ends), alpha 0.5, CE 0.5 everywhere.
+    ce = torch.full((1, 1, 8), 0.5)
+    valid = torch.tensor([[[False, True, True, True, False, False, False, False]]])
+    w = streak_weights(ce, valid, 0.5)
+    # q~ = 0.5 * exp(-0.5) + 0.5 = 0.80327; w1 = q~ + q~^2 + q~^3, w2 = q~^2 + q~^3, w3 = q~^3
+    assert w[0, 0, 1:4].tolist() == pytest.approx([1.9668, 1.1635, 0.5183], abs=1e-4)
+    assert w[0, 0, 4:].tolist() == [0.0] * 4
+    # A hole in the loss mask ends the streak too: nothing after it counts.
+    hole = torch.tensor([[[False, True, False, True, True, True, True, True]]])
+    assert streak_weights(ce, hole, 0.5)[0, 0, 2:].tolist() == [0.0] * 6
+
+
+def test_streak_weights_replace_the_decay_unless_gamma_is_set() -> None:
+    assert LossConfig(streak_alpha=0.5).decay_gamma(8) is None
+    assert LossConfig(streak_alpha=0.5, gamma=3.0).decay_gamma(8) == 3.0  # both explicit
+    assert LossConfig().decay_gamma(8) == 4.0
+    logits = torch.zeros(1, 1, 4, 5)  # uniform: CE = ln 5 everywhere
+    labels = torch.zeros(1, 1, 4, dtype=torch.long)
+    valid = torch.tensor([[[False, True, True, True]]])
+    only_streak = dflash_loss(logits, labels, valid, LossConfig(streak_alpha=0.5))
+    q = 0.5 * 0.2 + 0.5  # q~ with p = 1/5
+    assert only_streak.metrics["weight_sum"] == pytest.approx(
+        (q + q**2 + q**3) + (q**2 + q**3) + q**3, rel=1e-5
+    )
+    both = dflash_loss(logits, labels, valid, LossConfig(streak_alpha=0.5, gamma=1.0))
+    decay = [1.0, math.exp(-1.0), math.exp(-2.0)]
+    streak = [q + q**2 + q**3, q**2 + q**3, q**3]
+    assert both.metrics["weight_sum"] == pytest.approx(
+        sum(d * s for d, s in zip(decay, streak, strict=True)), rel=1e-5
+    )
+
+
+def test_noise_schedule_specs() -> None:
+    assert NoiseSchedule.parse("all", 100) == NoiseSchedule()
+    lin = NoiseSchedule.parse("linear:0.5:1", 100)
+    assert (lin.mask_ratio(0), lin.mask_ratio(50), lin.mask_ratio(100)) == (0.5, 0.75, 1.0)
+    for bad, why in (("linear:0.5", "expected 'all'"), ("cosine:0:1", "expected 'all'"),
+                     ("linear:a:1", "numbers"), ("linear:0.5:1.5", "1.5 is outside")):  # fmt: skip
+        with pytest.raises(ObjectiveError, match=why):
+            NoiseSchedule.parse(bad, 10)
+
+
+def test_partially_masked_blocks_score_only_their_masked_positions() -> None:
+    from dflash.objective import block_inputs
+
+    ids = torch.arange(10, 22)[None]  # [1, 12]: token = 10 + position
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    anchors, keep = torch.tensor([[1, 9]]), torch.tensor([[True, True]])
+    noise = NoiseSchedule(start_mask_ratio=0.5, end_mask_ratio=0.5)
+    gen = torch.Generator().manual_seed(0)
+    blocks, labels, valid = block_inputs(ids, loss_mask, anchors, keep, 4, 99, noise, 0, gen)
+    masked = blocks == 99
+    assert masked[..., 1:].any() and (~masked[..., 1:]).any()  # a real mix at ratio 0.5
+    # Visible tokens are the clean ones and never score; masked in-bounds positions do.
+    assert torch.equal(blocks[~masked], labels[~masked])
+    in_bounds = anchors[:, :, None] + torch.arange(4) < 12
+    expected = masked & in_bounds
+    expected[..., 0] = False
+    assert torch.equal(valid, expected)
+    # Block 1 (anchor 9) runs past the end: positions 12+ are masked and never valid.
+    assert masked[0, 1, 3] and not valid[0, 1, 3]
+    # The default schedule masks everything: labels as before, valid = block_labels'.
+    full_blocks, _, full_valid = block_inputs(ids, loss_mask, anchors, keep, 4, 99)
+    assert (full_blocks[..., 1:] == 99).all()
+    assert torch.equal(full_valid, block_labels(ids, loss_mask, anchors, keep, 4)[1])

@@ -178,4 +178,4 @@ def test_flags_win_over_otel_variables(monkeypatch) -> None:
     assert (cfg.otlp_protocol, cfg.service_name, cfg.sample_ratio) == ("grpc", "flag", 0.5)
     line = describe(cfg)
     assert "OTLP/grpc http://127.0.0.1:9" in line and "sample ratio 0.5" in line
-    assert "rank1" in line
+    assert cfg.service_instance_id in line and cfg.rank == 1

@@ -80,7 +80,7 @@ def test_target_is_frozen_and_stays_in_eval_mode(tiny: TargetModel) -> None:
     tiny.train()
     assert not tiny.model.training
     assert not any(p.requires_grad for p in tiny.parameters())
-    assert tiny.mask_token_id == MASK_ID and tiny.num_layers == 6
+    assert tiny.mask_token().token_id == MASK_ID and tiny.num_layers == 6
 
 
 def test_bad_target_specs_are_one_line_errors(tmp_path: Path) -> None:
@@ -131,7 +131,10 @@ def test_hf_target_capture_drafter_and_training_end_to_end(tmp_path: Path) -> No
     from dflash.objective import LossConfig, block_labels, build_blocks, dflash_loss, select_anchors
 
     target = load_target(str(save_hf_model(tmp_path / "llama")))
-    assert target.num_layers == 6 and target.hidden_size == 32 and target.mask_token_id is None
+    assert target.num_layers == 6 and target.hidden_size == 32
+    # No mask token, no spare row: the tokenizer fills the embedding exactly.
+    with pytest.raises(TargetError, match="give --mask-token-id"):
+        target.mask_token()
     ids = torch.tensor([target.tokenizer.encode(" ".join(CORPUS))])  # [1, T]
     ref = target.model(input_ids=ids, output_hidden_states=True).hidden_states
     out = target.capture(ids, [1, 3], with_logits=False)
@@ -141,11 +144,10 @@ def test_hf_target_capture_drafter_and_training_end_to_end(tmp_path: Path) -> No
     with pytest.raises(TargetError, match="out of range"):
         target.capture(ids, [6], with_logits=False)
 
-    cfg = DrafterConfig.for_target(target, num_layers=2, block_size=4)
-    assert cfg.target_layer_ids == [1, 3] and cfg.num_heads == 4
+    cfg = DrafterConfig.for_target(target, num_layers=2, block_size=4, mask_token_id=1)
+    assert cfg.target_layer_ids == [1, 3] and cfg.num_heads == 4 and cfg.num_kv_heads == 2
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg, target.embed_tokens, target.lm_head)
-    assert drafter.mask_embedding is not None  # the tokenizer has no mask token
     loss_mask = torch.ones_like(ids, dtype=torch.bool)
     anchors, keep = select_anchors(loss_mask, 8, torch.Generator().manual_seed(0))
     blocks = build_blocks(ids, anchors, 4, drafter.mask_id)
@@ -160,7 +162,6 @@ def test_hf_target_capture_drafter_and_training_end_to_end(tmp_path: Path) -> No
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
-    assert drafter.mask_embedding.grad is not None
 
     save_drafter(drafter, tmp_path / "drafter")
     loaded, loaded_target = load_drafter(tmp_path / "drafter")  # finds its target by spec
@@ -173,7 +174,9 @@ def test_hf_target_capture_drafter_and_training_end_to_end(tmp_path: Path) -> No
 @pytest.mark.slow
 def test_hf_mask_token_with_an_embedding_row_is_used(tmp_path: Path) -> None:
     target = load_target(str(save_hf_model(tmp_path / "m", num_layers=2, with_mask=True)))
-    assert target.mask_token_id == target.tokenizer.mask_token_id is not None
+    mask = target.mask_token()
+    assert mask.token_id == target.tokenizer.mask_token_id is not None
+    assert mask.source == "tokenizer"
     assert target.num_layers == 2 and default_target_layers(2, 1) == [1]
 
 

@@ -150,7 +150,7 @@ def _save_tiny_hf_model(directory) -> None:
     tok.save_pretrained(directory)
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        vocab_size=len(tok) + 8, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
     )  # fmt: skip
@@ -172,4 +172,7 @@ def test_tiny_hugging_face_target_on_chat_data_end_to_end(tmp_path) -> None:
     assert summary["steps"] == 3 and math.isfinite(summary["final_loss"])
     assert 1.0 <= summary["tau"] <= cfg.drafter.block_size
     saved = json.loads((tmp_path / "out" / "drafter" / "config.json").read_text())
-    assert saved["target_spec"] == str(model_dir) and saved["mask_token_id"] is None
+    meta = json.loads((tmp_path / "out" / "drafter" / "dflash_train.json").read_text())
+    assert meta["target"] == str(model_dir) and meta["mask_token_source"] == "spare-row"
+    # The first spare embedding row past the tokenizer's vocabulary (8 spare rows).
+    assert saved["dflash_config"]["mask_token_id"] == saved["vocab_size"] - 8

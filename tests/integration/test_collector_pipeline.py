@@ -27,8 +27,11 @@ import requests
 import yaml
 from conftest import REPO_ROOT, JaegerProcess, die_with_parent, free_port
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from run_metrics_sender import metrics_run
 from spantree import PHASES, batch_tree_problems
 from test_jaeger_otlp import NUM_BATCHES, emit_batches, provider_for, unique_service
+
+from dflash.bottleneck import WaitShares
 
 COLLECTOR_CONFIG = REPO_ROOT / "docker" / "otel-collector" / "config.yaml"
 
@@ -161,6 +164,9 @@ def test_collector_fans_out_and_emits_dashboard_metrics(
     service = unique_service("via-collector")
     exporter = OTLPSpanExporter(endpoint=f"http://127.0.0.1:{ports['grpc']}", insecure=True)
     emit_batches(provider_for(service, exporter))
+    # The trainer's own metrics take the collector's metrics pipeline.
+    with metrics_run(service, f"http://127.0.0.1:{ports['grpc']}", "r1", WaitShares(0.2, 0, 0)):
+        time.sleep(0.6)
 
     traces = jaeger.wait_for(
         lambda: jaeger.traces(service),
@@ -175,7 +181,9 @@ def test_collector_fans_out_and_emits_dashboard_metrics(
 
     def every_phase_counted(samples: dict[str, list[str]]) -> bool:
         counted = " ".join(samples.get("traces_span_metrics_calls_total", []))
-        return all(f'span_name="{phase}"' in counted for phase in PHASES)
+        return all(f'span_name="{phase}"' in counted for phase in PHASES) and (
+            "dflash_train_loss" in samples
+        )
 
     samples = calls_per_phase()
     deadline = time.monotonic() + 30

@@ -74,13 +74,16 @@ def test_file_exporter_writes_otlp_json_lines(tmp_path):
     root.end()
     report = telemetry.shutdown(timeout_s=2.0)
     assert report.spans_exported == 2 and report.clean
-    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert not path.exists()  # rank 2 writes PATH.rank2: ranks never share one file
+    lines = [json.loads(line) for line in (tmp_path / "trace.jsonl.rank2").read_text().splitlines()]
     resource_spans = lines[0]["resourceSpans"][0]
     spans = {s["name"]: s for s in resource_spans["scopeSpans"][0]["spans"]}
     assert len(spans["batch"]["traceId"]) == 32 and len(spans["batch"]["spanId"]) == 16
     assert spans["drafter.step"]["parentSpanId"] == spans["batch"]["spanId"]
     attrs = {a["key"]: a["value"] for a in resource_spans["resource"]["attributes"]}
-    assert attrs["rank"] == {"intValue": "2"}
+    assert attrs["tracing.rank"] == {"intValue": "2"}
+    assert attrs["telemetry.sdk.name"] == {"stringValue": "opentelemetry"}
+    assert resource_spans["scopeSpans"][0]["scope"]["version"]
 
 
 def _closed_port() -> int:

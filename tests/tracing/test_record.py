@@ -45,7 +45,7 @@ def test_batch_path_builds_the_sdk_spans():
         with tracing.phase("drafter.step", parent=root, attributes={"step": 2}) as step:
             step.set_attribute("tokens", 64)
             with pytest.raises(KeyError):
-                with tracing.phase("drafter.loss", start_time_ns=root.start_time_ns + 1):
+                with tracing.phase("drafter.loss", start_time_ns=step.start_time_ns + 1):
                     raise KeyError("k")
         ender = threading.Thread(target=root.end)
         ender.start()
@@ -63,13 +63,13 @@ def test_batch_path_builds_the_sdk_spans():
     assert all(s.context.trace_flags.sampled for s in spans.values())
     assert dict(step_span.attributes) == {"step": 2, "tokens": 64}
     assert dict(batch.attributes) == {"batch.id": 1}
-    assert loss.start_time == batch.start_time + 1 and loss.end_time >= loss.start_time
+    assert loss.start_time == step_span.start_time + 1 and loss.end_time >= loss.start_time
     assert loss.status.status_code is StatusCode.ERROR and "KeyError" in loss.status.description
     assert loss.events[0].name == "exception"
     assert loss.events[0].attributes["exception.type"] == "KeyError"
     assert "Traceback" in loss.events[0].attributes["exception.stacktrace"]
     assert batch.resource.attributes["service.name"] == "svc"
-    assert batch.resource.attributes["rank"] == 3
+    assert batch.resource.attributes["tracing.rank"] == 3
     assert batch.instrumentation_scope.name == "tracing"
 
 

@@ -29,7 +29,8 @@ def test_phase_names_parents_attributes(memory):
     assert spans["drafter.loss"].context.trace_id == spans["batch"].context.trace_id
     assert spans["drafter.step"].attributes["step"] == 3
     assert spans["batch"].attributes["batch.id"] == 7
-    assert spans["batch"].resource.attributes["service.name"] == "dflash-train"
+    # The library's default service.name is the specification's, not an application's.
+    assert spans["batch"].resource.attributes["service.name"].startswith("unknown_service")
 
 
 def test_root_span_crosses_threads_and_wait_span_start_time(memory):
@@ -123,9 +124,9 @@ def test_events_timing_through_host_clock(memory):
     while not memory.get_finished_spans() and time.monotonic() < deadline:
         time.sleep(0.005)
     span = by_name(memory)["target.forward"]
-    assert span.attributes["device.duration_ms"] >= 2.0
-    assert span.attributes["timing.mode"] == "events"
-    assert span.attributes["device"] == "cuda:0"
+    assert span.attributes["tracing.device.duration_s"] >= 0.002
+    assert span.attributes["tracing.timing.mode"] == "events"
+    assert span.attributes["tracing.device"] == "cuda:0"
     device = telemetry.stats.get("target.forward" + tracing.DEVICE_SUFFIX)
     assert device.count == 1 and device.total_s >= 0.002
     # The span keeps its host end time, not the time the resolver ended it.
@@ -151,7 +152,7 @@ def test_sync_mode_synchronizes_both_ends(memory):
     with tracing.phase("cpu.only"):  # no device: no synchronization
         pass
     assert clock.synchronize_calls == 2
-    assert by_name(memory)["drafter.step"].attributes["timing.mode"] == "sync"
+    assert by_name(memory)["drafter.step"].attributes["tracing.timing.mode"] == "sync"
 
 
 @pytest.mark.slow  # imports torch

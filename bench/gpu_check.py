@@ -1,0 +1,202 @@
+"""GPU check: the paper recipe on a Qwen3-8B-shaped target, under each CUDA timing mode.
+
+Builds a Qwen3-8B-shaped Hugging Face target with random weights in bf16 (nothing is
+downloaded), a 5-layer drafter with fp32 master weights under bf16 autocast, and runs
+the paper's step (block 16, 512 anchors, 3,072-token rows, AdamW 6e-4 with warmup,
+γ 7, chunked loss, flex block-sparse attention) for --steps steps with
+--cuda-timing off, sync and events. Prints tokens/s, peak memory, each timing mode's
+cost against off, and whether the CUDA event times agree with the host times of the
+synchronized run. Independent of the trainer: the step is built here from the library.
+
+    python bench/gpu_check.py               # one GPU, well under 10 minutes
+    python bench/gpu_check.py --small       # reduced size on CPU (CI); a host clock
+                                            # stands in for CUDA events: no GPU figures
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import resource
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+import tracing
+from dflash.chunked_loss import chunked_dflash_loss
+from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.objective import LossConfig, block_labels, build_blocks, select_anchors
+from dflash.optim_step import NonFiniteGuard, grad_norm, nonfinite
+from dflash.synthetic import QWEN3_8B, TINY_QWEN3, Qwen3Shape, random_qwen3_target
+
+MODES = ("off", "sync", "events")
+PHASES = ("target.forward", "drafter.block_prediction", "drafter.loss", "drafter.backward",
+          "drafter.optimizer")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Recipe:
+    shape: Qwen3Shape
+    seq_len: int
+    num_anchors: int
+    batch_size: int
+    block_size: int = 16
+    drafter_layers: int = 5
+    lr: float = 6e-4
+    warmup_steps: int = 4
+    gamma: float = 7.0
+
+
+PAPER = Recipe(QWEN3_8B, seq_len=3072, num_anchors=512, batch_size=2)
+SMALL = Recipe(TINY_QWEN3.scaled(vocab_size=4096, mask_token_id=4095, num_hidden_layers=6),
+               seq_len=256, num_anchors=32, batch_size=1, drafter_layers=2)  # fmt: skip
+
+
+class Step:
+    """Target forward + one drafter optimizer step, each phase a tracing.phase."""
+
+    def __init__(self, recipe: Recipe, device: torch.device) -> None:
+        self.recipe, self.device = recipe, device
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.target = random_qwen3_target(recipe.shape, device, dtype)
+        cfg = DrafterConfig.for_target(
+            self.target, recipe.drafter_layers, recipe.block_size,
+            mask_token_id=recipe.shape.mask_token_id,
+        )  # fmt: skip
+        self.drafter = DFlashDrafter(cfg, self.target.embed_tokens, self.target.lm_head)
+        self.drafter.to(device)  # fp32 master weights; autocast computes in bf16
+        self.params = list(self.drafter.parameters())
+        self.opt = torch.optim.AdamW(self.params, lr=recipe.lr, betas=(0.9, 0.95))
+        warm = recipe.warmup_steps
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warm))
+        self.loss_cfg = LossConfig(gamma=recipe.gamma)
+        self.guard = NonFiniteGuard(max_bad_steps=10)
+        self.gen = torch.Generator().manual_seed(0)
+        self.steps = 0
+
+    def _autocast(self) -> contextlib.AbstractContextManager[None]:
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+
+    def __call__(self) -> None:
+        r, dev, bs = self.recipe, self.device, self.recipe.block_size
+        ids = torch.randint(0, r.shape.mask_token_id, (r.batch_size, r.seq_len), generator=self.gen)
+        loss_mask = torch.ones_like(ids, dtype=torch.bool)
+        with tracing.phase("target.forward", device=dev):
+            hidden = self.target.capture(ids.to(dev), self.drafter.config.target_layer_ids,
+                                         with_logits=False).hidden  # fmt: skip
+        anchors, keep = select_anchors(loss_mask, r.num_anchors, self.gen)
+        blocks = build_blocks(ids, anchors, bs, self.drafter.mask_id)
+        labels, valid = block_labels(ids, loss_mask, anchors, keep, bs)
+        anchors, keep, blocks = anchors.to(dev), keep.to(dev), blocks.to(dev)
+        with tracing.phase("drafter.block_prediction", device=dev), self._autocast():
+            states = self.drafter.hidden_states(hidden, blocks, anchors, keep)
+        with tracing.phase("drafter.loss", device=dev):
+            out = chunked_dflash_loss(states, self.drafter.lm_head, labels.to(dev),
+                                      valid.to(dev), self.loss_cfg)  # fmt: skip
+        with tracing.phase("drafter.backward", device=dev):
+            self.opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+        with tracing.phase("drafter.optimizer", device=dev):
+            norm = grad_norm(self.params, max_norm=1.0)
+            self.guard.step(self.opt, nonfinite(out.loss.detach(), norm), self.steps)
+            self.sched.step()
+        self.steps += 1
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # peak RSS, KiB
+
+
+@contextlib.contextmanager
+def _telemetry(mode: str, device: torch.device) -> Iterator[tracing.Telemetry]:
+    clock = None if device.type == "cuda" else tracing.HostClock()  # CPU: host stand-in
+    telemetry = tracing.setup(tracing.TracingConfig(cuda_timing=mode), device_clock=clock)
+    try:
+        yield telemetry
+    finally:
+        telemetry.shutdown(timeout_s=10.0)
+
+
+def run_mode(step: Step, mode: str, steps: int) -> dict[str, object]:
+    dev = step.device
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    with _telemetry(mode, dev) as telemetry:
+        _sync(dev)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(dev)
+        wall_s = time.perf_counter() - start
+    snap = telemetry.stats.snapshot()
+    host = {p: snap.phases[p].mean_s for p in PHASES if p in snap.phases}
+    device = {p: snap.phases[p + tracing.DEVICE_SUFFIX].mean_s for p in PHASES
+              if p + tracing.DEVICE_SUFFIX in snap.phases}  # fmt: skip
+    tokens = steps * step.recipe.batch_size * step.recipe.seq_len
+    return {"tok_s": tokens / wall_s, "wall_s": wall_s, "peak_gib": _peak_gib(dev),
+            "host": host, "device": device}  # fmt: skip
+
+
+def agreement(sync_host: dict[str, float], events_device: dict[str, float]) -> list[str]:
+    """Per phase: events device mean vs synchronized host mean (10% or 0.5 ms)."""
+    lines = []
+    for name in PHASES:
+        if name not in events_device or name not in sync_host:
+            lines.append(f"  {name:<26} no device time recorded")
+            continue
+        a, b = sync_host[name], events_device[name]
+        ok = abs(a - b) <= max(0.10 * max(a, b), 5e-4)
+        lines.append(f"  {name:<26} sync host {a * 1e3:9.2f} ms  events device "
+                     f"{b * 1e3:9.2f} ms  {'agree' if ok else 'DISAGREE'}")  # fmt: skip
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="Reduced size on CPU (CI).")
+    parser.add_argument("--steps", type=int, default=None, help="Timed steps per mode.")
+    parser.add_argument("--warmup", type=int, default=2, help="Untimed steps before the modes.")
+    parser.add_argument("--batch-size", type=int, default=None, help="Rows per step.")
+    args = parser.parse_args()
+    recipe = SMALL if args.small else PAPER
+    if args.batch_size:
+        recipe = Recipe(**{**recipe.__dict__, "batch_size": args.batch_size})
+    steps = args.steps or (3 if args.small else 20)
+    device = torch.device("cpu" if args.small else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device here; use --small for the CPU run")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    step = Step(recipe, device)
+    for _ in range(args.warmup):  # compiles flex attention, warms the allocator
+        step()
+    results = {mode: run_mode(step, mode, steps) for mode in MODES}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    r = recipe
+    print(f"device {name}; target {r.shape.hidden_size}x{r.shape.num_hidden_layers} "
+          f"V={r.shape.vocab_size}; {r.batch_size} rows x {r.seq_len} tokens, "
+          f"{r.num_anchors} anchors, block {r.block_size}; {steps} steps per mode")  # fmt: skip
+    off = results["off"]["tok_s"]
+    for mode, res in results.items():
+        cost = (off / res["tok_s"] - 1) * 100
+        print(f"  cuda-timing {mode:<6} {res['tok_s']:10.0f} tok/s  peak {res['peak_gib']:6.1f} GiB"
+              f"  cost vs off {cost:+6.1f}%")  # fmt: skip
+    print("CUDA events vs host times of the synchronized run:")
+    print("\n".join(agreement(results["sync"]["host"], results["events"]["device"])))
+    if device.type != "cuda":
+        print("CPU run: the event times come from a host-clock stand-in, not a GPU; "
+              "no GPU figures were measured.")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

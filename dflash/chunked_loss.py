@@ -1,0 +1,161 @@
+"""The DFlash loss computed per anchor chunk, so no [B, N, Bs, V] tensor ever exists.
+
+The LM head, cross-entropy, KL against the target's distribution and the position
+weights run over chunks of blocks; each chunk is recomputed in the backward
+(torch.utils.checkpoint), so the extra memory is one chunk's logits and their
+softmax, O(chunk × Bs × V), whatever the anchor count. Values and gradients equal
+`objective.dflash_loss` on the dense logits.
+
+Soft labels come from the target's final-norm hidden state: the frozen LM head turns
+each chunk's gathered states into target logits, so logits never cross the queue.
+
+Shapes: B batch, T sequence length, N anchors, Bs block size, D hidden, V vocabulary,
+M = B*N blocks, C blocks per chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from dflash.objective import (
+    LossConfig,
+    ObjectiveError,
+    decay_weights,
+    gather_target_logits,
+    streak_weights,
+)
+
+# Blocks per chunk: at Bs 16 and a 152k vocabulary one chunk's fp32 logits are ~0.3 GB.
+DEFAULT_LOSS_CHUNK_SIZE = 32
+
+
+@dataclass
+class ChunkedLossOutput:
+    """loss = weighted_sum / weight_sum; metrics are device tensors (no host sync)."""
+
+    loss: Tensor  # scalar, differentiable
+    weighted_sum: Tensor  # scalar sum(w * l), differentiable: gradient accumulation sums these
+    weight_sum: Tensor  # scalar sum(w), detached
+    metrics: dict[str, Tensor]
+
+
+def gather_target_hidden(final_hidden: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """Target final-norm states [B, T, D] -> [B, N, Bs, D] aligned with block labels.
+
+    Same alignment as the target logits: block position k takes position anchor+k-1.
+    """
+    return gather_target_logits(final_hidden, anchors, block_size)
+
+
+def _chunk_terms(
+    hidden: Tensor,
+    target_hidden: Tensor | None,
+    labels: Tensor,
+    valid: Tensor,
+    head: nn.Linear,
+    cfg: LossConfig,
+    gamma: float | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One chunk: hidden[C, Bs, D] -> (sum w*l, sum w, sum ce*valid, correct[C, Bs], run[C]).
+
+    Runs twice (forward, then recomputed in the backward): keep it deterministic.
+    """
+    c, bs, _ = hidden.shape
+    logits = head(hidden.to(head.weight.dtype)).float()  # [C, Bs, V]
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(c, bs)
+    weights = valid.float()  # [C, Bs]
+    if gamma is not None:  # None: streak weights replace the decay
+        weights = weights * decay_weights(bs, gamma, hidden.device)
+    if cfg.streak_alpha is not None:
+        weights = weights * streak_weights(ce, valid, cfg.streak_alpha)
+    per_pos = ce
+    if target_hidden is not None:
+        with torch.no_grad():
+            target_logits = head(target_hidden.to(head.weight.dtype)).float()  # [C, Bs, V]
+        kl = _kl_at_temperature(logits, target_logits, cfg.kl_temperature)
+        per_pos = cfg.kl_weight * kl + (1 - cfg.kl_weight) * ce
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == labels) & valid  # [C, Bs]
+        run = torch.cumprod(correct[:, 1:].int(), dim=-1).sum(-1)  # [C]
+        ce_sum = (ce * valid).sum()
+    return (weights * per_pos).sum(), weights.sum().detach(), ce_sum, correct, run
+
+
+def _kl_at_temperature(logits: Tensor, target_logits: Tensor, temperature: float) -> Tensor:
+    """Per-position KL(target || drafter) at temperature, scaled by T^2 -> [C, Bs]."""
+    log_p_target = F.log_softmax(target_logits / temperature, dim=-1)
+    log_p_drafter = F.log_softmax(logits / temperature, dim=-1)
+    kl = (log_p_target.exp() * (log_p_target - log_p_drafter)).sum(-1)
+    return kl * temperature**2
+
+
+def chunked_dflash_loss(
+    hidden: Tensor,
+    lm_head: nn.Linear,
+    labels: Tensor,
+    valid: Tensor,
+    cfg: LossConfig,
+    target_hidden: Tensor | None = None,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+) -> ChunkedLossOutput:
+    """Weighted loss sum(w * l) / sum(w) from the drafter's final-normed states.
+
+    hidden[B, N, Bs, D] (`DFlashDrafter.hidden_states`), labels/valid[B, N, Bs];
+    target_hidden[B, N, Bs, D] (`gather_target_hidden`) is required with soft labels.
+    chunk_size: blocks per chunk, over the flattened B*N blocks. Call it outside
+    autocast: the logits, softmax and KL are fp32 whatever the hidden dtype.
+    """
+    if chunk_size < 1:
+        raise ObjectiveError(f"--loss-chunk-size {chunk_size} must be >= 1")
+    if cfg.use_soft_labels and target_hidden is None:
+        raise ObjectiveError("--use-soft-labels needs the target's final-norm hidden states")
+    b, n, bs, d = hidden.shape
+    gamma = cfg.decay_gamma(bs)
+    flat_h, flat_labels, flat_valid = (
+        hidden.reshape(b * n, bs, d),
+        labels.reshape(-1, bs),
+        valid.reshape(-1, bs),
+    )
+    flat_t = target_hidden.reshape(b * n, bs, -1) if cfg.use_soft_labels else None
+    parts = []
+    for i in range(0, b * n, chunk_size):
+        sl = slice(i, i + chunk_size)
+        t_chunk = flat_t[sl] if flat_t is not None else None
+        args = (flat_h[sl], t_chunk, flat_labels[sl], flat_valid[sl], lm_head, cfg, gamma)
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_chunk_terms, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_terms(*args))
+    weighted = torch.stack([p[0] for p in parts]).sum()
+    weight_sum = torch.stack([p[1] for p in parts]).sum()
+    correct = torch.cat([p[3] for p in parts]).view(b, n, bs)
+    run = torch.cat([p[4] for p in parts]).view(b, n)
+    ce_sum = torch.stack([p[2] for p in parts]).sum()
+    loss = weighted / weight_sum.clamp(min=1e-8)
+    metrics = block_metrics(correct, run, valid, ce_sum, weight_sum)
+    return ChunkedLossOutput(loss, weighted, weight_sum, metrics)
+
+
+def block_metrics(
+    correct: Tensor, run: Tensor, valid: Tensor, ce_sum: Tensor, weight_sum: Tensor
+) -> dict[str, Tensor]:
+    """Scalar device tensors: ce, accuracy, acc@k, tau_proxy (as dflash_loss), weight_sum.
+
+    correct/valid[B, N, Bs]; run[B, N] consecutive correct predictions from k=1.
+    """
+    count_k = valid.sum((0, 1))  # [Bs]
+    count = count_k.sum().clamp(min=1)
+    metrics = {"ce": ce_sum / count, "accuracy": correct.sum() / count}
+    acc_k = correct.sum((0, 1)) / count_k.clamp(min=1)  # [Bs]
+    metrics |= {f"acc@{k}": acc_k[k] for k in range(1, correct.shape[-1])}
+    scored = valid[..., 1]  # blocks whose first prediction counts
+    num_scored = scored.sum()
+    tau = ((run + 1) * scored).sum() / num_scored.clamp(min=1)
+    metrics["tau_proxy"] = torch.where(num_scored > 0, tau, torch.ones_like(tau))
+    metrics["weight_sum"] = weight_sum
+    return metrics

@@ -1,0 +1,81 @@
+"""Model FLOPs of the target forward and the drafter training step, per token.
+
+Counted as multiply-adds × 2 of the matrix products (norms, activations and softmax are
+left out, as in the usual MFU convention). Attention counts the keys each query sees:
+causal target rows see (T+1)/2 keys on average; a drafter block token sees its
+anchor's context (about T/2 on average, anchors being uniform) plus its own block.
+Training costs three times the forward (forward, input and weight gradients) for the
+trained weights; the frozen LM head costs its forward and the input gradient only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+def linear_params(module: nn.Module) -> int:
+    """Weights of every nn.Linear under `module` (what the matrix products multiply)."""
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, nn.Linear))
+
+
+def attention_flops(num_layers: int, num_heads: int, head_dim: int, keys: float) -> float:
+    """Forward FLOPs of QKᵀ and AV for one query token over `keys` keys, all layers."""
+    return 4.0 * num_layers * num_heads * head_dim * keys
+
+
+def target_flops_per_token(
+    linear_weights: int, num_layers: int, num_heads: int, head_dim: int, seq_len: int
+) -> float:
+    """Forward FLOPs per token of a causal decoder (`linear_weights` incl. the LM head
+    when the logits are computed)."""
+    return 2.0 * linear_weights + attention_flops(
+        num_layers, num_heads, head_dim, (seq_len + 1) / 2
+    )
+
+
+@dataclass(frozen=True)
+class DrafterFlops:
+    per_block_token: float
+    """Training FLOPs of one block token (anchor or masked position)."""
+    per_context_token: float
+    """Training FLOPs of the fusion (K·D -> D projection) on one context token."""
+
+    def per_step(self, num_block_tokens: int, num_context_tokens: int) -> float:
+        return self.per_block_token * num_block_tokens + self.per_context_token * num_context_tokens
+
+
+def drafter_flops(
+    layer_weights: int,
+    fusion_weights: int,
+    lm_head_weights: int,
+    num_layers: int,
+    num_heads: int,
+    head_dim: int,
+    seq_len: int,
+    block_size: int,
+) -> DrafterFlops:
+    """Training FLOPs of the drafter: trained layer and fusion weights ×3 of their
+    forward, the frozen LM head ×2 (forward and input gradient)."""
+    keys = seq_len / 2 + block_size
+    block_forward = 2.0 * layer_weights + attention_flops(num_layers, num_heads, head_dim, keys)
+    return DrafterFlops(
+        per_block_token=3.0 * block_forward + 4.0 * lm_head_weights,
+        per_context_token=3.0 * 2.0 * fusion_weights,
+    )
+
+
+def drafter_flops_of(drafter: nn.Module, seq_len: int) -> DrafterFlops:
+    """`drafter_flops` of a DFlashDrafter (reads its layers, fusion and shared LM head)."""
+    cfg = drafter.config  # type: ignore[attr-defined]
+    return drafter_flops(
+        layer_weights=linear_params(drafter.layers),  # type: ignore[arg-type]
+        fusion_weights=linear_params(drafter.fc),  # type: ignore[arg-type]
+        lm_head_weights=drafter.lm_head.weight.numel(),  # type: ignore[union-attr]
+        num_layers=cfg.num_layers,
+        num_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        seq_len=seq_len,
+        block_size=cfg.block_size,
+    )

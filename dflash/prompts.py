@@ -1,0 +1,91 @@
+"""Evaluation prompts from chat JSONL, rendered as the target would see them in serving.
+
+One object per line: `{"messages": [{"role", "content"}, ...]}` (the conversation is
+cut after its last user turn), `{"conversations": [...]}` with the same messages or
+ShareGPT's `from`/`value`, or the authors' benchmark layout `{"turns": [str, ...]}`
+(its first turn is the prompt). A tokenizer with a chat template renders it with the
+generation prompt; others (the byte tokenizer) get the plain turn format the
+training data uses: `<|role|>\\n` + content + `\\n`, then `<|assistant|>\\n`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dflash.errors import DFlashError
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "system": "system"}  # fmt: skip
+
+
+class PromptError(DFlashError):
+    """Evaluation data that cannot be used; the message names the file and line."""
+
+
+def _message(raw: Any) -> dict[str, str] | None:
+    if not isinstance(raw, dict):
+        return None
+    role, content = raw.get("role", raw.get("from")), raw.get("content", raw.get("value"))
+    if not isinstance(role, str) or not isinstance(content, str):
+        return None
+    return {"role": _SHAREGPT_ROLES.get(role, role), "content": content}
+
+
+def conversation_to_prompt(obj: Any) -> list[dict[str, str]] | None:
+    """The messages up to and including the last user turn; None when there is none."""
+    if not isinstance(obj, dict):
+        return None
+    turns = obj.get("turns")
+    if isinstance(turns, list) and turns and isinstance(turns[0], str):
+        return [{"role": "user", "content": turns[0]}]
+    raw = obj.get("messages", obj.get("conversations"))
+    if not isinstance(raw, list):
+        return None
+    messages = [m for m in map(_message, raw) if m is not None]
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    return None if last_user is None else messages[: last_user + 1]
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` followed by the assistant's generation prompt."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        return [int(i) for i in ids]
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ([bos] if isinstance(bos, int) else []) + list(tokenizer.encode(text))
+
+
+def load_chat_prompts(
+    path: Path | str, tokenizer: Any, limit: int | None = None
+) -> list[list[int]]:
+    """Rendered prompts of a chat JSONL file; lines without a user turn are an error."""
+    source = Path(path)
+    try:
+        lines = source.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise PromptError(f"--eval-data {path}: cannot read it ({err})") from err
+    prompts: list[list[int]] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise PromptError(f"--eval-data {source}:{lineno}: malformed JSON ({err.msg})") from err
+        messages = conversation_to_prompt(obj)
+        if messages is None:
+            raise PromptError(
+                f"--eval-data {source}:{lineno}: no chat turns (expected 'messages' with a "
+                "user turn, 'conversations' or 'turns')"
+            )
+        prompts.append(render_prompt(tokenizer, messages))
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise PromptError(f"--eval-data {source}: no chat turns in the file")
+    return prompts

@@ -1,0 +1,111 @@
+"""The metrics a training run exports (names, units, labels) and their wiring to tracing.
+
+Every instrument is listed in METRICS: the Grafana dashboard and the stack checks
+(tests/test_stack_config.py) derive the Prometheus names from this one table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.sdk.metrics.export import MetricExporter
+
+from tracing import ProfileStats, TracingConfig, TracingConfigError
+from tracing.metrics import Metrics, MetricsConfig, start_metrics
+
+NAMESPACE = "dflash"
+"""Prefix of the instrument names and the traces' `attribute_namespace`: the resource
+keys `dflash.run.id` and `dflash.rank` become the labels the dashboard selects by."""
+Reader = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str
+    """Without the namespace: `tokens` is exported as `dflash.tokens`."""
+    kind: str
+    """counter (monotonic, read by callback), gauge (callback or per logged step), histogram."""
+    unit: str
+    description: str
+    labels: tuple[str, ...] = ()
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("tokens", "counter", "{token}", "Tokens through each stage.", ("stage",)),
+    MetricSpec("steps", "counter", "{step}", "Batches (target) and steps (drafter).", ("stage",)),
+    MetricSpec("queue.depth", "gauge", "{batch}", "Items waiting in each queue.", ("queue",)),
+    MetricSpec("phase.duration", "histogram", "s", "Every phase, sampled or not.", ("phase",)),
+    MetricSpec("train.loss", "gauge", "{nat}", "Training loss at the last logged step."),
+    MetricSpec(
+        "train.acceptance_length", "gauge", "{token}", "τ estimate at the last logged step."
+    ),
+    MetricSpec("train.learning_rate", "gauge", "", "Learning rate at the last logged step."),
+    MetricSpec("train.grad_norm", "gauge", "", "Gradient norm at the last logged step."),
+    MetricSpec("train.mfu", "gauge", "1", "Model FLOPs utilization of the drafter devices."),
+    MetricSpec(
+        "device.memory.peak", "gauge", "By", "Peak device memory since the last read.", ("device",)
+    ),
+)
+SPECS = {spec.name: spec for spec in METRICS}
+STEP_GAUGES = {
+    "loss": "train.loss",
+    "tau": "train.acceptance_length",
+    "lr": "train.learning_rate",
+    "grad_norm": "train.grad_norm",
+    "mfu": "train.mfu",
+}
+
+
+def start_run_metrics(
+    tracing_cfg: TracingConfig,
+    stats: ProfileStats,
+    *,
+    tokens: Mapping[str, Reader],
+    steps: Mapping[str, Reader],
+    queues: Mapping[str, Reader],
+    memory: Mapping[str, Reader] | None = None,
+    exporters: Sequence[MetricExporter] = (),
+    environ: Mapping[str, str] | None = None,
+    **cfg_overrides: Any,
+) -> Metrics:
+    """Metrics of one rank: `tokens`/`steps` map a stage name to a monotonic counter,
+    `queues` a queue name to its depth, `memory` a device to its peak bytes since the
+    last read. Endpoint and protocol follow the traces unless OTEL_*METRICS* say else;
+    the resource is the traces' (`tracing_cfg.attribute_namespace` must be NAMESPACE)."""
+    if tracing_cfg.attribute_namespace != NAMESPACE:
+        raise TracingConfigError(
+            f"run metrics need attribute_namespace {NAMESPACE!r} (the dashboard selects runs "
+            f"by {NAMESPACE}_run_id), got {tracing_cfg.attribute_namespace!r}"
+        )
+    cfg = MetricsConfig.from_env(tracing_cfg, environ, namespace=NAMESPACE, **cfg_overrides)
+    metrics = start_metrics(cfg, tracing_cfg, exporters=exporters)
+    for stage, fn in tokens.items():
+        _observe(metrics, "tokens", fn, stage=stage)
+    for stage, fn in steps.items():
+        _observe(metrics, "steps", fn, stage=stage)
+    for queue, fn in queues.items():
+        _observe(metrics, "queue.depth", fn, queue=queue)
+    for device, fn in (memory or {}).items():
+        _observe(metrics, "device.memory.peak", fn, device=device)
+    spec = SPECS["phase.duration"]
+    metrics.observe_stats(stats, spec.name, spec.description)
+    for name in STEP_GAUGES.values():
+        spec = SPECS[name]
+        metrics.gauge(spec.name, unit=spec.unit, description=spec.description)
+    return metrics
+
+
+def _observe(metrics: Metrics, name: str, fn: Reader, **attributes: str) -> None:
+    spec = SPECS[name]
+    observe = metrics.observe_counter if spec.kind == "counter" else metrics.observe_gauge
+    observe(name, fn, unit=spec.unit, description=spec.description, attributes=attributes)
+
+
+def record_step(metrics: Metrics, **values: float | None) -> None:
+    """Once per logged step: loss=, tau=, lr=, grad_norm=, mfu= (None ones are skipped)."""
+    unknown = set(values) - set(STEP_GAUGES)
+    if unknown:
+        raise TypeError(f"record_step got unknown figure(s): {', '.join(sorted(unknown))}")
+    metrics.record({STEP_GAUGES[key]: value for key, value in values.items()})

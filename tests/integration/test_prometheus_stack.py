@@ -1,0 +1,171 @@
+"""The real Prometheus scrapes the stack's collector; the dashboard's PromQL returns series.
+
+Prometheus is built from tools/prometheus/go.mod (or taken from DFLASH_PROMETHEUS_BIN)
+and runs docker/prometheus/prometheus.yml with its targets moved to the loopback ports
+of the collector started with the stack's own config. Without Go the tests skip;
+with DFLASH_REQUIRE_PROMETHEUS=1 a missing Prometheus fails them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+from conftest import REPO_ROOT, die_with_parent, free_port
+from run_metrics_sender import metrics_run
+from test_collector_pipeline import Collector, load_stack_checks
+from test_collector_pipeline import collector as collector  # the fixture, re-exported
+from test_jaeger_otlp import unique_service
+
+from dflash.bottleneck import DEFAULT_THRESHOLD, WaitShares, verdict
+
+PROMETHEUS_CONFIG = REPO_ROOT / "docker" / "prometheus" / "prometheus.yml"
+BUILD_SCRIPT = REPO_ROOT / "tools" / "prometheus" / "build.sh"
+SCRAPE_S = 1
+
+
+def prometheus_unavailable(reason: str) -> None:
+    if os.environ.get("DFLASH_REQUIRE_PROMETHEUS") == "1":
+        pytest.fail(f"{reason} (DFLASH_REQUIRE_PROMETHEUS=1)", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def prometheus_binary() -> Path:
+    explicit = os.environ.get("DFLASH_PROMETHEUS_BIN")
+    if explicit:
+        return Path(explicit)
+    if shutil.which("go") is None:
+        prometheus_unavailable("Go is not installed: Prometheus is built from tools/prometheus")
+    done = subprocess.run(
+        ["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, timeout=3600, check=False
+    )
+    if done.returncode != 0:
+        prometheus_unavailable(f"tools/prometheus/build.sh failed:\n{done.stderr[-3000:]}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def loopback_prometheus_config(ports: dict[str, int]) -> dict[str, Any]:
+    """docker/prometheus/prometheus.yml, scraping the test's collector every second."""
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    config["global"].update(scrape_interval=f"{SCRAPE_S}s", evaluation_interval=f"{SCRAPE_S}s")
+    moved = {"8889": ports["prometheus"], "8888": ports["telemetry"]}
+    for job in config["scrape_configs"]:
+        for static in job["static_configs"]:
+            static["targets"] = [
+                f"127.0.0.1:{moved[t.rsplit(':', 1)[1]]}" for t in static["targets"]
+            ]
+    return config
+
+
+@pytest.fixture
+def prometheus(
+    prometheus_binary: Path, collector: tuple[Collector, dict[str, int]], tmp_path: Path
+) -> Iterator[str]:
+    _, ports = collector
+    config = tmp_path / "prometheus.yml"
+    config.write_text(yaml.safe_dump(loopback_prometheus_config(ports)))
+    port = free_port()
+    log = (tmp_path / "prometheus.log").open("wb")
+    process = subprocess.Popen(
+        [str(prometheus_binary), f"--config.file={config}",
+         f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
+            try:
+                if requests.get(f"{url}/-/ready", timeout=1).ok:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "Prometheus not ready in 60 s"
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+def query(url: str, promql: str) -> list[dict[str, Any]]:
+    reply = requests.get(f"{url}/api/v1/query", params={"query": promql}, timeout=10).json()
+    assert reply["status"] == "success", (promql, reply)
+    return reply["data"]["result"]
+
+
+def grafana_to_promql(expr: str, service: str, run: str) -> str:
+    # label_values(selector, label) is Grafana's: its series are the selector's.
+    expr = re.sub(r"^label_values\((.*),\s*\w+\)$", r"\1", expr)
+    expr = expr.replace("$__rate_interval", f"{4 * SCRAPE_S}s")
+    return expr.replace("$service", service).replace("$run", run)
+
+
+HIGH = DEFAULT_THRESHOLD + 0.15
+SCENARIOS = {  # run id -> wait shares (target input, target output, drafter)
+    "balanced": WaitShares(0.02, 0.02, 0.05),
+    "target-bound": WaitShares(0.02, 0.02, HIGH),
+    "input-bound": WaitShares(HIGH, 0.0, HIGH),
+    "drafter-bound": WaitShares(0.02, HIGH, 0.02),
+}
+CODES = {0: "balanced", 1: "target-bound", 2: "input-bound", 3: "drafter-bound"}
+
+
+def test_dashboard_queries_return_series_and_the_verdict(
+    prometheus: str, collector: tuple[Collector, dict[str, int]]
+) -> None:
+    _, ports = collector
+    service = unique_service("prom")
+    endpoint = f"http://127.0.0.1:{ports['grpc']}"
+    checks = load_stack_checks()
+    stack = checks.load_stack()
+    with (
+        metrics_run(service, endpoint, "balanced", SCENARIOS["balanced"]),
+        metrics_run(service, endpoint, "target-bound", SCENARIOS["target-bound"]),
+        metrics_run(service, endpoint, "input-bound", SCENARIOS["input-bound"]),
+        metrics_run(service, endpoint, "drafter-bound", SCENARIOS["drafter-bound"]),
+    ):
+        deadline = time.monotonic() + 60
+        while not query(
+            prometheus, f'rate(dflash_tokens_total{{service_name="{service}"}}[4s]) > 0'
+        ):
+            assert time.monotonic() < deadline, "no dflash metrics in Prometheus after 60 s"
+            time.sleep(0.5)
+        time.sleep(3 * SCRAPE_S)  # a few more scrapes: every rate() window has two samples
+        empty = []
+        for where, expr in checks.prometheus_queries(stack):
+            if "traces_span_metrics" in expr:
+                continue  # span metrics: this run sends no spans (the collector test does)
+            if not query(prometheus, grafana_to_promql(expr, service, ".*")):
+                empty.append(where)
+        assert empty == [], f"dashboard queries without series: {empty}"
+        panel = next(
+            p for d in stack["dashboards"].values() for p in d["panels"]
+            if p["title"].startswith("Bottleneck")
+        )  # fmt: skip
+        for run, shares in SCENARIOS.items():
+            (series,) = query(
+                prometheus, grafana_to_promql(panel["targets"][0]["expr"], service, run)
+            )
+            code = int(float(series["value"][1]))
+            assert CODES[code] == run
+            assert run in verdict(shares)  # the in-process verdict names the same stage
+    runs = query(
+        prometheus, f'count by (dflash_run_id) (dflash_train_loss{{service_name="{service}"}})'
+    )
+    assert {r["metric"]["dflash_run_id"] for r in runs} == set(SCENARIOS)

@@ -1,0 +1,189 @@
+"""The metrics signal: instruments, the stats histogram, a dead collector (the OTEL_*
+variables: test_metrics_env.py)."""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
+
+import tracing
+from tracing.metrics import PHASE_BOUNDS_S, MetricsConfig, start_metrics
+
+
+class MemoryMetricExporter(MetricExporter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.exports: list[MetricsData] = []
+
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **_: Any):
+        self.exports.append(metrics_data)
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **_: Any) -> None:
+        pass
+
+    def points(self) -> dict[str, list[Any]]:
+        """metric name -> (unit, data points) of the last export."""
+        found: dict[str, Any] = {}
+        for rm in self.exports[-1].resource_metrics:
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    found[metric.name] = (metric.unit, list(metric.data.data_points))
+        return found
+
+
+def test_instruments_carry_namespace_units_and_values() -> None:
+    memory = MemoryMetricExporter()
+    cfg = MetricsConfig(namespace="app", export_interval_s=3600)
+    metrics = start_metrics(cfg, tracing.TracingConfig(run_id="r1"), exporters=[memory])
+    tokens = {"a": 10.0, "b": 20.0}
+    metrics.observe_counter(
+        "tokens", lambda: tokens["a"], unit="{token}", attributes={"stage": "a"}
+    )
+    metrics.observe_counter(
+        "tokens", lambda: tokens["b"], unit="{token}", attributes={"stage": "b"}
+    )
+    metrics.observe_gauge("queue.depth", lambda: 1 / 0, unit="{item}", attributes={"queue": "x"})
+    metrics.observe_gauge("queue.depth", lambda: 3, unit="{item}", attributes={"queue": "y"})
+    metrics.gauge("train.loss", unit="{nat}")
+    metrics.record({"train.loss": 2.5, "unknown": 1.0, "train.loss_none": None})
+    assert metrics.force_flush()
+    points = memory.points()
+    assert points["app.tokens"][0] == "{token}"
+    assert {p.attributes["stage"]: p.value for p in points["app.tokens"][1]} == {"a": 10, "b": 20}
+    # The broken callback loses its own value only.
+    assert [(p.attributes, p.value) for p in points["app.queue.depth"][1]] == [({"queue": "y"}, 3)]
+    assert [p.value for p in points["app.train.loss"][1]] == [2.5]
+    resource = memory.exports[-1].resource_metrics[0].resource.attributes
+    assert resource["tracing.run.id"] == "r1" and resource["service.instance.id"]
+    tokens["a"] = 15.0
+    metrics.record({"train.loss": 2.0})
+    metrics.force_flush()
+    points = memory.points()
+    assert {p.attributes["stage"]: p.value for p in points["app.tokens"][1]}["a"] == 15
+    assert [p.value for p in points["app.train.loss"][1]] == [2.0]
+    assert metrics.shutdown().exports_failed == 0
+
+
+def test_otlp_request_holds_instruments_and_stats_histogram() -> None:
+    from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
+
+    memory = MemoryMetricExporter()
+    metrics = start_metrics(MetricsConfig(export_interval_s=3600), tracing.TracingConfig(),
+                            exporters=[memory])  # fmt: skip
+    metrics.observe_gauge("depth", lambda: 1, unit="{item}")
+    stats = tracing.ProfileStats()
+    stats.add("p", 0.01)
+    metrics.observe_stats(stats)
+    metrics.force_flush()
+    request = encode_metrics(memory.exports[-1])
+    names = {
+        m.name for rm in request.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    }
+    assert names == {"depth", "phase.duration"}
+    metrics.shutdown()
+
+
+def reference_bucket_counts(values: Sequence[float]) -> list[int]:
+    """OTel explicit-bucket rule: bucket i counts bounds[i-1] < v <= bounds[i]."""
+    counts = [0] * (len(PHASE_BOUNDS_S) + 1)
+    for v in values:
+        counts[sum(1 for b in PHASE_BOUNDS_S if v > b)] += 1
+    return counts
+
+
+def test_phase_histogram_is_the_unsampled_stats() -> None:
+    memory = MemoryMetricExporter()
+    stats = tracing.ProfileStats()
+    metrics = start_metrics(
+        MetricsConfig(export_interval_s=3600), tracing.TracingConfig(), exporters=[memory]
+    )
+    metrics.observe_stats(stats, "phase.duration")
+    rng = random.Random(0)
+    # Log-uniform from 10 µs to 20 s, off the octave edges (where the two bucket
+    # conventions may differ by the rounding of one value).
+    values = [10 ** rng.uniform(-5, 1.3) for _ in range(3000)]
+    for v in values:
+        stats.add("fwd", v)
+    stats.add("other", 0.002)
+    metrics.force_flush()
+    unit, points = memory.points()["phase.duration"]
+    assert unit == "s"
+    by_phase = {p.attributes["phase"]: p for p in points}
+    fwd = by_phase["fwd"]
+    assert fwd.count == 3000 and fwd.sum == pytest.approx(sum(values))
+    assert list(fwd.explicit_bounds) == list(PHASE_BOUNDS_S)
+    assert list(fwd.bucket_counts) == reference_bucket_counts(values)
+    assert (fwd.min, fwd.max) == (min(values), max(values))
+    assert by_phase["other"].count == 1
+    first_start = fwd.start_time_unix_nano
+    stats.reset()  # a new cumulative series starts: Prometheus sees a counter reset
+    stats.add("fwd", 0.01)
+    metrics.force_flush()
+    fwd = {p.attributes["phase"]: p for p in memory.points()["phase.duration"][1]}["fwd"]
+    assert fwd.count == 1 and fwd.start_time_unix_nano > first_start
+    metrics.shutdown()
+
+
+def test_phase_histogram_ignores_trace_sampling() -> None:
+    memory = MemoryMetricExporter()
+    telemetry = tracing.setup(tracing.TracingConfig(sample_ratio=0.0))
+    try:
+        metrics = start_metrics(
+            MetricsConfig(export_interval_s=3600), telemetry.cfg, exporters=[memory]
+        )
+        metrics.observe_stats(telemetry.stats)
+        for _ in range(50):
+            with tracing.phase("step"):
+                pass
+        metrics.force_flush()
+        (point,) = memory.points()["phase.duration"][1]
+        assert point.count == 50
+        metrics.shutdown()
+    finally:
+        telemetry.shutdown(timeout_s=1.0)
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_dead_collector_costs_nothing_and_is_counted(protocol: str) -> None:
+    cfg = MetricsConfig(
+        exporter="otlp",
+        otlp_endpoint=f"http://127.0.0.1:{closed_port()}",
+        otlp_protocol=protocol,
+        export_interval_s=0.05,
+        export_timeout_s=0.3,
+        shutdown_timeout_s=1.0,
+    )
+    metrics = start_metrics(cfg, tracing.TracingConfig())
+    metrics.gauge("loss", unit="{nat}")
+    stats = tracing.ProfileStats()
+    metrics.observe_stats(stats)
+    started = time.monotonic()
+    for _ in range(200):  # the training side: never waits on the exports
+        metrics.record({"loss": 1.0})
+        stats.add("p", 0.001)
+    assert time.monotonic() - started < 0.5
+    deadline = time.monotonic() + 10
+    while metrics.report().exports_failed == 0:
+        assert time.monotonic() < deadline, "no failed export counted"
+        time.sleep(0.05)
+    report = metrics.shutdown()
+    assert report.duration_s < 1.5
+    assert report.exports_ok == 0 and report.exports_failed >= 1 and report.points_failed >= 2
+    assert "failed" in report.summary() and "\n" not in report.summary()
+    assert metrics.shutdown() is report

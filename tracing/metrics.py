@@ -1,0 +1,387 @@
+"""OTel metrics beside the traces: counters and gauges read by callbacks, gauges set once
+per logged step, and a phase-duration histogram taken from the unsampled ProfileStats.
+
+    cfg = MetricsConfig.from_env(tracing_cfg, namespace="myapp")   # OTEL_METRICS_* honoured
+    metrics = start_metrics(cfg, tracing_cfg)
+    metrics.observe_counter("tokens", lambda: n_tokens, unit="{token}", attributes={"stage": "x"})
+    metrics.observe_gauge("queue.depth", q.qsize, unit="{item}", attributes={"queue": "q"})
+    metrics.observe_stats(telemetry.stats, "phase.duration")      # seconds, explicit buckets
+    metrics.gauge("train.loss", unit="{nat}")
+    metrics.record({"train.loss": 2.1})                            # once per logged step
+    report = metrics.shutdown()                                    # bounded; MetricsReport
+
+Hot path: nothing. Callbacks run on the reader's export thread once per interval; the
+histogram is built there from a cumulative snapshot of the stats, so trace sampling
+never changes it. A collector that is down costs one bounded export per interval on
+that thread; failed exports are counted in the report, training never waits on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    ConsoleMetricExporter,
+    Histogram,
+    HistogramDataPoint,
+    Metric,
+    MetricExporter,
+    MetricExportResult,
+    MetricsData,
+    PeriodicExportingMetricReader,
+    ResourceMetrics,
+    ScopeMetrics,
+)
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from tracing.clock import now_ns
+from tracing.config import TracingConfig
+from tracing.exporters import quiet_otlp_loggers
+from tracing.metrics_config import METRICS_EXPORTERS, MetricsConfig, otlp_metrics_url
+from tracing.stats import BUCKETS_PER_OCTAVE, ProfileStats
+from tracing.telemetry import build_resource
+
+__all__ = [
+    "METRICS_EXPORTERS",
+    "PHASE_BOUNDS_S",
+    "Metrics",
+    "MetricsConfig",
+    "MetricsReport",
+    "build_metric_exporters",
+    "start_metrics",
+]
+
+logger = logging.getLogger("tracing")
+SCOPE = InstrumentationScope("tracing.metrics")
+# The histograms built from ProfileStats get a scope of their own: the OTLP encoder
+# keys scopes by name, and would let one replace the SDK instruments' scope.
+STATS_SCOPE = InstrumentationScope("tracing.metrics.stats")
+# Octave edges from ~61 µs to 8 s: each ProfileStats bucket (8 per octave) lies inside
+# one of them, so the histogram counts are exact, and ms phases get several buckets.
+PHASE_BOUNDS_S = tuple(2.0**k for k in range(-14, 4))
+
+
+@dataclass(frozen=True)
+class MetricsReport:
+    """What became of the metric exports of one run."""
+
+    exports_ok: int
+    exports_failed: int
+    points_failed: int
+    """Data points in failed exports (the metrics lost; training lost nothing)."""
+    duration_s: float = 0.0
+
+    def summary(self) -> str:
+        return (
+            f"metrics: exports ok {self.exports_ok}, failed {self.exports_failed} "
+            f"({self.points_failed} points lost)"
+        )
+
+
+class _StatsExporter(MetricExporter):
+    """Adds the ProfileStats histograms to each export and counts the results.
+
+    Runs on the reader's thread; never raises (an exporter error is a failed export).
+    """
+
+    def __init__(self, inner: MetricExporter, owner: Metrics) -> None:
+        super().__init__(preferred_temporality=inner._preferred_temporality)
+        self.inner = inner
+        self.owner = owner
+        self.ok = self.failed = self.points_failed = 0
+        self.calls = 0
+
+    def export(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+    ) -> MetricExportResult:
+        self.calls += 1
+        data = self.owner._with_stats(metrics_data)
+        try:
+            result = self.inner.export(data, timeout_millis=timeout_millis)
+        except Exception:
+            logger.exception("tracing: metric exporter %s raised", type(self.inner).__name__)
+            result = MetricExportResult.FAILURE
+        if result == MetricExportResult.SUCCESS:
+            self.ok += 1
+        else:
+            self.failed += 1
+            self.points_failed += _count_points(data)
+        return result
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        self.inner.shutdown(timeout_millis=timeout_millis)
+
+
+class _Reader(PeriodicExportingMetricReader):
+    """A periodic reader that exports the stats histograms also when the SDK has no
+    instrument data (it then skips the export)."""
+
+    def __init__(self, exporter: _StatsExporter, interval_s: float, timeout_s: float) -> None:
+        super().__init__(exporter, interval_s * 1e3, timeout_s * 1e3)
+        self.stats_exporter = exporter
+
+    def collect(self, timeout_millis: float = 10_000) -> None:
+        calls = self.stats_exporter.calls
+        super().collect(timeout_millis=timeout_millis)
+        if self.stats_exporter.calls == calls and self.stats_exporter.owner._histograms:
+            self.stats_exporter.export(MetricsData([]), timeout_millis=timeout_millis)
+
+
+def _count_points(data: MetricsData) -> int:
+    return sum(
+        len(metric.data.data_points)
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for metric in sm.metrics
+    )
+
+
+class _StatsHistogram:
+    """Cumulative histogram of one ProfileStats, one point per phase name."""
+
+    def __init__(self, stats: ProfileStats, name: str, description: str) -> None:
+        self.stats, self.name, self.description = stats, name, description
+        self.start_ns = now_ns()
+        self._last_total = 0
+
+    def metric(self) -> Metric:
+        snap = self.stats.snapshot()
+        total = sum(s.count for s in snap.phases.values())
+        if total < self._last_total:  # the stats were reset: a new cumulative series
+            self.start_ns = now_ns()
+        self._last_total = total
+        time_ns = now_ns()
+        points = [
+            HistogramDataPoint(
+                attributes={"phase": name},
+                start_time_unix_nano=self.start_ns,
+                time_unix_nano=time_ns,
+                count=s.count,
+                sum=s.total_s,
+                bucket_counts=_bucket_counts(s.buckets),
+                explicit_bounds=list(PHASE_BOUNDS_S),
+                min=s.min_s,
+                max=s.max_s,
+                exemplars=[],
+            )
+            for name, s in sorted(snap.phases.items())
+            if s.count
+        ]
+        data = Histogram(points, AggregationTemporality.CUMULATIVE)
+        return Metric(self.name, self.description, "s", data)
+
+
+def _bucket_counts(buckets: Mapping[int, int]) -> list[int]:
+    """ProfileStats log buckets summed into PHASE_BOUNDS_S (upper bounds, +Inf last)."""
+    counts = [0] * (len(PHASE_BOUNDS_S) + 1)
+    first_octave = round(math.log2(PHASE_BOUNDS_S[0]))
+    for bucket, n in buckets.items():
+        # bucket b covers [2**(b/8), 2**((b+1)/8)): inside octave floor(b/8).
+        index = bucket // BUCKETS_PER_OCTAVE - first_octave + 1
+        counts[min(max(index, 0), len(PHASE_BOUNDS_S))] += n
+    return counts
+
+
+class Metrics:
+    """The metrics of one process: a meter provider with one periodic reader per exporter.
+
+    Thread contract: registration (`observe_*`, `gauge`) from any thread, best before
+    training; `record` from any thread, off the hot path (once per logged step);
+    callbacks run on the reader thread and an exception in one only loses its value.
+    """
+
+    def __init__(
+        self,
+        cfg: MetricsConfig,
+        resource: Resource,
+        exporters: Sequence[MetricExporter] = (),
+    ) -> None:
+        self.cfg = cfg
+        self._wrapped = [_StatsExporter(e, self) for e in exporters]
+        readers = [_Reader(w, cfg.export_interval_s, cfg.export_timeout_s) for w in self._wrapped]
+        self.resource = resource
+        self.provider = MeterProvider(readers, resource=resource, shutdown_on_exit=False)
+        self._meter = self.provider.get_meter(SCOPE.name)
+        self._observed: dict[str, list[tuple[Callable[[], float], dict[str, Any]]]] = {}
+        self._gauges: dict[str, Any] = {}
+        self._histograms: list[_StatsHistogram] = []
+        self._report: MetricsReport | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._wrapped)
+
+    def full_name(self, name: str) -> str:
+        return f"{self.cfg.namespace}.{name}" if self.cfg.namespace else name
+
+    def observe_counter(
+        self,
+        name: str,
+        fn: Callable[[], float],
+        *,
+        unit: str,
+        description: str = "",
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        """A monotonic counter read through `fn()` at each collection."""
+        self._observe("counter", name, fn, unit, description, attributes)
+
+    def observe_gauge(
+        self,
+        name: str,
+        fn: Callable[[], float],
+        *,
+        unit: str,
+        description: str = "",
+        attributes: Mapping[str, Any] | None = None,
+    ) -> None:
+        """A gauge read through `fn()` at each collection (queue depths, memory)."""
+        self._observe("gauge", name, fn, unit, description, attributes)
+
+    def _observe(self, kind: str, name: str, fn: Callable[[], float], unit: str,
+                 description: str, attributes: Mapping[str, Any] | None) -> None:  # fmt: skip
+        with self._lock:
+            series = self._observed.get(name)
+            if series is None:
+                series = self._observed[name] = []
+                create = (self._meter.create_observable_counter if kind == "counter"
+                          else self._meter.create_observable_gauge)  # fmt: skip
+                create(self.full_name(name), [self._callback(name)], unit, description)
+            series.append((fn, dict(attributes or {})))
+
+    def _callback(self, name: str) -> Callable[[CallbackOptions], list[Observation]]:
+        def observe(options: CallbackOptions) -> list[Observation]:
+            out = []
+            for fn, attributes in list(self._observed[name]):
+                try:
+                    out.append(Observation(float(fn()), attributes))
+                except Exception:  # one broken callback loses one value
+                    continue
+            return out
+
+        return observe
+
+    def gauge(self, name: str, *, unit: str, description: str = "") -> None:
+        """Declares a gauge that `record` sets (e.g. loss, once per logged step)."""
+        with self._lock:
+            if name not in self._gauges:
+                self._gauges[name] = self._meter.create_gauge(
+                    self.full_name(name), unit, description
+                )
+
+    def record(
+        self, values: Mapping[str, float | None], attributes: Mapping[str, Any] | None = None
+    ) -> None:
+        """Sets declared gauges; None values and undeclared names are skipped."""
+        for name, value in values.items():
+            instrument = self._gauges.get(name)
+            if instrument is not None and value is not None:
+                instrument.set(float(value), attributes)
+
+    def observe_stats(
+        self, stats: ProfileStats, name: str = "phase.duration", description: str = ""
+    ) -> None:
+        """Exports `stats` as a histogram in seconds with attribute `phase`."""
+        desc = description or "Duration of each phase, from every phase (sampled or not)."
+        self._histograms.append(_StatsHistogram(stats, self.full_name(name), desc))
+
+    def _with_stats(self, data: MetricsData) -> MetricsData:
+        if not self._histograms:
+            return data
+        extra = ScopeMetrics(STATS_SCOPE, [h.metric() for h in self._histograms], "")
+        if not data.resource_metrics:
+            return MetricsData([ResourceMetrics(self.resource, [extra], "")])
+        first, *rest = data.resource_metrics
+        merged = ResourceMetrics(first.resource, [*first.scope_metrics, extra], first.schema_url)
+        return MetricsData([merged, *rest])
+
+    def force_flush(self, timeout_s: float = 2.0) -> bool:
+        return self.provider.force_flush(timeout_s * 1e3)
+
+    def report(self) -> MetricsReport:
+        return MetricsReport(
+            exports_ok=sum(w.ok for w in self._wrapped),
+            exports_failed=sum(w.failed for w in self._wrapped),
+            points_failed=sum(w.points_failed for w in self._wrapped),
+        )
+
+    def shutdown(self, timeout_s: float | None = None) -> MetricsReport:
+        """Final export and close, bounded by `timeout_s`; idempotent."""
+        with self._lock:
+            if self._report is None:
+                started = time.monotonic()
+                budget_s = self.cfg.shutdown_timeout_s if timeout_s is None else timeout_s
+                thread = threading.Thread(
+                    target=self.provider.shutdown,
+                    kwargs={"timeout_millis": budget_s * 1e3},
+                    name="tracing-metrics-close",
+                    daemon=True,
+                )
+                thread.start()
+                thread.join(budget_s)
+                report = self.report()
+                self._report = MetricsReport(
+                    report.exports_ok,
+                    report.exports_failed,
+                    report.points_failed,
+                    time.monotonic() - started,
+                )
+        return self._report
+
+
+def build_metric_exporters(cfg: MetricsConfig) -> list[MetricExporter]:
+    """The exporters `cfg.exporter` names; imports each SDK exporter only when used."""
+    exporters: list[MetricExporter] = []
+    for name in cfg.exporter:
+        if name == "console":
+            exporters.append(ConsoleMetricExporter())
+        elif name == "otlp":
+            exporters.append(_otlp_metric_exporter(cfg))
+    return exporters
+
+
+def _otlp_metric_exporter(cfg: MetricsConfig) -> MetricExporter:
+    quiet_otlp_loggers("opentelemetry.exporter.otlp.proto.http.metric_exporter")
+    headers = dict(cfg.otlp_headers) or None
+    url = otlp_metrics_url(cfg)
+    if cfg.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+        return OTLPMetricExporter(
+            endpoint=url,
+            insecure=url.startswith("http://"),
+            headers=headers,
+            timeout=cfg.export_timeout_s,
+        )
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
+        OTLPMetricExporter as HttpMetricExporter,
+    )
+
+    return HttpMetricExporter(endpoint=url, headers=headers, timeout=cfg.export_timeout_s)
+
+
+def start_metrics(
+    cfg: MetricsConfig,
+    tracing_cfg: TracingConfig,
+    *,
+    exporters: Sequence[MetricExporter] = (),
+) -> Metrics:
+    """Metrics with the traces' resource (`build_resource`: the same service.instance.id,
+    `<attribute_namespace>.rank` and `.run.id`) and the exporters `cfg` names, plus
+    `exporters` (e.g. an in-memory one in tests)."""
+    resource = build_resource(tracing_cfg)
+    return Metrics(cfg, resource, [*build_metric_exporters(cfg), *exporters])
