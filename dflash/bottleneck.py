@@ -13,17 +13,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from dflash import names
 from tracing import StatsSnapshot
 
 # Below this share of wall time a wait is noise, not a bottleneck.
 DEFAULT_THRESHOLD = 0.15
 
-BATCH_WAIT = "batch_queue.wait"
-HS_PUT = "hs_queue.put"
-HS_WAIT = "hs_queue.wait"
+BATCH_WAIT = names.BATCH_QUEUE_WAIT
+HS_PUT = names.HS_QUEUE_PUT
+HS_WAIT = names.HS_QUEUE_WAIT
 # The entries that identify a thread as one of a stage's threads.
-TARGET_PHASES = (BATCH_WAIT, "target.forward", HS_PUT)
-DRAFTER_PHASES = (HS_WAIT, "drafter.step")
+TARGET_PHASES = (BATCH_WAIT, names.TARGET_FORWARD, HS_PUT)
+DRAFTER_PHASES = (HS_WAIT, names.DRAFTER_STEP)
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,8 @@ def chunked_dflash_loss(
 def block_metrics(
     correct: Tensor, run: Tensor, valid: Tensor, ce_sum: Tensor, weight_sum: Tensor
 ) -> dict[str, Tensor]:
-    """Scalar device tensors: ce, accuracy, acc@k, tau_proxy (as dflash_loss), weight_sum.
+    """Device tensors as dflash_loss gives them: ce, accuracy, accuracy_per_position[Bs-1]
+    (k = 1 .. Bs-1), tau_proxy, weight_sum.
 
     correct/valid[B, N, Bs]; run[B, N] consecutive correct predictions from k=1.
     """
@@ -152,7 +153,7 @@ def block_metrics(
     count = count_k.sum().clamp(min=1)
     metrics = {"ce": ce_sum / count, "accuracy": correct.sum() / count}
     acc_k = correct.sum((0, 1)) / count_k.clamp(min=1)  # [Bs]
-    metrics |= {f"acc@{k}": acc_k[k] for k in range(1, correct.shape[-1])}
+    metrics["accuracy_per_position"] = acc_k[1:]
     scored = valid[..., 1]  # blocks whose first prediction counts
     num_scored = scored.sum()
     tau = ((run + 1) * scored).sum() / num_scored.clamp(min=1)

@@ -48,23 +48,6 @@ class FakeBatch:
     num_tokens: int = 64
 
 
-class PhaseTelemetry:
-    """The pipeline's Telemetry protocol on the tracing library (what the app's observer
-    does, without its reporter)."""
-
-    def phase(self, name: str, **kw: Any) -> Any:
-        return tracing.phase(name, **kw)
-
-    def start_span(self, name: str, attributes: Any = None, **kw: Any) -> Any:
-        return tracing.start_span(name, attributes, **kw)
-
-    def record(self, name: str, seconds: float) -> None:
-        tracing.get_stats().add(name, seconds)
-
-    def close(self, log: Any, gather_ranks: bool) -> None:
-        return None
-
-
 def run_stages(*, targets: int, drafters: int, make_s: float, forward_s: float, step_s: float,
                batches: int, hs_queue_size: int = 4) -> tracing.StatsSnapshot:  # fmt: skip
     """Runs the real pipeline threads on sleeps; the cumulative snapshot of its phases."""
@@ -90,7 +73,6 @@ def run_stages(*, targets: int, drafters: int, make_s: float, forward_s: float, 
         on_step=lambda *_: None,
         batch_queue_size=2,
         hs_queue_size=hs_queue_size,
-        telemetry=PhaseTelemetry(),
     )
     stats = tracing.get_stats()
     stats.reset()
