@@ -34,6 +34,16 @@ def _not_blank(value: str) -> str | None:
     return "must not be empty" if not value.strip() else None
 
 
+def _noise_spec(value: str) -> str | None:
+    from dflash.objective import NoiseSchedule, ObjectiveError  # objective imports this module
+
+    try:
+        NoiseSchedule.parse(value, 1)
+    except ObjectiveError as err:
+        return str(err).split(": ", 1)[-1]
+    return None
+
+
 _DEVICE_NAME = re.compile(r"^(cpu|cuda|mps)(?::(\d+))?$")
 
 
@@ -99,6 +109,12 @@ class DataConfig(Section):
     heldout_fraction: float = setting(
         0.05, "Share of documents kept out of training for evaluation.", gt=0.0, lt=1.0
     )
+    packing: Literal["docs", "concat"] = setting(
+        "docs",
+        "How documents fill rows: `docs` keeps each document to itself (the target, the "
+        "anchors and every block's context stay inside it; chats are cut at turn ends), "
+        "`concat` cuts rows from the concatenated stream.",
+    )
 
 
 @dataclass(frozen=True)
@@ -128,6 +144,18 @@ class DrafterSettings(Section):
     block_size: int = setting(
         8, "Tokens per drafted block (the anchor plus BLOCK_SIZE-1 predictions).", min=2
     )
+    intermediate_size: int | None = setting(
+        None,
+        "Width of the drafter's MLP; unset uses the target's intermediate size.",
+        option="drafter_intermediate_size", min=1,
+    )  # fmt: skip
+    mask_token_id: int | None = setting(
+        None,
+        "Embedding row of the target used for masked block positions; unset takes the "
+        "tokenizer's mask token, else the first embedding row past the tokenizer's vocabulary. "
+        "Must be a token the data never uses.",
+        min=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -150,6 +178,13 @@ class LossConfig(Section):
     )
     streak_alpha: float | None = setting(
         None, "Streak-aware weighting strength α; unset turns it off.", min=0.0, max=1.0
+    )
+    noise_schedule: str = setting(
+        "all",
+        "Which non-anchor block positions are masked: `all` (the paper's choice), or "
+        "`linear:START:END`, the masked share going from START to END (in (0, 1]) over the "
+        "run's --steps; only masked positions are scored.",
+        check=_noise_spec,
     )
 
     def decay_gamma(self, block_size: int) -> float | None:
@@ -196,6 +231,13 @@ class RunConfig(Section):
         None,
         "Continue from a checkpoint directory, or `latest` for the newest one under "
         "OUTPUT_DIR/checkpoints.",
+    )
+    init_from: str | None = setting(
+        None,
+        "Start the drafter from the weights of a DFlash drafter directory (a published "
+        "drafter, OUTPUT_DIR/drafter of an earlier run, or a checkpoint's drafter/); its "
+        "geometry must fit this run. With --resume the checkpoint's weights win.",
+        check=_not_blank,
     )
     save_every: int = setting(
         0, "Write a checkpoint every this many steps (0: only at the end).", min=0

@@ -12,14 +12,17 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from dflash.config import TrainConfig
+from dflash.objective import NoiseSchedule
 
 
 def format_loss_config(cfg: TrainConfig) -> str:
-    """The objective on one line (issue 5 prints the telemetry line right after it)."""
+    """The objective on one line (the telemetry line follows it)."""
     obj = cfg.loss
     gamma = cfg.gamma
     if gamma is None:
-        decay = "no γ decay (streak weights replace it)"
+        decay = "no γ decay (streak weights replace it; set --loss-decay-gamma to add it)"
+    elif obj.streak_alpha is not None:
+        decay = f"γ {gamma:g} (set, applied on top of the streak weights)"
     else:
         decay = f"γ {gamma:g} ({'set' if obj.gamma is not None else 'by block size'})"
     soft = (
@@ -30,9 +33,10 @@ def format_loss_config(cfg: TrainConfig) -> str:
     streak = "streak weighting off"
     if obj.streak_alpha is not None:
         streak = f"streak α {obj.streak_alpha:g}"
+    noise = NoiseSchedule.parse(obj.noise_schedule, cfg.run.steps).describe()
     return (
         f"loss: block size {cfg.drafter.block_size}, {decay}, {soft}, "
-        f"{streak}, up to {obj.num_anchors} anchors/sequence, noise: all non-anchor masked"
+        f"{streak}, up to {obj.num_anchors} anchors/sequence, noise: {noise}"
     )
 
 
