@@ -75,7 +75,7 @@ class DrafterTrainer:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
-    def _blocks(self, host: Batch) -> BlockInputs:
+    def block_inputs(self, host: Batch) -> BlockInputs:
         """Anchors, blocks, labels and context starts of a host batch, on the drafter
         device; the draws depend only on (seed, batch id, step)."""
         gen = torch.Generator(device="cpu").manual_seed(
@@ -95,7 +95,7 @@ class DrafterTrainer:
         drafter.train()
         with phase(names.ANCHOR_SELECTION):
             # Drawn on the host, then copied over: the device is never read back.
-            blocks = self._blocks(batch.to("cpu"))
+            blocks = self.block_inputs(batch.to("cpu"))
         anchors = blocks.anchors
         with phase(names.BLOCK_PREDICTION), self._autocast():
             logits = drafter(

@@ -246,13 +246,13 @@ def test_partial_noise_scores_only_masked_positions_and_anneals(tmp_path) -> Non
     cfg = small_cfg(tmp_path, noise_schedule="linear:0.3:1", steps=10, num_anchors=8)
     run = cpu_run(cfg)
     batch = run.train_data.batch(0)
-    early = run.trainer._blocks(batch)
+    early = run.trainer.block_inputs(batch)
     masked = early.block_ids == run.drafter.mask_id
     assert (early.valid <= masked).all()  # a visible token is never a label
     in_row = early.keep[..., None] & (early.anchors[..., None] + torch.arange(4) < 32)
     assert (~masked[..., 1:] & in_row[..., 1:]).any()  # some stay visible at step 0
     run.trainer.step_count = 10  # the schedule's end: everything masked again
-    late = run.trainer._blocks(batch)
+    late = run.trainer.block_inputs(batch)
     assert (late.block_ids[..., 1:] == run.drafter.mask_id).all()
     result = invoke(train_args(tmp_path, noise_schedule="linear:0.3:1"))
     assert "noise: masked share 0.3 -> 1 over 2 steps" in result.output
@@ -339,3 +339,13 @@ def test_concat_packing_keeps_the_previous_step_loss(tmp_path) -> None:
         expected = dflash_loss(logits.float(), labels, valid, cfg.loss).loss.detach()
         got = run.trainer.step(batch, out).loss
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_data_report_reaches_the_train_log(tmp_path) -> None:
+    lines = [json.dumps({"text": "def f(x):\n    return x + 1\n" * 20})] * 30
+    data = tmp_path / "corpus.jsonl"
+    data.write_text("\n".join([*lines[:3], "[1, 2]", *lines[3:]]) + "\n")
+    result = invoke(train_args(tmp_path, data=data))
+    assert result.exit_code == 0, result.output
+    assert "data: skipped 1 unusable JSONL lines (first: " in result.output
