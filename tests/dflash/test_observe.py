@@ -17,6 +17,7 @@ from dflash.step import DrafterTrainer, null_phase
 
 STEPS = 4
 PARENT = {
+    names.DATA_BATCH: names.BATCH,
     names.BATCH_QUEUE_WAIT: names.BATCH,
     names.TARGET_FORWARD: names.BATCH,
     names.HS_QUEUE_WAIT: names.BATCH,
@@ -27,7 +28,9 @@ PARENT = {
 
 def observer(sample_ratio: float = 1.0) -> tuple[Observer, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    cfg = tracing.TracingConfig(sample_ratio=sample_ratio, report_interval_s=60)
+    cfg = tracing.TracingConfig(
+        sample_ratio=sample_ratio, report_interval_s=60, attribute_namespace="dflash"
+    )
     telemetry = tracing.setup(cfg, span_processors=[SimpleSpanProcessor(exporter)])
     return Observer(cfg, telemetry, world_size=1), exporter
 
