@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 import uuid
@@ -164,6 +165,7 @@ class Observer:
         self.verdict: Callable[[StatsSnapshot], str | None] = bottleneck.snapshot_verdict
         self.bad_steps: int | None = None
         self._final_ranks: list[StatsSnapshot] | None = None
+        self._stream: IO[str] | None = None
         self._closed: dict[str, Any] | None = None
 
     @property
@@ -214,6 +216,7 @@ class Observer:
             reporter.set_interval_source(self.ranks.collect)
         reporter.install_exit_hooks()
         self.reporter = reporter.start()
+        self._stream = stream
 
     def _start_metrics(self, snapshot: Callable[[], CounterSnapshot], memory: PeakMemory) -> None:
         self.metrics = start_run_metrics(
@@ -272,9 +275,17 @@ class Observer:
         reporter, finals = self.reporter, self._final_ranks
         final = self.final_snapshot()
         if reporter is not None:
-            reporter.stop(final=finals is None)
+            # The final table and summary.json's verdict come from the same snapshot.
+            reporter.stop(final=False)
             reporter.uninstall_exit_hooks()
-            if finals is not None:
+            if finals is None:
+                title = f"interval: total {final.wall_s:.1f}s"
+                print(
+                    reporter.render(final, title, cumulative=True),
+                    file=self._stream or sys.stderr,
+                    flush=True,
+                )
+            else:
                 title = f"interval: total {final.wall_s:.1f}s, {len(finals)} ranks"
                 log(reporter.render(final, title, cumulative=True, rank_snapshots=finals))
         files = self.instruments.close()
@@ -339,10 +350,14 @@ def start_observer(
     The timeline and profiler paths are checked first: a bad one is one ObserveError."""
     instruments = build_instruments(tel, output_dir, rank, log)
     cfg = tracing_config(tel, rank, run_id)
+    telemetry = setup_tracing(cfg, phase_hooks=instruments.hooks)
+    return Observer(cfg, telemetry, world_size, instruments=instruments, output_dir=output_dir)
+
+
+def setup_tracing(cfg: TracingConfig, **options: Any) -> tracing.Telemetry:
+    """`tracing.setup` as a run needs it: a stop of the pipeline (Stopped, Ctrl-C) ends
+    phases without marking them ERROR. `options` go to tracing.setup."""
     try:
-        telemetry = tracing.setup(
-            cfg, stop_exceptions=(Stopped, KeyboardInterrupt), phase_hooks=instruments.hooks
-        )
+        return tracing.setup(cfg, stop_exceptions=(Stopped, KeyboardInterrupt), **options)
     except TracingConfigError as exc:
         raise ObserveError(f"telemetry: {exc}") from None
-    return Observer(cfg, telemetry, world_size, instruments=instruments, output_dir=output_dir)

@@ -152,8 +152,8 @@ class Progress:
 
 
 class LineStream:
-    """A write-only text stream that hands complete lines to `emit`, in one call per
-    write that ends them (print's text and its newline arrive as two writes)."""
+    """A write-only text stream that hands text to `emit` once a write ends a line, all
+    lines so far in one call (print's text and its newline arrive as two writes)."""
 
     def __init__(self, emit: Callable[[str], None]) -> None:
         self._emit = emit
@@ -163,10 +163,9 @@ class LineStream:
     def write(self, text: str) -> int:
         with self._lock:
             self._pending += text
-            done, sep, rest = self._pending.rpartition("\n")
-            if not sep:
+            if not self._pending.endswith("\n"):
                 return len(text)
-            self._pending = rest
+            done, self._pending = self._pending[:-1], ""
         self._emit(done)
         return len(text)
 
