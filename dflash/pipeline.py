@@ -134,6 +134,8 @@ def run_training(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
     rank 0's run id."""
     info = dist_info_from_env()
     placement = decide_placement(cfg.pipeline, info.local_rank, info.local_world_size)
+    if info.is_main:  # an --output-dir that cannot be written is named first
+        prepare_output_dir(cfg)
     init_distributed(info, placement.drafter)  # run_pipeline's own call then does nothing
     try:
         observer = start_observer(cfg.telemetry, info.rank, info.world_size,
