@@ -22,6 +22,8 @@ from functools import cache
 from typing import Any, Literal
 
 from dflash.schema import ConfigError, Option, Section, field_options, setting
+from tracing.config import TracingConfigError, parse_endpoint
+from tracing.profiler import parse_steps
 
 # Bump when a saved config.json can no longer be read as it was written.
 SCHEMA_VERSION = 1
@@ -41,6 +43,22 @@ def _noise_spec(value: str) -> str | None:
         NoiseSchedule.parse(value, 1)
     except ObjectiveError as err:
         return str(err).split(": ", 1)[-1]
+    return None
+
+
+def _endpoint(value: str) -> str | None:
+    try:
+        parse_endpoint(value, "grpc")  # the same URL rule for both protocols
+    except TracingConfigError:
+        return "expected a URL http(s)://host[:port][/path], e.g. http://localhost:4317"
+    return None
+
+
+def _step_range(value: str) -> str | None:
+    try:
+        parse_steps(value)
+    except TracingConfigError as exc:
+        return str(exc).split(", got ")[0]
     return None
 
 
@@ -285,8 +303,9 @@ class TelemetryConfig(Section):
 
     otlp_endpoint: str | None = setting(
         None,
-        "OTLP collector address (e.g. localhost:4317); unset sends nothing over the network.",
-        check=_not_blank,
+        "OTLP collector URL, http(s)://host[:port] (e.g. http://localhost:4317); unset uses "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else sends nothing over the network.",
+        check=_endpoint,
     )
     otlp_protocol: Literal["grpc", "http"] | None = setting(
         None,
@@ -314,6 +333,22 @@ class TelemetryConfig(Section):
     )
     service_name: str | None = setting(
         None, "OpenTelemetry service.name; unset uses OTEL_SERVICE_NAME, else dflash-train."
+    )
+    timeline: str | None = setting(
+        None,
+        "Chrome/Perfetto trace-event timeline of every phase (open in ui.perfetto.dev); rank N "
+        "writes FILE.rankN. Unset: OUTPUT_DIR/timeline.json with the run's first "
+        "events (what report.html shows); `off`: none.",
+        check=_not_blank,
+    )
+    nvtx: bool = setting(
+        False, "NVTX range on every phase, for Nsight Systems (CUDA only; elsewhere a note)."
+    )
+    torch_profile: str | None = setting(
+        None,
+        "Record torch.profiler for steps START:STOP (0-based, STOP excluded, e.g. 200:205) "
+        "into OUTPUT_DIR/profile/; the steps' spans carry the file's path.",
+        check=_step_range,
     )
 
 

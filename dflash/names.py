@@ -8,6 +8,7 @@ from __future__ import annotations
 
 # --- spans: one trace per batch ------------------------------------------------------
 BATCH = "batch"  # root, started by the prefetcher, ended after the drafter step
+DATA_BATCH = "data.batch"  # the prefetcher building the batch (the prefetch track's slices)
 BATCH_QUEUE_WAIT = "batch_queue.wait"
 TARGET_FORWARD = "target.forward"
 HS_QUEUE_WAIT = "hs_queue.wait"
@@ -21,7 +22,7 @@ DRAFTER_PHASES = (ANCHOR_SELECTION, BLOCK_PREDICTION, LOSS, BACKWARD, OPTIMIZER)
 # Traces of their own, outside any batch.
 CHECKPOINT_SAVE = "checkpoint.save"
 EVAL = "eval"
-SPANS = (BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, HS_QUEUE_WAIT, DRAFTER_STEP,
+SPANS = (BATCH, DATA_BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, HS_QUEUE_WAIT, DRAFTER_STEP,
          *DRAFTER_PHASES, CHECKPOINT_SAVE, EVAL)  # fmt: skip
 
 # --- statistics without a span ---------------------------------------------------------
@@ -43,3 +44,5 @@ METRIC_TAU_ESTIMATE = "dflash.tau_estimate"
 METRIC_GRAD_NORM = "dflash.grad_norm"
 METRIC_LR = "dflash.lr"
 METRIC_ACCURACY = "dflash.accuracy_per_position"
+# On the drafter.step spans of the steps a --torch-profile window records.
+PROFILE_FILE = "dflash.profile.file"

@@ -33,9 +33,10 @@ NON_DEFAULT = {
     "keep_checkpoints": 4, "log_every": 3, "eval_prompts": 2, "eval_new_tokens": 9,
     "eval_prompt_tokens": 10, "debug": True, "target_devices": ("cpu", "cpu"),
     "drafter_devices": ("cpu",), "batch_queue_size": 5, "hs_queue_size": 3,
-    "otlp_endpoint": "localhost:4317", "otlp_protocol": "http", "trace_level": "step",
+    "otlp_endpoint": "http://localhost:4317", "otlp_protocol": "http", "trace_level": "step",
     "trace_sample_ratio": 0.5, "trace_file": "spans.jsonl", "cuda_timing": "events",
-    "profile_interval": 5.0, "service_name": "svc",
+    "profile_interval": 5.0, "service_name": "svc", "timeline": "tl.json", "nvtx": True,
+    "torch_profile": "2:4",
 }  # fmt: skip
 
 

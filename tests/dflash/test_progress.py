@@ -3,7 +3,7 @@ import io
 import pytest
 
 from dflash.config import config_from_options
-from dflash.progress import Progress, format_loss_config, format_summary
+from dflash.progress import LineStream, Progress, format_loss_config, format_summary
 
 
 def figures(loss: float, tau: float = 1.5) -> dict:
@@ -66,3 +66,21 @@ def test_summary_text() -> None:
         {"steps": 3, "wall_s": 1.5, "tokens_per_s": 1234.0, "final_loss": 2.5, "tau": 1.75}
     )
     assert "3 steps" in text and "1,234 tokens/s training" in text and "τ on held-out 1.750" in text
+
+
+def test_line_stream_hands_over_whole_lines_once_ended() -> None:
+    emitted: list[str] = []
+    stream = LineStream(emitted.append)
+    print("table line 1\ntable line 2", file=stream, flush=True)  # text, then "\n"
+    stream.write("partial")
+    assert emitted == ["table line 1\ntable line 2"]
+    stream.write(" line\nnext\n")
+    assert emitted[-1] == "partial line\nnext"
+
+
+def test_write_without_a_bar_prints_plainly() -> None:
+    out = io.StringIO()
+    progress = Progress(total_steps=5, stream=out)
+    print("interval: last 1.0s", file=progress.line_stream(), flush=True)
+    progress.write("note")
+    assert out.getvalue() == "interval: last 1.0s\nnote\n"
