@@ -49,8 +49,9 @@ def train_reference(
             batch = run.train_data.batch(run.next_batch_index)
             with torch.no_grad():
                 target_out = run.target.capture(
-                    batch.input_ids.to(placement.target), run.layer_ids, with_logits=soft
-                )
+                    batch.input_ids.to(placement.target), run.layer_ids,
+                    with_logits=False, with_final_hidden=soft,
+                )  # fmt: skip
             target_out = move_target_out(target_out, placement.drafter)
             result = run.trainer.step(batch, target_out)
             run.step, run.next_batch_index = run.step + 1, run.next_batch_index + 1
@@ -60,6 +61,8 @@ def train_reference(
             if figures is not None:
                 metrics.write(figures)
             progress.update(run.step, result.num_tokens, figures)
+            if figures is not None:
+                run.trainer.check_figures(figures)  # a diverged run stops before it saves
             every = cfg.run.save_every
             if every and run.step % every == 0 and run.step < cfg.run.steps:
                 save_run_checkpoint(run)

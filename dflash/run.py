@@ -31,6 +31,7 @@ from dflash.config import ConfigError, TrainConfig
 from dflash.data import PackedDataset, build_datasets
 from dflash.devices import Placement
 from dflash.drafter import DFlashDrafter, DrafterConfig, save_drafter
+from dflash.estimate import estimate_for_config, geometry_of
 from dflash.evaluate import eval_figures, evaluate_run
 from dflash.progress import format_loss_config, format_run_config, format_summary
 from dflash.step import DrafterTrainer, PhaseFn, null_phase
@@ -156,7 +157,8 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     check_target_fits(cfg, target)
     layer_ids = resolve_layer_ids(cfg, target.num_layers)
     train, heldout = build_datasets(
-        cfg.data.source, target.tokenizer, cfg.data.seq_len, cfg.data.batch_size,
+        cfg.data.source, target.tokenizer, cfg.data.seq_len,
+        cfg.data.batch_size * cfg.optim.grad_accum,  # the step splits it into micro-batches
         cfg.run.seed, cfg.data.heldout_fraction,
     )  # fmt: skip
     drafter = build_drafter(cfg, target, layer_ids, placement.drafter)
@@ -174,7 +176,11 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
 
 
 def save_run_checkpoint(run: Run) -> Path:
-    """Checkpoint of the run's current position (atomic; keeps the newest few)."""
+    """Checkpoint of the run's current position (atomic; keeps the newest few).
+
+    A diverged run (DivergedError) writes none: its weights are those that gave
+    --max-bad-steps non-finite steps in a row."""
+    run.trainer.guard.raise_if_diverged()
     return save_checkpoint(
         run.output_dir / "checkpoints",
         weights=trainable_weights(run.drafter),
@@ -219,6 +225,7 @@ def build_summary(
         "train_s": stats.train_s,
         "setup_s": run.setup_s,
         "eval_s": eval_s,
+        "bad_steps": run.trainer.guard.bad_steps,  # non-finite steps skipped (no update)
         "block_size": run.cfg.drafter.block_size,
         "target": run.cfg.target.spec,
         "target_layer_ids": run.layer_ids,
@@ -257,3 +264,5 @@ def log_startup(
     if telemetry_line is not None:
         log(telemetry_line)
     log(format_run_config(run.cfg, f"{run.cfg.target.spec} layers {run.layer_ids}", devices))
+    for line in estimate_for_config(run.cfg, geometry_of(run.target), run.placement.drafter):
+        log(line)  # and a warning when it exceeds the device's memory: before the first step
