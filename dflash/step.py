@@ -153,7 +153,9 @@ class DrafterTrainer:
         blocks = Blocks(block_ids, anchors, keep, labels, valid)
         return self._learn(batch.num_tokens, target_out, blocks, phase)
 
-    def _learn(self, num_tokens: int, target_out: Any, blocks: Blocks, phase: PhaseFn) -> StepResult:
+    def _learn(
+        self, num_tokens: int, target_out: Any, blocks: Blocks, phase: PhaseFn
+    ) -> StepResult:
         """Forward, loss and backward per micro-batch, then one (guarded) optimizer step."""
         self.optimizer.zero_grad(set_to_none=True)
         parts = micro_batches(blocks.ids.shape[0], self.cfg.optim.grad_accum)

@@ -1,7 +1,6 @@
-from pathlib import Path
-
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
