@@ -154,10 +154,10 @@ class LossConfig(Section):
         None, "Streak-aware weighting strength α; unset turns it off.", min=0.0, max=1.0
     )
     loss_chunk_size: int = setting(
-        32,
-        "Blocks per chunk of the LM head and loss, recomputed in the backward: the loss's "
-        "extra memory is LOSS_CHUNK_SIZE x block size x vocabulary fp32 logits, whatever "
-        "the anchor count.",
+        64,
+        "Blocks per chunk of the LM head and loss. With more blocks in a micro-batch, each "
+        "chunk is recomputed in the backward, so the loss's memory stays at LOSS_CHUNK_SIZE x "
+        "block size x vocabulary fp32 logits whatever the anchor count.",
         min=1,
     )
 
