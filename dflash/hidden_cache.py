@@ -282,7 +282,7 @@ class HiddenCacheReader:
                 f"hidden cache {self.directory}: batch {index} holds other tokens than the data"
             )
         hidden = handle.get_tensor(f"hidden.{index}")
-        logits = None
+        logits = final = None
         if lm_head is not None:
             if not self.index["fingerprint"]["final_norm"]:
                 raise HiddenCacheError(
@@ -292,7 +292,7 @@ class HiddenCacheReader:
             final = handle.get_tensor(f"final.{index}").to(lm_head.weight.device)
             with torch.no_grad():
                 logits = lm_head(final)
-        return batch, TargetOutput(hidden=hidden, logits=logits)
+        return batch, TargetOutput(hidden=hidden, logits=logits, final_hidden=final)
 
 
 def open_hidden_cache(

@@ -36,6 +36,7 @@ from dflash.drafter_io import (
     read_drafter_config,
     save_drafter,
 )
+from dflash.estimate import estimate_for_config, geometry_of
 from dflash.evaluate import eval_figures, evaluate_run
 from dflash.progress import format_loss_config, format_run_config, format_summary
 from dflash.step import DrafterTrainer, PhaseFn, null_phase
@@ -208,8 +209,9 @@ def _datasets(
     """Train and held-out rows; an explicit mask token the data uses is refused here."""
     d = cfg.data
     train, heldout = build_datasets(
-        d.source, target.tokenizer, d.seq_len, d.batch_size, cfg.run.seed, d.heldout_fraction,
-        packing=d.packing, log=log,
+        d.source, target.tokenizer, d.seq_len,
+        d.batch_size * cfg.optim.grad_accum,  # the step splits it into micro-batches
+        cfg.run.seed, d.heldout_fraction, packing=d.packing, log=log,
     )  # fmt: skip
     if cfg.drafter.mask_token_id is not None:
         check_mask_token_unused(cfg.drafter.mask_token_id, (train.ids, heldout.ids, heldout.stream))
@@ -265,7 +267,11 @@ def save_drafter_dir(run: Run, directory: Path) -> Path:
 
 
 def save_run_checkpoint(run: Run) -> Path:
-    """Checkpoint of the run's current position (atomic; keeps the newest few)."""
+    """Checkpoint of the run's current position (atomic; keeps the newest few).
+
+    A diverged run (DivergedError) writes none: its weights are those that gave
+    --max-bad-steps non-finite steps in a row."""
+    run.trainer.guard.raise_if_diverged()
     return save_checkpoint(
         run.output_dir / "checkpoints",
         write_drafter=lambda directory: save_drafter_dir(run, directory),
@@ -310,6 +316,7 @@ def build_summary(
         "train_s": stats.train_s,
         "setup_s": run.setup_s,
         "eval_s": eval_s,
+        "bad_steps": run.trainer.guard.bad_steps,  # non-finite steps skipped (no update)
         "block_size": run.cfg.drafter.block_size,
         "target": run.cfg.target.spec,
         "target_layer_ids": run.layer_ids,
@@ -352,3 +359,5 @@ def log_startup(
     if telemetry_line is not None:
         log(telemetry_line)
     log(format_run_config(run.cfg, f"{run.cfg.target.spec} layers {run.layer_ids}", devices))
+    for line in estimate_for_config(run.cfg, geometry_of(run.target), run.placement.drafter):
+        log(line)  # and a warning when it exceeds the device's memory: before the first step

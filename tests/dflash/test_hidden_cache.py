@@ -42,7 +42,8 @@ def test_training_from_the_cache_gives_the_online_losses(tmp_path, soft) -> None
     def online(i):
         batch = data.batch(i)
         docs = batch.doc_ids
-        return batch, target.capture(batch.input_ids, LAYERS, with_logits=soft, doc_ids=docs)
+        return batch, target.capture(batch.input_ids, LAYERS, with_logits=False,
+                                     with_final_hidden=soft, doc_ids=docs)  # fmt: skip
 
     def cached(i):
         return reader.get(i, lm_head=target.lm_head if soft else None)
