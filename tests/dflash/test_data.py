@@ -75,7 +75,9 @@ def test_jsonl_text_and_chat_masks(tmp_path) -> None:
     text = ByteTokenizer().decode(ids.tolist())
     learned = ByteTokenizer().decode(ids[mask].tolist())
     assert "hi" in text and learned == "yo\n"
-    train, _ = build_datasets(str(path), ByteTokenizer(), 8, 1, 0)
+    # Rows long enough for the whole chat: a chat is never cut mid-turn, so a shorter
+    # row would drop it and leave the result to the path-hashed train/held-out split.
+    train, _ = build_datasets(str(path), ByteTokenizer(), 64, 1, 0)
     assert train.mask.any()
 
 
