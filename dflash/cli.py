@@ -318,8 +318,15 @@ def prepare_target(target: str | None, debug: bool) -> None:
 
 
 def main() -> None:
-    cli(prog_name="dflash-train")
+    # Run as `python -m dflash.cli` this file is __main__; the data subcommands
+    # registered on the group of the imported dflash.cli.
+    from dflash import cli as module
 
+    module.cli(prog_name="dflash-train")
+
+
+# The data subcommands (regenerate, cache-hidden) register themselves on `cli`.
+from dflash import cli_data  # noqa: E402, F401
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

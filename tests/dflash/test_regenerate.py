@@ -153,3 +153,50 @@ def test_an_interrupted_regeneration_continues_and_a_foreign_output_is_refused(
     with pytest.raises(RegenerateError, match="no run record"):
         regenerate(target, str(data), stranger, settings=SETTINGS)
     assert stranger.read_text() == '{"text": "mine"}\n'
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from dflash.cli import cli
+
+    return CliRunner().invoke(cli, ["regenerate", *map(str, args)], catch_exceptions=False)
+
+
+def _one_error_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    return errors[0]
+
+
+def test_regenerate_command_writes_resumes_and_refuses(hf_dir, tmp_path) -> None:
+    target = load_target(str(hf_dir))
+    data = _write_chats(tmp_path / "chats.jsonl", extra_lines=["[1]", '{"messages": "x"}'])
+    reference = tmp_path / "reference.jsonl"
+    regenerate(target, str(data), reference, settings=SETTINGS)
+    out = tmp_path / "regen.jsonl"
+    flags = ["--target", hf_dir, "--data", data, "--max-new-tokens", 6, "--batch-size", 4,
+             "--chunk-lines", 2, "--heldout-fraction", 0.01, "--device", "cpu"]  # fmt: skip
+    result = _cli(*flags, "--output", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_text() == reference.read_text()
+    assert f"skipped 2 unusable JSONL lines (first: {data}:6" in result.output
+    assert "tokens/s" in result.output and f"{len(CONVERSATIONS)} lines" in result.output
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:3]) + lines[3][:7])  # killed while writing line 4
+    result = _cli(*flags, "--output", out)
+    assert result.exit_code == 0 and "continued after line 2" in result.output, result.output
+    assert out.read_text() == reference.read_text()
+    before = out.read_text()
+    error = _one_error_line(_cli(*flags, "--output", out, "--temperature", 0.5))
+    assert str(out) in error and "not a resumable file of this run" in error
+    assert out.read_text() == before  # nothing already written is lost
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "wizard", "content": "x"}]}\n"text"\n')
+    error = _one_error_line(_cli(*flags[:2], "--data", bad, "--output", tmp_path / "o.jsonl"))
+    assert "nothing to regenerate" in error and f"skipped 2 lines; first: {bad}:1" in error
+    assert "unknown role 'wizard'" in error
+    for flag, value in (("--max-new-tokens", 0), ("--temperature", -1), ("--prefix-tokens", 0)):
+        error = _one_error_line(_cli(*flags, "--output", tmp_path / "x.jsonl", flag, value))
+        assert f"{flag} {value}" in error
