@@ -19,6 +19,7 @@ from dflash.cli import (
     _echo_err,
     _report_errors,
     _schema_option,
+    build_config,
     cli,
 )
 from dflash.config import config_from_options
@@ -140,3 +141,59 @@ def regenerate_command(
         f"new tokens in {report.wall_s:.1f} s ({rate:,.0f} tokens/s)"
     )
     click.echo(str(report.output))
+
+
+# The train options that decide what the target computes for batch i.
+_CACHE_OPTIONS = (
+    "target", "target_layers", "drafter_layers", "data", "seq_len", "batch_size", "seed",
+    "heldout_fraction", "use_soft_labels", "steps", "target_devices",
+)  # fmt: skip
+
+
+def _cache_options(func: Callable) -> Callable:
+    for name in reversed(_CACHE_OPTIONS):
+        func = _schema_option(name)(func)
+    return func
+
+
+@cli.command("cache-hidden")
+@click.option(
+    "--config", "config_file", type=click.Path(dir_okay=False),
+    help="The config file of the `train` run that will read the cache (its other keys are "
+    "not used here).",
+)  # fmt: skip
+@click.option(
+    "--output", required=True, type=click.Path(file_okay=False),
+    help="Cache directory (sharded safetensors + index.json); an interrupted cache continues.",
+)  # fmt: skip
+@click.option(
+    "--num-batches", default=None, type=click.IntRange(min=1),
+    help="Batches to cache; unset: --steps (one drafter device on one rank; N devices or "
+    "ranks read N times as many).",
+)  # fmt: skip
+@click.option("--batches-per-shard", default=64, show_default=True, type=click.IntRange(min=1),
+              help="Batches per shard file (the resume granularity).")  # fmt: skip
+@_cache_options
+@click.option("--debug/--no-debug", default=False, show_default=True, help=_DEBUG_HELP)
+def cache_hidden_command(
+    config_file: str | None,
+    output: str,
+    num_batches: int | None,
+    batches_per_shard: int,
+    debug: bool,
+    **given: Any,
+) -> None:
+    """Run the target once over the training batches and write their hidden states, for
+    `train --hidden-cache DIR` with the same target, layer and data options."""
+    from dflash.hidden_cache import write_run_cache
+
+    def go() -> Any:
+        cfg = build_config(config_file, given)
+        return write_run_cache(cfg, output, num_batches=num_batches,
+                               batches_per_shard=batches_per_shard, log=_echo_err)  # fmt: skip
+
+    reader = _report_errors(debug, go)
+    tokens = reader.num_batches * reader.dataset.batch_size * reader.dataset.seq_len
+    _echo_err(f"cache-hidden: {reader.num_batches} batches ({tokens:,} tokens, "
+              f"{reader.total_bytes / 2**20:,.1f} MiB) in {output}")  # fmt: skip
+    click.echo(output)

@@ -99,6 +99,13 @@ class DataConfig(Section):
     heldout_fraction: float = setting(
         0.05, "Share of documents kept out of training for evaluation.", gt=0.0, lt=1.0
     )
+    hidden_cache: str | None = setting(
+        None,
+        "Train from this offline hidden-state cache (written by `dflash-train cache-hidden` "
+        "with the same target, layers and data options) instead of running the target "
+        "forward; the target stage then reads from disk.",
+        check=_not_blank,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

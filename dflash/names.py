@@ -10,6 +10,7 @@ from __future__ import annotations
 BATCH = "batch"  # root, started by the prefetcher, ended after the drafter step
 BATCH_QUEUE_WAIT = "batch_queue.wait"
 TARGET_FORWARD = "target.forward"
+TARGET_READ = "target.read"  # in place of target.forward when training from a hidden cache
 HS_QUEUE_WAIT = "hs_queue.wait"
 DRAFTER_STEP = "drafter.step"
 ANCHOR_SELECTION = "drafter.anchor_selection"
@@ -21,7 +22,7 @@ DRAFTER_PHASES = (ANCHOR_SELECTION, BLOCK_PREDICTION, LOSS, BACKWARD, OPTIMIZER)
 # Traces of their own, outside any batch.
 CHECKPOINT_SAVE = "checkpoint.save"
 EVAL = "eval"
-SPANS = (BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, HS_QUEUE_WAIT, DRAFTER_STEP,
+SPANS = (BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, TARGET_READ, HS_QUEUE_WAIT, DRAFTER_STEP,
          *DRAFTER_PHASES, CHECKPOINT_SAVE, EVAL)  # fmt: skip
 
 # --- statistics without a span ---------------------------------------------------------

@@ -197,11 +197,13 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], info: DistInfo, placeme
     metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
                           Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip
     book = _StepBook(run, progress, info, len(replicas), metrics, averager)
+    indices = rank_batch_indices(cfg.run.steps - run.step, info.rank, info.world_size,
+                                 len(replicas), run.next_batch_index)  # fmt: skip
     pipe = Pipeline.build(
         make_batch=run.train_data.batch,
-        indices=rank_batch_indices(cfg.run.steps - run.step, info.rank, info.world_size,
-                                   len(replicas), run.next_batch_index),
-        forwards=target_forwards(run),
+        indices=indices,
+        forwards=target_forwards(run, max(indices, default=0)),
+        target_phase=names.TARGET_READ if cfg.data.hidden_cache else names.TARGET_FORWARD,
         steps=[(r.device, _step_fn(r, i, metrics), mover(r.device))
                for i, r in enumerate(replicas)],
         on_step=book.on_step,

@@ -143,6 +143,14 @@ def _check_resume_compatible(cfg: TrainConfig, saved: dict[str, Any], path: Path
                 )
 
 
+def run_datasets(cfg: TrainConfig, tokenizer: Any) -> tuple[PackedDataset, PackedDataset]:
+    """(train, held-out) data of a run; `cache-hidden` cuts its batches the same way."""
+    return build_datasets(
+        cfg.data.source, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
+        cfg.run.seed, cfg.data.heldout_fraction,
+    )  # fmt: skip
+
+
 def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None] = print) -> Run:
     """Target, data, drafter and trainer for `cfg` on `placement`; restores `--resume`."""
     start_s = time.perf_counter()
@@ -155,10 +163,7 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     target = target_mod.load_target(cfg.target.spec, placement.target, dtype, log=log)
     check_target_fits(cfg, target)
     layer_ids = resolve_layer_ids(cfg, target.num_layers)
-    train, heldout = build_datasets(
-        cfg.data.source, target.tokenizer, cfg.data.seq_len, cfg.data.batch_size,
-        cfg.run.seed, cfg.data.heldout_fraction,
-    )  # fmt: skip
+    train, heldout = run_datasets(cfg, target.tokenizer)
     drafter = build_drafter(cfg, target, layer_ids, placement.drafter)
     trainer = DrafterTrainer(drafter, cfg, placement.drafter)
     run = Run(cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir)

@@ -23,6 +23,7 @@ from dflash.errors import DFlashError
 # and `test_every_option_has_a_round_trip_value` fails when a new field is missing here.
 NON_DEFAULT = {
     "data": "corpus.txt", "seq_len": 64, "batch_size": 3, "heldout_fraction": 0.1,
+    "hidden_cache": "cache/",
     "target": "builtin:other", "target_layers": (1, 3), "drafter_layers": 2,
     "block_size": 6, "num_anchors": 5, "loss_decay_gamma": 2.5, "use_soft_labels": True,
     "kl_temperature": 2.0, "kl_weight": 0.25, "streak_alpha": 0.5, "lr": 1e-3,
