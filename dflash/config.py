@@ -90,8 +90,10 @@ class DataConfig(Section):
 
     source: str = setting(
         "embedded",
-        "Training text: `embedded` (the Python standard library source), a text file, a "
-        "folder, or JSONL with a `text` field or chat `messages` (loss on assistant turns only).",
+        "Training text: `embedded` (the target's own continuations of prefixes of the Python "
+        "standard library source, generated once and cached), `embedded-corpus` (that source "
+        "as it is), a text file, a folder, or JSONL with a `text` field or chat `messages` "
+        "(loss on assistant turns only).",
         option="data", check=_not_blank,
     )  # fmt: skip
     seq_len: int = setting(128, "Tokens per packed row.", min=8)

@@ -355,7 +355,7 @@ def write_run_cache(
     target = target_mod.load_target(cfg.target.spec, device, dtype, log=log)
     check_target_fits(cfg, target)
     layer_ids = resolve_layer_ids(cfg, target.num_layers)
-    train, _ = run_datasets(cfg, target.tokenizer)
+    train, _ = run_datasets(cfg, target, log)
     total, soft = num_batches or cfg.run.steps, cfg.loss.use_soft_labels
     tokens_per_batch = train.batch_size * train.seq_len
     start_s = time.perf_counter()

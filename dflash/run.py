@@ -28,7 +28,7 @@ from dflash.checkpoint import (
     trainable_weights,
 )
 from dflash.config import ConfigError, TrainConfig
-from dflash.data import PackedDataset, build_datasets
+from dflash.data import EMBEDDED, PackedDataset, build_datasets, datasets_from_corpus
 from dflash.devices import Placement
 from dflash.drafter import DFlashDrafter, DrafterConfig, save_drafter
 from dflash.evaluate import eval_figures, evaluate_run
@@ -143,12 +143,21 @@ def _check_resume_compatible(cfg: TrainConfig, saved: dict[str, Any], path: Path
                 )
 
 
-def run_datasets(cfg: TrainConfig, tokenizer: Any) -> tuple[PackedDataset, PackedDataset]:
-    """(train, held-out) data of a run; `cache-hidden` cuts its batches the same way."""
-    return build_datasets(
-        cfg.data.source, tokenizer, cfg.data.seq_len, cfg.data.batch_size,
-        cfg.run.seed, cfg.data.heldout_fraction,
-    )  # fmt: skip
+def run_datasets(
+    cfg: TrainConfig, target: TargetModel, log: Callable[[str], None] = print
+) -> tuple[PackedDataset, PackedDataset]:
+    """(train, held-out) data of a run; `cache-hidden` cuts its batches the same way.
+    `--data embedded` trains on the target's own continuations of the corpus (cached)."""
+    data, tok = cfg.data, target.tokenizer
+    if data.source != EMBEDDED:
+        return build_datasets(data.source, tok, data.seq_len, data.batch_size, cfg.run.seed,
+                              data.heldout_fraction)  # fmt: skip
+    from dflash.regenerate import embedded_regeneration, regenerated_corpus
+
+    path = embedded_regeneration(target, data.heldout_fraction, log)
+    corpus = regenerated_corpus(path, tok, data.heldout_fraction)
+    return datasets_from_corpus(corpus, tok, data.seq_len, data.batch_size, cfg.run.seed,
+                                data.heldout_fraction)  # fmt: skip
 
 
 def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None] = print) -> Run:
@@ -163,7 +172,7 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     target = target_mod.load_target(cfg.target.spec, placement.target, dtype, log=log)
     check_target_fits(cfg, target)
     layer_ids = resolve_layer_ids(cfg, target.num_layers)
-    train, heldout = run_datasets(cfg, target.tokenizer)
+    train, heldout = run_datasets(cfg, target, log)
     drafter = build_drafter(cfg, target, layer_ids, placement.drafter)
     trainer = DrafterTrainer(drafter, cfg, placement.drafter)
     run = Run(cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir)

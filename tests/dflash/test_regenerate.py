@@ -200,3 +200,49 @@ def test_regenerate_command_writes_resumes_and_refuses(hf_dir, tmp_path) -> None
     for flag, value in (("--max-new-tokens", 0), ("--temperature", -1), ("--prefix-tokens", 0)):
         error = _one_error_line(_cli(*flags, "--output", tmp_path / "x.jsonl", flag, value))
         assert f"{flag} {value}" in error
+
+
+def test_the_embedded_default_is_regenerated_once_per_target_and_recipe(
+    tmp_path, monkeypatch
+) -> None:
+    import dataclasses
+
+    from dflash import regenerate as regen_mod
+    from dflash.config import config_from_options
+    from dflash.data import EMBEDDED_CORPUS, ByteTokenizer, embedded_corpus
+    from dflash.run import run_datasets
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    recipe = RegenerateSettings(max_new_tokens=4, prefix_tokens=16, windows_per_document=1,
+                                batch_size=256, chunk_lines=512)  # fmt: skip
+    monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", recipe)
+    torch.manual_seed(0)
+    target = wrap_tiny(TinyLM(TinyLMConfig(hidden_size=16, num_layers=2, num_heads=2,
+                                           intermediate_size=32)))  # fmt: skip
+    lines: list[str] = []
+    path = regen_mod.embedded_regeneration(target, 0.05, lines.append)
+    assert any("generated once" in line for line in lines) and path.parent.name == "regen"
+    direct = tmp_path / "direct.jsonl"
+    regenerate(target, "embedded", direct, settings=dataclasses.replace(recipe))
+    assert path.read_text() == direct.read_text()
+    held_in = [t for t in embedded_corpus("train") if len(t.encode()) >= 16]
+    written = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    assert len(written) == len(held_in)
+    assert all(w.startswith(t.encode()[:16].decode(errors="ignore")[:8])
+               for w, t in zip(written, held_in, strict=True))  # fmt: skip
+    monkeypatch.setattr(regen_mod, "regenerate", lambda *a, **k: pytest.fail("not cached"))
+    assert regen_mod.embedded_regeneration(target, 0.05, lines.append) == path
+    monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", dataclasses.replace(recipe, max_new_tokens=5))
+    with pytest.raises(pytest.fail.Exception, match="not cached"):
+        regen_mod.embedded_regeneration(target, 0.05, lines.append)  # another recipe, another key
+    monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", recipe)
+    opts = {"seq_len": 64, "batch_size": 2}
+    train, heldout = run_datasets(config_from_options(opts), target, lines.append)
+    corpus_train, corpus_heldout = run_datasets(
+        config_from_options({**opts, "data": EMBEDDED_CORPUS}), target, lines.append
+    )
+    assert len(train) < len(corpus_train) and train.fingerprint() != corpus_train.fingerprint()
+    assert (heldout.stream == corpus_heldout.stream).all()  # the same evaluation prompts
+    tok = ByteTokenizer()  # every regenerated window, framed BOS ... EOS, is in the rows
+    framed = sum(len(w.encode()) + 2 for w in written)
+    assert int((train.ids != tok.pad_token_id).sum()) == framed
