@@ -14,6 +14,7 @@ existing output from another run (or without the record) is refused.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -347,6 +348,18 @@ def embedded_regeneration(
     path = cache_dir() / "regen" / f"embedded-{key}.jsonl"
     if path.exists():
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.stem}.lock"), "w") as lock:
+        # Runs started together: one regenerates, the others wait and read its file.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            _regenerate_embedded(target, settings, path, log)
+    return path
+
+
+def _regenerate_embedded(
+    target: TargetModel, settings: RegenerateSettings, path: Path, log: Callable[[str], None]
+) -> None:
     partial = path.with_name(f".{path.stem}.partial.jsonl")
     log(f"data: the target's own continuations of the embedded corpus, generated once "
         f"({target.spec}; cached as {path})")  # fmt: skip
@@ -362,7 +375,6 @@ def embedded_regeneration(
     os.replace(partial, path)
     partial.with_name(partial.name + ".run.json").unlink(missing_ok=True)
     log(f"data: {report.new_tokens:,} tokens regenerated in {report.wall_s:.1f} s")
-    return path
 
 
 def regenerated_corpus(path: Path, tokenizer: Any, heldout_fraction: float = 0.05) -> Corpus:
