@@ -1,4 +1,5 @@
-"""A live OTLP/gRPC receiver for the benchmarks: accepts spans, counts them, discards them.
+"""A live OTLP/gRPC receiver for the benchmarks: accepts spans and metrics, counts the
+spans, discards both.
 
 `OtlpSink()` starts it in a subprocess on a free 127.0.0.1 port (a separate process, so
 its work does not compete with the measured program for the GIL); `.endpoint`,
@@ -20,6 +21,8 @@ from concurrent import futures
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as rpc
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as mpb
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc as mrpc
 
 class Sink(rpc.TraceServiceServicer):
     spans = 0
@@ -29,8 +32,13 @@ class Sink(rpc.TraceServiceServicer):
                 Sink.spans += len(ss.spans)
         return pb.ExportTraceServiceResponse()
 
+class MetricsSink(mrpc.MetricsServiceServicer):
+    def Export(self, request, context):
+        return mpb.ExportMetricsServiceResponse()
+
 server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
 rpc.add_TraceServiceServicer_to_server(Sink(), server)
+mrpc.add_MetricsServiceServicer_to_server(MetricsSink(), server)
 server.add_insecure_port("127.0.0.1:" + sys.argv[1])
 server.start()
 print("ready", flush=True)

@@ -12,8 +12,12 @@
   *.hot     the same loops, clock stopped when the loop ends (export work still queued:
             what the training thread itself sees while the exporter keeps up)
 
-Usage: python bench/tracing_overhead.py [--phases N] [--repeats R]
-Goals: off <= 1 us, traced <= 25 us; propagate is printed beside them.
+With --metrics the OTel metrics signal runs through every mode as an application would
+run it: a phase-duration histogram of the same ProfileStats and two callback gauges,
+exported every 0.2 s over OTLP/gRPC to the same sink (its cost is on the reader thread).
+
+Usage: python bench/tracing_overhead.py [--phases N] [--repeats R] [--metrics]
+Goals: off <= 1 us, traced <= 25 us (also with --metrics); propagate is printed beside them.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from otlp_sink import OtlpSink  # noqa: E402  (bench/ is the script's directory)
 
 import tracing  # noqa: E402
+from tracing.metrics import Metrics, MetricsConfig, start_metrics  # noqa: E402
 
 
 class ClassicProfileStats:
@@ -97,10 +102,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--phases", type=int, default=20000, help="phases per traced measurement")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per mode; best kept")
+    parser.add_argument("--metrics", action="store_true", help="export OTel metrics meanwhile")
     args = parser.parse_args()
     sink = OtlpSink()
     try:
-        results = run_all(args.phases, args.repeats, sink.port)
+        results = run_all(args.phases, args.repeats, sink.port, args.metrics)
     finally:
         sink.close()
     classic = results["classic"]
@@ -114,19 +120,36 @@ def main() -> None:
         f"(<= 25), propagate {results['propagate'] / 1e3:.1f} us "
         f"(+{(results['propagate.hot'] - results['nested.hot']) / 1e3:.2f} us on the hot path); "
         f"exported {results['_exported']:.0f}, dropped {results['_dropped']:.0f}, "
-        f"shutdown {results['_shutdown_s']:.2f}s"
+        f"shutdown {results['_shutdown_s']:.2f}s" + (", metrics on" if args.metrics else "")
     )
 
 
-def run_all(n: int, repeats: int, port: int) -> dict[str, float]:
+def with_metrics(telemetry: tracing.Telemetry, port: int, on: bool) -> Metrics | None:
+    """The metrics signal over `telemetry`'s stats, exporting every 0.2 s (when `on`)."""
+    if not on:
+        return None
+    cfg = MetricsConfig(exporter="otlp", otlp_endpoint=f"http://127.0.0.1:{port}",
+                        export_interval_s=0.2, namespace="bench")  # fmt: skip
+    metrics = start_metrics(cfg, telemetry.cfg)
+    metrics.observe_stats(telemetry.stats)
+    metrics.observe_counter("tokens", lambda: 1.0, unit="{token}")
+    metrics.observe_gauge("queue.depth", lambda: 2.0, unit="{batch}")
+    return metrics
+
+
+def run_all(n: int, repeats: int, port: int, metrics_on: bool = False) -> dict[str, float]:
     cheap_n = n * 10
     results = {"classic": min(bench_classic(cheap_n) for _ in range(repeats))}
-    tracing.setup(tracing.TracingConfig(level="off"))
+    off = tracing.setup(tracing.TracingConfig(level="off"))
+    metrics = with_metrics(off, port, metrics_on)
     results["off"] = min(bench_phase(cheap_n) for _ in range(repeats))
+    if metrics is not None:
+        metrics.shutdown(2.0)
     cfg = tracing.TracingConfig(
         exporter="otlp", otlp_endpoint=f"http://127.0.0.1:{port}", max_queue_size=65536
     )
     telemetry = tracing.setup(cfg)
+    metrics = with_metrics(telemetry, port, metrics_on)
     root = tracing.start_span("batch")
     bench_phase(1000, parent=root)  # warm up: gRPC channel, code paths
     telemetry.force_flush(5.0)
@@ -137,6 +160,8 @@ def run_all(n: int, repeats: int, port: int) -> dict[str, float]:
         [bench_nested(n, telemetry, root) for _ in range(repeats)]
     )
     root.end()
+    if metrics is not None:
+        metrics.shutdown(2.0)
     report = telemetry.shutdown(timeout_s=5.0)
     telemetry = tracing.setup(cfg, propagate_context=True)
     root = tracing.start_span("batch")

@@ -24,6 +24,18 @@ class BlockInputs:
     valid: Tensor  # [B, N, Bs] bool
     ctx_start: Tensor | None  # [B, N] long: first context position a block sees; None = 0
 
+    def to(self, device: torch.device | str) -> BlockInputs:
+        """The same inputs on `device` (asynchronous copies where the memory allows)."""
+
+        def move(t: Tensor) -> Tensor:
+            return t.to(device, non_blocking=True)
+
+        ctx = None if self.ctx_start is None else move(self.ctx_start)
+        return BlockInputs(
+            move(self.anchors), move(self.keep), move(self.block_ids), move(self.labels),
+            move(self.valid), ctx,
+        )  # fmt: skip
+
 
 def prepare_blocks(
     input_ids: Tensor,

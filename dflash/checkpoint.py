@@ -1,7 +1,8 @@
 """Atomic checkpoints and exact resume.
 
 A checkpoint is a directory `OUTPUT_DIR/checkpoints/step-<n>/` holding the
-trainable drafter weights (safetensors), the trainer state (optimizer, schedule,
+trainable drafter weights (safetensors: as the standard DFlash directory `drafter/`
+when the caller writes one, which then serves as is), the trainer state (optimizer, schedule,
 step, next batch index, RNG states; torch.save), the resolved config and a
 manifest with a SHA-256 per file. It is written into a hidden temporary sibling,
 fsynced, then renamed: a crash mid-write leaves only a `.tmp-*` directory that
@@ -16,6 +17,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from dflash.errors import DFlashError
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_DRAFTER_WEIGHTS = "drafter/model.safetensors"  # a DFlash directory's weights
 _WEIGHTS, _STATE, _CONFIG, _MANIFEST = (
     "drafter.safetensors",
     "trainer.pt",
@@ -98,29 +101,41 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(
     checkpoints_dir: Path,
     *,
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor] | None = None,
+    write_drafter: Callable[[Path], Any] | None = None,
     trainer_state: dict[str, Any],
     step: int,
     next_batch_index: int,
     config: dict[str, Any],
     keep: int = 3,
 ) -> Path:
-    """Write `checkpoints_dir/step-<step>` atomically and keep the newest `keep`."""
+    """Write `checkpoints_dir/step-<step>` atomically and keep the newest `keep`.
+
+    The weights are either `weights` (drafter.safetensors) or what `write_drafter(dir)`
+    writes into `dir` = the checkpoint's `drafter/` (a DFlash directory); exactly one.
+    """
+    if (weights is None) == (write_drafter is None):
+        raise ValueError("save_checkpoint needs exactly one of weights and write_drafter")
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / f"step-{step:08d}"
     tmp = checkpoints_dir / f".tmp-step-{step:08d}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file(weights, str(tmp / _WEIGHTS))
+    if write_drafter is not None:
+        write_drafter(tmp / "drafter")
+    else:
+        save_file(weights, str(tmp / _WEIGHTS))
     loop = {"step": step, "next_batch_index": next_batch_index, "rng": rng_state()}
     torch.save({"trainer": trainer_state, "loop": loop}, tmp / _STATE)
     (tmp / _CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
-    files = {name: _sha256(tmp / name) for name in (_WEIGHTS, _STATE, _CONFIG)}
+    names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    files = {name: _sha256(tmp / name) for name in names}
     (tmp / _MANIFEST).write_text(json.dumps({"step": step, "sha256": files}, indent=2))
     for name in (*files, _MANIFEST):
         _fsync_file(tmp / name)
-    _fsync_dir(tmp)
+    for directory in {(tmp / name).parent for name in files}:
+        _fsync_dir(directory)
     if final.exists():  # re-saving the same step (resume then save at once) replaces it
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -178,7 +193,8 @@ def load_checkpoint(path: Path) -> Checkpoint:
         if not file.is_file() or _sha256(file) != digest:
             raise CheckpointError(f"checkpoint {path} is corrupt: {name} is missing or damaged")
     try:
-        weights = load_file(str(path / _WEIGHTS))
+        dflash_dir = (path / _DRAFTER_WEIGHTS).is_file()
+        weights = load_file(str(path / (_DRAFTER_WEIGHTS if dflash_dir else _WEIGHTS)))
         state = torch.load(path / _STATE, map_location="cpu", weights_only=True)
         config = json.loads((path / _CONFIG).read_text())
         loop = state["loop"]

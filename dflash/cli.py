@@ -317,6 +317,20 @@ def prepare_target(target: str | None, debug: bool) -> None:
     _report_errors(debug, go)
 
 
+@cli.command("report")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--debug/--no-debug", default=False, show_default=True, help=_DEBUG_HELP)
+def report_command(run_dir: str, debug: bool) -> None:
+    """Write RUN_DIR/report.html: curves, phase table, verdict and timeline of a run.
+
+    Training writes it at the end; this rebuilds it (e.g. from a copied run folder).
+    The page is self-contained: it opens without network.
+    """
+    from dflash.report import write_report
+
+    click.echo(str(_report_errors(debug, lambda: write_report(Path(run_dir)))))
+
+
 def main() -> None:
     # Run as `python -m dflash.cli` this file is __main__; the data subcommands
     # registered on the group of the imported dflash.cli.

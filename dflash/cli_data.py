@@ -145,8 +145,8 @@ def regenerate_command(
 
 # The train options that decide what the target computes for batch i.
 _CACHE_OPTIONS = (
-    "target", "target_layers", "drafter_layers", "data", "seq_len", "batch_size", "seed",
-    "heldout_fraction", "use_soft_labels", "steps", "target_devices",
+    "target", "target_layers", "drafter_layers", "data", "packing", "seq_len", "batch_size",
+    "seed", "heldout_fraction", "use_soft_labels", "steps", "target_devices",
 )  # fmt: skip
 
 

@@ -22,6 +22,8 @@ from functools import cache
 from typing import Any, Literal
 
 from dflash.schema import ConfigError, Option, Section, field_options, setting
+from tracing.config import TracingConfigError, parse_endpoint
+from tracing.profiler import parse_steps
 
 # Bump when a saved config.json can no longer be read as it was written.
 SCHEMA_VERSION = 1
@@ -32,6 +34,32 @@ SCHEMA_VERSION = 1
 
 def _not_blank(value: str) -> str | None:
     return "must not be empty" if not value.strip() else None
+
+
+def _noise_spec(value: str) -> str | None:
+    from dflash.objective import NoiseSchedule, ObjectiveError  # objective imports this module
+
+    try:
+        NoiseSchedule.parse(value, 1)
+    except ObjectiveError as err:
+        return str(err).split(": ", 1)[-1]
+    return None
+
+
+def _endpoint(value: str) -> str | None:
+    try:
+        parse_endpoint(value, "grpc")  # the same URL rule for both protocols
+    except TracingConfigError:
+        return "expected a URL http(s)://host[:port][/path], e.g. http://localhost:4317"
+    return None
+
+
+def _step_range(value: str) -> str | None:
+    try:
+        parse_steps(value)
+    except TracingConfigError as exc:
+        return str(exc).split(", got ")[0]
+    return None
 
 
 _DEVICE_NAME = re.compile(r"^(cpu|cuda|mps)(?::(\d+))?$")
@@ -101,6 +129,12 @@ class DataConfig(Section):
     heldout_fraction: float = setting(
         0.05, "Share of documents kept out of training for evaluation.", gt=0.0, lt=1.0
     )
+    packing: Literal["docs", "concat"] = setting(
+        "docs",
+        "How documents fill rows: `docs` keeps each document to itself (the target, the "
+        "anchors and every block's context stay inside it; chats are cut at turn ends), "
+        "`concat` cuts rows from the concatenated stream.",
+    )
     hidden_cache: str | None = setting(
         None,
         "Train from this offline hidden-state cache (written by `dflash-train cache-hidden` "
@@ -137,6 +171,18 @@ class DrafterSettings(Section):
     block_size: int = setting(
         8, "Tokens per drafted block (the anchor plus BLOCK_SIZE-1 predictions).", min=2
     )
+    intermediate_size: int | None = setting(
+        None,
+        "Width of the drafter's MLP; unset uses the target's intermediate size.",
+        option="drafter_intermediate_size", min=1,
+    )  # fmt: skip
+    mask_token_id: int | None = setting(
+        None,
+        "Embedding row of the target used for masked block positions; unset takes the "
+        "tokenizer's mask token, else the first embedding row past the tokenizer's vocabulary. "
+        "Must be a token the data never uses.",
+        min=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -159,6 +205,13 @@ class LossConfig(Section):
     )
     streak_alpha: float | None = setting(
         None, "Streak-aware weighting strength α; unset turns it off.", min=0.0, max=1.0
+    )
+    noise_schedule: str = setting(
+        "all",
+        "Which non-anchor block positions are masked: `all` (the paper's choice), or "
+        "`linear:START:END`, the masked share going from START to END (in (0, 1]) over the "
+        "run's --steps; only masked positions are scored.",
+        check=_noise_spec,
     )
 
     def decay_gamma(self, block_size: int) -> float | None:
@@ -206,6 +259,13 @@ class RunConfig(Section):
         "Continue from a checkpoint directory, or `latest` for the newest one under "
         "OUTPUT_DIR/checkpoints.",
     )
+    init_from: str | None = setting(
+        None,
+        "Start the drafter from the weights of a DFlash drafter directory (a published "
+        "drafter, OUTPUT_DIR/drafter of an earlier run, or a checkpoint's drafter/); its "
+        "geometry must fit this run. With --resume the checkpoint's weights win.",
+        check=_not_blank,
+    )
     save_every: int = setting(
         0, "Write a checkpoint every this many steps (0: only at the end).", min=0
     )
@@ -252,8 +312,9 @@ class TelemetryConfig(Section):
 
     otlp_endpoint: str | None = setting(
         None,
-        "OTLP collector address (e.g. localhost:4317); unset sends nothing over the network.",
-        check=_not_blank,
+        "OTLP collector URL, http(s)://host[:port] (e.g. http://localhost:4317); unset uses "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else sends nothing over the network.",
+        check=_endpoint,
     )
     otlp_protocol: Literal["grpc", "http"] | None = setting(
         None,
@@ -281,6 +342,22 @@ class TelemetryConfig(Section):
     )
     service_name: str | None = setting(
         None, "OpenTelemetry service.name; unset uses OTEL_SERVICE_NAME, else dflash-train."
+    )
+    timeline: str | None = setting(
+        None,
+        "Chrome/Perfetto trace-event timeline of every phase (open in ui.perfetto.dev); rank N "
+        "writes FILE.rankN. Unset: OUTPUT_DIR/timeline.json with the run's first "
+        "events (what report.html shows); `off`: none.",
+        check=_not_blank,
+    )
+    nvtx: bool = setting(
+        False, "NVTX range on every phase, for Nsight Systems (CUDA only; elsewhere a note)."
+    )
+    torch_profile: str | None = setting(
+        None,
+        "Record torch.profiler for steps START:STOP (0-based, STOP excluded, e.g. 200:205) "
+        "into OUTPUT_DIR/profile/; the steps' spans carry the file's path.",
+        check=_step_range,
     )
 
 

@@ -205,12 +205,22 @@ _MUST_MATCH = (
 )  # fmt: skip
 
 
+# The flag that sets a field, for the ones a user chooses (the rest come from the target).
+_FLAGS = {
+    "num_layers": "--drafter-layers", "intermediate_size": "--drafter-intermediate-size",
+    "target_layer_ids": "--target-layers", "mask_token_id": "--mask-token-id",
+}  # fmt: skip
+
+
 def check_same_geometry(saved: DrafterConfig, fresh: DrafterConfig, where: str) -> None:
     """A warm start needs the checkpoint's geometry to equal the one built for this target."""
     for name in _MUST_MATCH:
         old, new = getattr(saved, name), getattr(fresh, name)
         if old != new:
-            raise DrafterError(f"--init-from {where}: checkpoint has {name}={old}, this run {new}")
+            hint = f" (set {_FLAGS[name]})" if name in _FLAGS else ""
+            raise DrafterError(
+                f"--init-from {where}: checkpoint has {name}={old}, this run {new}{hint}"
+            )
 
 
 def _load_weights(drafter: DFlashDrafter, path: Path) -> None:

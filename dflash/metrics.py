@@ -3,12 +3,15 @@
 A training step leaves its loss, accuracies and gradient norm as device tensors
 (dflash.step); reading one back stalls the device stream, so `StepMetrics.read`
 does it for the logged steps only, in one transfer. The figures go to the
-progress line, to that step's `drafter.step` span and to OUTPUT_DIR/metrics.jsonl.
+progress line, to that step's `drafter.step` span and to OUTPUT_DIR/metrics.jsonl,
+whose lines also carry `time_s` (seconds of training) and `tokens_per_s` per stage
+since the previous logged step (`StageRates`), what report.html plots over time.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,28 @@ class StepMetrics:
             return
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(figures) + "\n")
+
+
+class StageRates:
+    """Tokens/s of each stage between two calls, from cumulative counters.
+
+    `read()` returns (seconds since training started, {stage: tokens so far})."""
+
+    def __init__(self, read: Callable[[], tuple[float, Mapping[str, int]]]) -> None:
+        self._read = read
+        self._last: tuple[float, Mapping[str, int]] = (0.0, {})
+
+    def figures(self) -> dict[str, Any]:
+        """{"time_s": ..., "tokens_per_s": {stage: rate since the previous call}}."""
+        now_s, tokens = self._read()
+        then_s, before = self._last
+        self._last = (now_s, dict(tokens))
+        span_s = now_s - then_s
+        rates = {
+            stage: (count - before.get(stage, 0)) / span_s if span_s > 0 else 0.0
+            for stage, count in tokens.items()
+        }
+        return {"time_s": round(now_s, 3), "tokens_per_s": rates}
 
 
 def span_attributes(figures: dict[str, Any]) -> dict[str, Any]:

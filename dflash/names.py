@@ -8,6 +8,7 @@ from __future__ import annotations
 
 # --- spans: one trace per batch ------------------------------------------------------
 BATCH = "batch"  # root, started by the prefetcher, ended after the drafter step
+DATA_BATCH = "data.batch"  # the prefetcher building the batch (the prefetch track's slices)
 BATCH_QUEUE_WAIT = "batch_queue.wait"
 TARGET_FORWARD = "target.forward"
 TARGET_READ = "target.read"  # in place of target.forward when training from a hidden cache
@@ -22,8 +23,8 @@ DRAFTER_PHASES = (ANCHOR_SELECTION, BLOCK_PREDICTION, LOSS, BACKWARD, OPTIMIZER)
 # Traces of their own, outside any batch.
 CHECKPOINT_SAVE = "checkpoint.save"
 EVAL = "eval"
-SPANS = (BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, TARGET_READ, HS_QUEUE_WAIT, DRAFTER_STEP,
-         *DRAFTER_PHASES, CHECKPOINT_SAVE, EVAL)  # fmt: skip
+SPANS = (BATCH, DATA_BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, TARGET_READ, HS_QUEUE_WAIT,
+         DRAFTER_STEP, *DRAFTER_PHASES, CHECKPOINT_SAVE, EVAL)  # fmt: skip
 
 # --- statistics without a span ---------------------------------------------------------
 HS_QUEUE_PUT = "hs_queue.put"  # target threads blocked on a full hs_queue
@@ -44,3 +45,5 @@ METRIC_TAU_ESTIMATE = "dflash.tau_estimate"
 METRIC_GRAD_NORM = "dflash.grad_norm"
 METRIC_LR = "dflash.lr"
 METRIC_ACCURACY = "dflash.accuracy_per_position"
+# On the drafter.step spans of the steps a --torch-profile window records.
+PROFILE_FILE = "dflash.profile.file"

@@ -33,11 +33,13 @@ from dflash.distributed import (
     init_distributed,
     rank_batch_indices,
 )
-from dflash.metrics import StepMetrics, span_attributes
-from dflash.observe import Observer, start_observer
+from dflash.instruments import flops_figures
+from dflash.metrics import StageRates, StepMetrics, span_attributes
+from dflash.observe import Observer, shared_run_id, start_observer
 from dflash.progress import Progress
 from dflash.queues import PipelineError, SignalStop, StageGroup, TrainingInterrupted
 from dflash.replicas import Replica, build_replicas, mover, target_forwards
+from dflash.report import ReportError, write_report
 from dflash.run import (
     METRICS_FILE,
     Run,
@@ -51,6 +53,7 @@ from dflash.run import (
     write_summary,
 )
 from dflash.stages import Pipeline, StepFn
+from tracing.throughput import mfu
 
 __all__ = ["DEFAULT_STALL_TIMEOUT_S", "PipelineError", "TrainingInterrupted", "run_pipeline"]
 
@@ -62,9 +65,12 @@ class _StepBook:
     """Losses per step; replica 0 advances the run, reports progress and checkpoints."""
 
     def __init__(self, run: Run, progress: Progress, info: DistInfo, num_replicas: int,
-                 metrics: StepMetrics, averager: GradAverager):  # fmt: skip
+                 metrics: StepMetrics, averager: GradAverager,
+                 observer: Observer | None = None):  # fmt: skip
         self.run, self.progress, self.info, self.metrics = run, progress, info, metrics
-        self.averager = averager
+        self.averager, self.observer = averager, observer
+        self.rates: StageRates | None = None  # set once the pipeline exists
+        self.flops = flops_figures(run)
         self.start_step, self.start_index = run.step, run.next_batch_index
         self.batches_per_step = info.world_size * num_replicas
         self.losses: dict[int, list[torch.Tensor]] = {}  # device tensors, read at the end
@@ -82,14 +88,29 @@ class _StepBook:
         run.next_batch_index = self.start_index + (step + 1) * self.batches_per_step
         self.averager.after_step(may_read=figures is not None)
         self.progress.update(run.step, batch.num_tokens * self.batches_per_step, figures)
-        if figures is not None and self.info.is_main:
-            self.metrics.write(figures)
+        if figures is not None:
+            self._log_step(figures)
         every = run.cfg.run.save_every
         if self.info.is_main and every and run.step % every == 0 and run.step < run.cfg.run.steps:
             # replica 0's weights cannot move while it is here
             with tracing.phase(names.CHECKPOINT_SAVE, level="step",
                                attributes={names.STEP: run.step}):  # fmt: skip
                 save_run_checkpoint(run)
+
+    def _log_step(self, figures: dict[str, Any]) -> None:
+        """A logged step: metrics.jsonl (rank 0) and the metrics signal (every rank)."""
+        if self.rates is not None:
+            figures.update(self.rates.figures())
+        rates = figures.get("tokens_per_s", {})
+        flops = self.flops
+        drafter_mfu = mfu(flops.drafter_per_token, rates.get("drafter", 0.0),
+                          flops.drafter_peak_tflops)  # fmt: skip
+        if drafter_mfu is not None:
+            figures["mfu"] = drafter_mfu
+        if self.observer is not None:
+            self.observer.record_step(figures, mfu=drafter_mfu)
+        if self.info.is_main:
+            self.metrics.write(figures)
 
     def mean_losses(self) -> list[float]:
         with self._lock:
@@ -107,9 +128,22 @@ class _Setup:
 
 
 def run_training(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """`dflash-train train`: tracing set up from cfg.telemetry, then `run_pipeline`."""
+    """`dflash-train train`: tracing set up from cfg.telemetry, then `run_pipeline`.
+
+    Under torchrun the process group starts first: every rank's telemetry carries
+    rank 0's run id."""
     info = dist_info_from_env()
-    observer = start_observer(cfg.telemetry, info.rank, info.world_size)
+    placement = decide_placement(cfg.pipeline, info.local_rank, info.local_world_size)
+    if info.is_main:  # an --output-dir that cannot be written is named first
+        prepare_output_dir(cfg)
+    init_distributed(info, placement.drafter)  # run_pipeline's own call then does nothing
+    try:
+        observer = start_observer(cfg.telemetry, info.rank, info.world_size,
+                                  run_id=shared_run_id(info.world_size),
+                                  output_dir=Path(cfg.run.output_dir), log=log)  # fmt: skip
+    except BaseException:
+        destroy_distributed()
+        raise
     try:
         return run_pipeline(cfg, log=log, observer=observer)
     finally:
@@ -144,7 +178,8 @@ def run_pipeline(
     try:
         setup = _setup(cfg, log, info, placement, observer, progress_stream)
         if observer is not None:
-            observer.attach(setup.pipe.snapshot)
+            observer.attach(setup.pipe.snapshot, (*placement.targets, *placement.drafters),
+                            setup.book.flops, stream=setup.progress.line_stream())  # fmt: skip
         train_start_s, cpu_start_s = time.perf_counter(), time.process_time()
         with SignalStop(setup.pipe.group.stop) as signals:
             try:
@@ -196,7 +231,8 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], info: DistInfo, placeme
                         stream=progress_stream if info.is_main else io.StringIO())  # fmt: skip
     metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
                           Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip
-    book = _StepBook(run, progress, info, len(replicas), metrics, averager)
+    book = _StepBook(run, progress, info, len(replicas), metrics, averager, observer)
+    window = observer.profile if observer is not None else None
     indices = rank_batch_indices(cfg.run.steps - run.step, info.rank, info.world_size,
                                  len(replicas), run.next_batch_index)  # fmt: skip
     pipe = Pipeline.build(
@@ -204,7 +240,7 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], info: DistInfo, placeme
         indices=indices,
         forwards=target_forwards(run, max(indices, default=0)),
         target_phase=names.TARGET_READ if cfg.data.hidden_cache else names.TARGET_FORWARD,
-        steps=[(r.device, _step_fn(r, i, metrics), mover(r.device))
+        steps=[(r.device, _step_fn(r, i, metrics, window), mover(r.device))
                for i, r in enumerate(replicas)],
         on_step=book.on_step,
         batch_queue_size=cfg.pipeline.batch_queue_size,
@@ -214,15 +250,33 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], info: DistInfo, placeme
         group=group,
         first_step=run.step,
     )  # fmt: skip
+    book.rates = StageRates(_stage_tokens(pipe, info.world_size))
     return _Setup(run, pipe, book, progress, placement)
 
 
-def _step_fn(replica: Replica, index: int, metrics: StepMetrics) -> StepFn:
+def _stage_tokens(pipe: Pipeline, world_size: int) -> Callable[[], tuple[float, dict[str, int]]]:
+    def read() -> tuple[float, dict[str, int]]:
+        snap = pipe.snapshot()
+        tokens = {"target": snap.target_tokens * world_size,
+                  "drafter": snap.drafter_tokens * world_size}  # fmt: skip
+        return snap.elapsed_s, tokens
+
+    return read
+
+
+def _step_fn(replica: Replica, index: int, metrics: StepMetrics, window: Any = None) -> StepFn:
     """The trainer's step; on logged steps replica 0 reads the figures, inside the
-    drafter.step span (after its last phase), and puts them on that span."""
+    drafter.step span (after its last phase), and puts them on that span. Replica 0's
+    thread also runs the --torch-profile `window` (tracing.profiler.ProfileWindow)."""
     trainer = replica.trainer
 
     def step(batch: Any, target_out: Any, phase: Any) -> Any:
+        if index == 0 and window is not None:
+            window.before_step(trainer.step_count)
+            path = window.path_for(trainer.step_count)
+            span = tracing.current_phase()
+            if path is not None and span is not None:
+                span.set_attribute(names.PROFILE_FILE, path)
         result = trainer.step(batch, target_out, phase=phase)
         if index == 0 and metrics.due(trainer.step_count):
             result.figures = metrics.read(trainer.step_count, result)
@@ -278,11 +332,23 @@ def _finish(setup: _Setup, info: DistInfo, observer: Observer | None, log: Calla
     summary = build_summary(run, stats, started_s, evaluation=evaluation,
                             extra=_extra(figures, close()))  # fmt: skip
     write_summary(run, summary, log)
+    _write_report(run.output_dir, log)
     return summary
 
 
 def _extra(figures: dict[str, Any], telemetry: dict[str, Any] | None) -> dict[str, Any]:
-    return {"pipeline": figures, **({"telemetry": telemetry} if telemetry is not None else {})}
+    if telemetry is None:
+        return {"pipeline": figures}
+    telemetry = dict(telemetry)
+    return {"pipeline": figures, "verdict": telemetry.pop("verdict", None), "telemetry": telemetry}
+
+
+def _write_report(run_dir: Path, log: Callable[[str], None]) -> None:
+    """report.html beside summary.json; a report that cannot be made costs only itself."""
+    try:
+        log(f"report: {write_report(run_dir)}")
+    except (ReportError, OSError) as exc:
+        log(f"warning: report.html not written: {exc}")
 
 
 def _write_error_log(run_dir: Path, info: DistInfo, failure: Any) -> str | None:

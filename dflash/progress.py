@@ -1,25 +1,31 @@
 """Progress bar, startup lines and the end-of-run summary.
 
 A tqdm bar when stderr is a terminal; plain periodic lines otherwise, so logs of
-batch jobs stay readable and grep-able.
+batch jobs stay readable and grep-able. Other output printed while the bar is up (the
+interval tables, log lines) goes through `Progress.write`, tqdm's own writer, so the
+bar stays on the last line instead of running into the text.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
 from dflash.config import TrainConfig
+from dflash.objective import NoiseSchedule
 
 
 def format_loss_config(cfg: TrainConfig) -> str:
-    """The objective on one line (issue 5 prints the telemetry line right after it)."""
+    """The objective on one line (the telemetry line follows it)."""
     obj = cfg.loss
     gamma = cfg.gamma
     if gamma is None:
-        decay = "no γ decay (streak weights replace it)"
+        decay = "no γ decay (streak weights replace it; set --loss-decay-gamma to add it)"
+    elif obj.streak_alpha is not None:
+        decay = f"γ {gamma:g} (set, applied on top of the streak weights)"
     else:
         decay = f"γ {gamma:g} ({'set' if obj.gamma is not None else 'by block size'})"
     soft = (
@@ -30,9 +36,10 @@ def format_loss_config(cfg: TrainConfig) -> str:
     streak = "streak weighting off"
     if obj.streak_alpha is not None:
         streak = f"streak α {obj.streak_alpha:g}"
+    noise = NoiseSchedule.parse(obj.noise_schedule, cfg.run.steps).describe()
     return (
         f"loss: block size {cfg.drafter.block_size}, {decay}, {soft}, "
-        f"{streak}, up to {obj.num_anchors} anchors/sequence, noise: all non-anchor masked"
+        f"{streak}, up to {obj.num_anchors} anchors/sequence, noise: {noise}"
     )
 
 
@@ -134,7 +141,44 @@ class Progress:
             )
             self.last_print_s, self.last_print_done = now_s, done
 
+    def write(self, text: str) -> None:
+        """Prints `text` (one or more lines) above the bar, or plainly without one."""
+        bar = self.bar
+        if bar is not None:
+            bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def line_stream(self) -> LineStream:
+        """A text stream whose complete lines go through `write` (for the Reporter)."""
+        return LineStream(self.write)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class LineStream:
+    """A write-only text stream that hands text to `emit` once a write ends a line, all
+    lines so far in one call (print's text and its newline arrive as two writes)."""
+
+    def __init__(self, emit: Callable[[str], None]) -> None:
+        self._emit = emit
+        self._pending = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending += text
+            if not self._pending.endswith("\n"):
+                return len(text)
+            done, self._pending = self._pending[:-1], ""
+        self._emit(done)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False

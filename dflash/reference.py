@@ -53,9 +53,11 @@ def train_reference(
                 target_out = read(batch)
             else:
                 with torch.no_grad():
+                    docs = None if batch.doc_ids is None else batch.doc_ids.to(placement.target)
                     target_out = run.target.capture(
-                        batch.input_ids.to(placement.target), run.layer_ids, with_logits=soft
-                    )
+                        batch.input_ids.to(placement.target), run.layer_ids, with_logits=soft,
+                        doc_ids=docs,
+                    )  # fmt: skip
             target_out = move_target_out(target_out, placement.drafter)
             result = run.trainer.step(batch, target_out)
             run.step, run.next_batch_index = run.step + 1, run.next_batch_index + 1

@@ -60,7 +60,8 @@ def capture_fn(
     def forward(batch: Batch) -> TargetOutput:
         with torch.no_grad():
             ids = batch.input_ids.to(device, non_blocking=True)
-            return target.capture(ids, layer_ids, with_logits=with_logits)
+            docs = None if batch.doc_ids is None else batch.doc_ids.to(device, non_blocking=True)
+            return target.capture(ids, layer_ids, with_logits=with_logits, doc_ids=docs)
 
     return forward
 

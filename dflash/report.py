@@ -6,7 +6,8 @@ Files read from RUN_DIR (written by `dflash-train train`):
     metrics.jsonl   optional: one JSON object per logged step (step, loss, tau, lr,
                     grad_norm, accuracy per position, time_s, tokens_per_s per stage)
     stats.json      optional: the cumulative ProfileStats snapshot (phase table, verdict)
-    timeline.json   optional: the Chrome trace-event timeline (`--timeline`)
+    timeline.json   optional: the Chrome trace-event timeline (or where summary.json's
+                    telemetry.files.timeline says `--timeline` wrote it)
 The page needs no network: charts are inline SVG, styles inline, no external asset.
 """
 
@@ -18,6 +19,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from dflash.bottleneck import snapshot_verdict
 from dflash.errors import DFlashError
 from dflash.report_svg import Slice, bar_chart, line_chart, timeline_chart
 from tracing import StatsSnapshot
@@ -126,9 +128,16 @@ def _verdict(summary: dict[str, Any], snap: StatsSnapshot | None) -> str | None:
         return summary["verdict"]
     if snap is None:
         return None
-    from dflash.observe import pipeline_verdict
+    return snapshot_verdict(snap)
 
-    return pipeline_verdict(snap)
+
+def _timeline_path(run_dir: Path, summary: dict[str, Any]) -> Path:
+    """The run's timeline: where training wrote it (`--timeline`), else the default."""
+    files = (summary.get("telemetry") or {}).get("files") or {}
+    written = files.get("timeline") if isinstance(files, dict) else None
+    if isinstance(written, str) and Path(written).is_file():
+        return Path(written)
+    return run_dir / "timeline.json"
 
 
 def render(run_dir: Path) -> str:
@@ -142,7 +151,7 @@ def render(run_dir: Path) -> str:
     rows = read_metrics(run_dir / "metrics.jsonl")
     stats_path = run_dir / "stats.json"
     snap = StatsSnapshot.from_dict(_load_json(stats_path)) if stats_path.exists() else None
-    timeline_path = run_dir / "timeline.json"
+    timeline_path = _timeline_path(run_dir, summary)
     doc = _load_json(timeline_path) if timeline_path.exists() else {}
     acceptance = list(summary.get("acceptance_per_position") or [])
     rates = _stage_rates(rows) or _timeline_rates(doc)
@@ -156,7 +165,7 @@ def render(run_dir: Path) -> str:
         ),  # fmt: skip
         bar_chart(
             "acceptance",
-            f"Acceptance per block position (τ {summary.get('tau', 0):.3f})",
+            f"Acceptance per block position (τ {_tau_text(summary.get('tau'))})",
             [str(k + 1) for k in range(len(acceptance))],
             acceptance,
             "block position",
@@ -184,6 +193,10 @@ def render(run_dir: Path) -> str:
         phases=phase_table(snap) if snap else "<p>no phase statistics recorded (stats.json)</p>",
         css=CSS,
     )
+
+
+def _tau_text(tau: Any) -> str:
+    return f"{tau:.3f}" if isinstance(tau, (int, float)) else "not evaluated"
 
 
 def _show(value: Any) -> str:

@@ -25,16 +25,27 @@ from dflash.checkpoint import (
     resolve_checkpoint,
     restore_rng_state,
     save_checkpoint,
-    trainable_weights,
 )
 from dflash.config import ConfigError, TrainConfig
 from dflash.data import EMBEDDED, PackedDataset, build_datasets, datasets_from_corpus
 from dflash.devices import Placement
-from dflash.drafter import DFlashDrafter, DrafterConfig, save_drafter
+from dflash.drafter import DFlashDrafter, DrafterConfig, DrafterError
+from dflash.drafter_io import (
+    check_fits_target,
+    init_drafter_from,
+    read_drafter_config,
+    save_drafter,
+)
 from dflash.evaluate import eval_figures, evaluate_run
 from dflash.progress import format_loss_config, format_run_config, format_summary
 from dflash.step import DrafterTrainer, PhaseFn, null_phase
-from dflash.target import TargetModel, default_target_layers, validate_target_layers
+from dflash.target import (
+    MaskToken,
+    TargetModel,
+    check_mask_token_unused,
+    default_target_layers,
+    validate_target_layers,
+)
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -56,6 +67,20 @@ class Run:
     next_batch_index: int = 0
     setup_s: float = 0.0
     resumed_from: Path | None = None
+    initialized_from: Path | None = None
+    _fingerprint: str | None = None
+
+    @property
+    def data_fingerprint(self) -> str:
+        """The training rows' fingerprint (hashed once: it reads every row)."""
+        if self._fingerprint is None:
+            self._fingerprint = self.train_data.fingerprint()
+        return self._fingerprint
+
+    @property
+    def mask_token(self) -> MaskToken:
+        config = self.drafter.config
+        return MaskToken(config.mask_token_id, config.mask_token_source)
 
     @property
     def target_device(self) -> torch.device:
@@ -106,6 +131,8 @@ def build_drafter(
         num_layers=cfg.drafter.num_layers,
         block_size=cfg.drafter.block_size,
         target_layer_ids=list(layer_ids),
+        intermediate_size=cfg.drafter.intermediate_size,
+        mask_token_id=cfg.drafter.mask_token_id,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.run.seed)
@@ -143,39 +170,90 @@ def _check_resume_compatible(cfg: TrainConfig, saved: dict[str, Any], path: Path
                 )
 
 
+def check_init_settings(cfg: TrainConfig, saved: DrafterConfig, where: str) -> None:
+    """Before the target loads: a warm start's drafter against what this run's flags name."""
+    pairs: list[tuple[str, str, Any, Any]] = [
+        ("--drafter-layers", "num_hidden_layers", saved.num_layers, cfg.drafter.num_layers)
+    ]
+    named = (
+        ("--target-layers", "target_layer_ids", saved.target_layer_ids, cfg.target.layer_ids),
+        ("--drafter-intermediate-size", "intermediate_size", saved.intermediate_size,
+         cfg.drafter.intermediate_size),
+        ("--mask-token-id", "mask_token_id", saved.mask_token_id, cfg.drafter.mask_token_id),
+    )  # fmt: skip
+    pairs += [item for item in named if item[3] is not None]
+    for flag, key, theirs, ours in pairs:
+        ours = list(ours) if isinstance(ours, tuple) else ours
+        if theirs != ours:
+            shown = ",".join(map(str, ours)) if isinstance(ours, list) else ours
+            raise DrafterError(
+                f"--init-from {where}: it has {key} {theirs}, this run {flag} {shown}"
+            )
+
+
+def _warm_start(cfg: TrainConfig, resuming: bool) -> tuple[Path, DrafterConfig] | None:
+    """The --init-from directory and its config, read before the target loads. A resumed
+    run continues its checkpoint, whose weights already descend from the warm start."""
+    if cfg.run.init_from is None or resuming:
+        return None
+    where = Path(cfg.run.init_from).expanduser()
+    saved = read_drafter_config(where)
+    check_init_settings(cfg, saved, str(where))
+    return where, saved
+
+
 def run_datasets(
     cfg: TrainConfig, target: TargetModel, log: Callable[[str], None] = print
 ) -> tuple[PackedDataset, PackedDataset]:
-    """(train, held-out) data of a run; `cache-hidden` cuts its batches the same way.
-    `--data embedded` trains on the target's own continuations of the corpus (cached)."""
-    data, tok = cfg.data, target.tokenizer
-    if data.source != EMBEDDED:
-        return build_datasets(data.source, tok, data.seq_len, data.batch_size, cfg.run.seed,
-                              data.heldout_fraction)  # fmt: skip
-    from dflash.regenerate import embedded_regeneration, regenerated_corpus
+    """Train and held-out rows of a run (`cache-hidden` cuts its batches the same way);
+    an explicit mask token the data uses is refused here. `--data embedded` trains on
+    the target's own continuations of the corpus (regenerated once, cached)."""
+    d, tok = cfg.data, target.tokenizer
+    if d.source == EMBEDDED:
+        from dflash.regenerate import embedded_regeneration, regenerated_corpus
 
-    path = embedded_regeneration(target, data.heldout_fraction, log)
-    corpus = regenerated_corpus(path, tok, data.heldout_fraction)
-    return datasets_from_corpus(corpus, tok, data.seq_len, data.batch_size, cfg.run.seed,
-                                data.heldout_fraction)  # fmt: skip
+        path = embedded_regeneration(target, d.heldout_fraction, log)
+        corpus = regenerated_corpus(path, tok, d.heldout_fraction)
+        train, heldout = datasets_from_corpus(
+            corpus, tok, d.seq_len, d.batch_size, cfg.run.seed, d.heldout_fraction,
+            packing=d.packing, log=log,
+        )  # fmt: skip
+    else:
+        train, heldout = build_datasets(
+            d.source, tok, d.seq_len, d.batch_size, cfg.run.seed, d.heldout_fraction,
+            packing=d.packing, log=log,
+        )  # fmt: skip
+    if cfg.drafter.mask_token_id is not None:
+        check_mask_token_unused(cfg.drafter.mask_token_id, (train.ids, heldout.ids, heldout.stream))
+    return train, heldout
 
 
 def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None] = print) -> Run:
-    """Target, data, drafter and trainer for `cfg` on `placement`; restores `--resume`."""
+    """Target, data, drafter and trainer for `cfg` on `placement`; restores `--resume`
+    or warm-starts from `--init-from`."""
     start_s = time.perf_counter()
     output_dir = Path(cfg.run.output_dir)
     resume = None
     if cfg.run.resume:  # check the checkpoint before spending minutes on the target
         resume = load_checkpoint(resolve_checkpoint(cfg.run.resume, output_dir))
         _check_resume_compatible(cfg, resume.config, resume.path)
+    warm = _warm_start(cfg, resuming=resume is not None)
     dtype = torch.bfloat16 if placement.target.type == "cuda" else torch.float32
     target = target_mod.load_target(cfg.target.spec, placement.target, dtype, log=log)
     check_target_fits(cfg, target)
+    target.mask_token(cfg.drafter.mask_token_id)  # no usable mask row: fail before the data
+    if warm is not None:
+        check_fits_target(warm[1], target, f"--init-from {warm[0]}")
     layer_ids = resolve_layer_ids(cfg, target.num_layers)
     train, heldout = run_datasets(cfg, target, log)
     drafter = build_drafter(cfg, target, layer_ids, placement.drafter)
     trainer = DrafterTrainer(drafter, cfg, placement.drafter)
     run = Run(cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir)
+    log(run.mask_token.describe())
+    if warm is not None:
+        init_drafter_from(drafter, warm[0])
+        run.initialized_from = warm[0]
+        log(f"drafter initialized from {warm[0]}")
     if resume is not None:
         load_trainable_weights(drafter, resume.weights)
         trainer.load_state_dict(resume.trainer_state)
@@ -187,11 +265,22 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     return run
 
 
+def save_drafter_dir(run: Run, directory: Path) -> Path:
+    """The standard DFlash directory of the run's drafter, with the run's metadata."""
+    extra: dict[str, Any] = {"step": run.step}
+    if run.initialized_from is not None:
+        extra["initialized_from"] = str(run.initialized_from)
+    return save_drafter(
+        run.drafter, directory, training_config=run.cfg.to_dict(),
+        data_fingerprint=run.data_fingerprint, extra=extra,
+    )  # fmt: skip
+
+
 def save_run_checkpoint(run: Run) -> Path:
     """Checkpoint of the run's current position (atomic; keeps the newest few)."""
     return save_checkpoint(
         run.output_dir / "checkpoints",
-        weights=trainable_weights(run.drafter),
+        write_drafter=lambda directory: save_drafter_dir(run, directory),
         trainer_state=run.trainer.state_dict(),
         step=run.step,
         next_batch_index=run.next_batch_index,
@@ -204,7 +293,7 @@ def complete_run(run: Run, phase: PhaseFn = null_phase) -> tuple[dict[str, Any],
     """Final checkpoint and drafter, then τ on held-out: (its figures, seconds spent)."""
     with phase("checkpoint.save"):
         save_run_checkpoint(run)
-        save_drafter(run.drafter, run.output_dir / "drafter")
+        save_drafter_dir(run, run.output_dir / "drafter")
     eval_start_s = time.perf_counter()
     with phase("eval"):
         result = evaluate_run(run.target, run.drafter, run.heldout_data, run.cfg.run)
@@ -236,6 +325,10 @@ def build_summary(
         "block_size": run.cfg.drafter.block_size,
         "target": run.cfg.target.spec,
         "target_layer_ids": run.layer_ids,
+        "mask_token_id": run.mask_token.token_id,
+        "mask_token_source": run.mask_token.source,
+        "packing": run.cfg.data.packing,
+        "initialized_from": None if run.initialized_from is None else str(run.initialized_from),
         "drafter_dir": str(run.output_dir / "drafter") if evaluation is not None else None,
     }
     if interrupted is not None:

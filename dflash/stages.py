@@ -96,12 +96,15 @@ class Prefetcher(StageThread):
             # The root starts before the batch is built: a consumer already waiting for
             # this batch then has its wait inside the batch's trace.
             span = tracing.start_span(names.BATCH, self.span_attributes, level="step")
-            self.enter("data.batch")
+            self.enter(names.DATA_BATCH)
             try:
-                batch = self.make_batch(index)
-                if self.pin_memory:  # lets the target thread's host-to-device copy run async
-                    tensors = (t.pin_memory() for t in _tensors(batch))
-                    batch = type(batch)(batch.batch_id, *tensors)
+                # A phase of its own: the prefetch thread's track in the timeline and
+                # its share in the tables (an input-bound run shows here).
+                with tracing.phase(names.DATA_BATCH, parent=span):
+                    batch = self.make_batch(index)
+                    if self.pin_memory:  # the target thread's host-to-device copy runs async
+                        tensors = (t.pin_memory() for t in _tensors(batch))
+                        batch = type(batch)(batch.batch_id, *tensors)
             except BaseException as exc:
                 _end_span(span, exc)
                 raise

@@ -18,16 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from dflash import names
+from dflash.blocks import BlockInputs, prepare_blocks
 from dflash.config import TrainConfig
 from dflash.data import Batch
-from dflash.objective import (
-    NoiseSchedule,
-    block_labels,
-    build_blocks,
-    dflash_loss,
-    gather_target_logits,
-    select_anchors,
-)
+from dflash.objective import NoiseSchedule, dflash_loss, gather_target_logits
 from dflash.schedule import warmup_cosine
 
 PhaseFn = Callable[[str], AbstractContextManager[Any]]
@@ -69,7 +63,7 @@ class DrafterTrainer:
             self.optimizer,
             lambda s: warmup_cosine(s, opt.warmup_steps, cfg.run.steps, opt.min_lr_ratio),
         )
-        self.noise = NoiseSchedule()
+        self.noise = NoiseSchedule.parse(cfg.loss.noise_schedule, cfg.run.steps)
         self.grad_sync: Callable[[], None] | None = None
         self.step_count = 0
         self.last_loss: Tensor | None = None
@@ -81,25 +75,33 @@ class DrafterTrainer:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
+    def block_inputs(self, host: Batch) -> BlockInputs:
+        """Anchors, blocks, labels and context starts of a host batch, on the drafter
+        device; the draws depend only on (seed, batch id, step)."""
+        gen = torch.Generator(device="cpu").manual_seed(
+            anchor_seed(self.cfg.run.seed, host.batch_id)
+        )
+        blocks = prepare_blocks(
+            host.input_ids, host.loss_mask, doc_ids=host.doc_ids,
+            num_anchors=self.cfg.loss.num_anchors, block_size=self.cfg.drafter.block_size,
+            mask_token_id=self.drafter.mask_id, noise=self.noise, step=self.step_count,
+            generator=gen,
+        )  # fmt: skip
+        return blocks.to(self.device)
+
     def step(self, batch: Batch, target_out: Any, phase: PhaseFn = null_phase) -> StepResult:
         """One optimizer step on `batch` (any device) given the target's features."""
         drafter, bs, loss_cfg = self.drafter, self.cfg.drafter.block_size, self.cfg.loss
         drafter.train()
-        host_mask = batch.loss_mask  # anchors are drawn on the host: no device round trip
-        batch = batch.to(self.device)
         with phase(names.ANCHOR_SELECTION):
-            gen = torch.Generator(device="cpu").manual_seed(
-                anchor_seed(self.cfg.run.seed, batch.batch_id)
-            )
-            anchors, keep = select_anchors(host_mask.cpu(), loss_cfg.num_anchors, gen)
-            anchors = anchors.to(self.device, non_blocking=True)
-            keep = keep.to(self.device, non_blocking=True)
-            block_ids = build_blocks(
-                batch.input_ids, anchors, bs, drafter.mask_id, self.noise, self.step_count, gen
-            )
-            labels, valid = block_labels(batch.input_ids, batch.loss_mask, anchors, keep, bs)
+            # Drawn on the host, then copied over: the device is never read back.
+            blocks = self.block_inputs(batch.to("cpu"))
+        anchors = blocks.anchors
         with phase(names.BLOCK_PREDICTION), self._autocast():
-            logits = drafter(target_out.hidden, block_ids, anchors, keep)  # [B, N, Bs, V]
+            logits = drafter(
+                target_out.hidden, blocks.block_ids, anchors, blocks.keep, blocks.ctx_start
+            )  # [B, N, Bs, V]
+        labels, valid = blocks.labels, blocks.valid
         with phase(names.LOSS):
             target_logits = None
             if loss_cfg.use_soft_labels:

@@ -49,6 +49,10 @@ def captured(monkeypatch):
         (["--kl-temperature", "-inf"], ["--kl-temperature"]),
         (["--block-size", "100000"], ["--block-size", "100000", "--seq-len"]),
         (["--trace-level", "loud"], ["--trace-level", "loud"]),
+        (["--otlp-endpoint", "notaurl"], ["--otlp-endpoint", "notaurl", "http(s)://"]),
+        (["--otlp-endpoint", "ftp://h:4317"], ["--otlp-endpoint", "ftp://h:4317"]),
+        (["--torch-profile", "5:5"], ["--torch-profile", "5:5", "empty range"]),
+        (["--torch-profile", "x"], ["--torch-profile", "'x'", "START:STOP"]),
     ],
 )
 def test_bad_values_exit_2_with_one_line(args, fragments, captured) -> None:
@@ -277,3 +281,40 @@ def test_seq_len_beyond_the_targets_positions(tmp_path) -> None:
     _save_tiny_hf_model(model_dir)  # max_position_embeddings 256
     result = invoke(_train_args(tmp_path, target=str(model_dir), seq_len=512))
     assert_one_line_error(result, "--seq-len 512", "max_position_embeddings 256")
+
+
+@pytest.mark.usefixtures("tiny_target")
+@pytest.mark.parametrize("flag", ["timeline", "torch_profile"])
+def test_unwritable_telemetry_paths_are_one_line_before_training(tmp_path, flag) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    if flag == "timeline":
+        args = _train_args(tmp_path, timeline=str(blocker / "timeline.json"))
+    else:  # OUTPUT_DIR/profile cannot be made: OUTPUT_DIR/profile is a file
+        (tmp_path / "out").mkdir()
+        (tmp_path / "out" / "profile").write_text("")
+        args = _train_args(tmp_path, output_dir=str(tmp_path / "out"), torch_profile="1:2")
+    result = invoke(args)
+    assert_one_line_error(result, "--" + flag.replace("_", "-"))
+    assert (
+        not (tmp_path / "checkpoints").exists() and not (tmp_path / "out" / "checkpoints").exists()
+    )
+
+
+def test_report_on_a_folder_that_is_not_a_run(tmp_path) -> None:
+    assert_one_line_error(invoke(["report", str(tmp_path)]), "summary.json", "missing")
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_train_writes_the_report_and_report_rebuilds_it(tmp_path) -> None:
+    result = invoke(_train_args(tmp_path))
+    assert result.exit_code == 0, result.output
+    for name in ("report.html", "stats.json", "timeline.json", "summary.json"):
+        assert (tmp_path / name).is_file(), name
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["verdict"] and summary["telemetry"]["files"]["stats"].endswith("stats.json")
+    (tmp_path / "report.html").unlink()
+    result = invoke(["report", str(tmp_path)])
+    assert result.exit_code == 0 and result.output.strip() == str(tmp_path / "report.html")
+    html = (tmp_path / "report.html").read_text()
+    assert 'data-chart="timeline"' in html and "drafter.step" in html

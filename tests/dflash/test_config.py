@@ -23,6 +23,8 @@ from dflash.errors import DFlashError
 # and `test_every_option_has_a_round_trip_value` fails when a new field is missing here.
 NON_DEFAULT = {
     "data": "corpus.txt", "seq_len": 64, "batch_size": 3, "heldout_fraction": 0.1,
+    "packing": "concat", "drafter_intermediate_size": 96, "mask_token_id": 7,
+    "noise_schedule": "linear:0.5:1", "init_from": "runs/old/drafter",
     "hidden_cache": "cache/",
     "target": "builtin:other", "target_layers": (1, 3), "drafter_layers": 2,
     "block_size": 6, "num_anchors": 5, "loss_decay_gamma": 2.5, "use_soft_labels": True,
@@ -32,9 +34,10 @@ NON_DEFAULT = {
     "keep_checkpoints": 4, "log_every": 3, "eval_prompts": 2, "eval_new_tokens": 9,
     "eval_prompt_tokens": 10, "debug": True, "target_devices": ("cpu", "cpu"),
     "drafter_devices": ("cpu",), "batch_queue_size": 5, "hs_queue_size": 3,
-    "otlp_endpoint": "localhost:4317", "otlp_protocol": "http", "trace_level": "step",
+    "otlp_endpoint": "http://localhost:4317", "otlp_protocol": "http", "trace_level": "step",
     "trace_sample_ratio": 0.5, "trace_file": "spans.jsonl", "cuda_timing": "events",
-    "profile_interval": 5.0, "service_name": "svc",
+    "profile_interval": 5.0, "service_name": "svc", "timeline": "tl.json", "nvtx": True,
+    "torch_profile": "2:4",
 }  # fmt: skip
 
 

@@ -18,7 +18,7 @@ from dflash.drafter_io import (
 )
 from dflash.target import TargetModel, load_target, wrap_tiny
 from dflash.tiny import TinyLM, TinyLMConfig
-from tests.dflash.app_fixtures import small_cfg, tiny_target  # noqa: F401
+from tests.dflash.app_fixtures import cpu_run, small_cfg, tiny_target  # noqa: F401
 from tests.dflash.hf_fixtures import save_hf_target
 
 SPEC = Path(__file__).resolve().parents[2] / "docs" / "drafter-format.md"
@@ -185,22 +185,26 @@ def test_export_converts_the_first_layout(small, tmp_path) -> None:
     assert len(result.output.strip().splitlines()) == 1
 
 
+def _step_loss(run, index: int) -> torch.Tensor:
+    """One real trainer step on batch `index` (document-aware capture); its loss."""
+    batch = run.train_data.batch(index)
+    out = run.target.capture(
+        batch.input_ids, run.layer_ids, with_logits=False, doc_ids=batch.doc_ids
+    )
+    return run.trainer.step(batch, out).loss
+
+
 @pytest.mark.usefixtures("tiny_target")
 def test_init_from_continues_with_the_uninterrupted_loss(tmp_path) -> None:
-    from dflash.trainer import build_run
-
-    def step(run, index: int) -> float:
-        batch = run.train_data.batch(index)
-        out = run.target.capture(batch.input_ids, run.layer_ids, with_logits=False)
-        return run.trainer.step(batch, out).loss
-
-    cfg = small_cfg(tmp_path, tmp_path / "a", seed=3)
-    straight = build_run(cfg, log=lambda s: None)
-    step(straight, 0)
+    straight = cpu_run(small_cfg(tmp_path, tmp_path / "a", seed=3))
+    _step_loss(straight, 0)
     save_drafter(straight.drafter, tmp_path / "after-one-step")
-    expected = step(straight, 1)
-    # Same config (same batches and anchors); its drafter starts from the fresh init.
-    warm = build_run(small_cfg(tmp_path, tmp_path / "b", seed=3), log=lambda s: None)
-    assert not torch.equal(warm.drafter.fc.weight, straight.drafter.fc.weight)
-    init_drafter_from(warm.drafter, tmp_path / "after-one-step")
-    assert step(warm, 1) == expected
+    expected = _step_loss(straight, 1)
+    # Same config (same batches and anchors); only the drafter starts from the saved one.
+    fresh = cpu_run(small_cfg(tmp_path, tmp_path / "b", seed=3))
+    assert not torch.equal(fresh.drafter.fc.weight, straight.drafter.fc.weight)
+    warm = cpu_run(
+        small_cfg(tmp_path, tmp_path / "c", seed=3, init_from=str(tmp_path / "after-one-step"))
+    )
+    assert warm.initialized_from == tmp_path / "after-one-step"
+    assert torch.equal(_step_loss(warm, 1), expected)

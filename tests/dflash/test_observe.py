@@ -1,6 +1,18 @@
-"""Tracing the pipeline end to end (issue 5): real runs into the SDK's in-memory exporter."""
+"""Tracing the pipeline end to end: real runs into the SDK's in-memory exporter.
+
+Run under torchrun this file is also the worker of the two-rank telemetry test:
+`torchrun --nproc-per-node 2 tests/dflash/test_observe.py OUT_DIR`.
+"""
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 from app_fixtures import small_cfg, tiny_target  # noqa: F401 - fixture
@@ -10,13 +22,14 @@ from opentelemetry.trace import StatusCode
 
 import tracing
 from dflash import names
-from dflash.observe import Observer, describe, tracing_config
-from dflash.pipeline import PipelineError, run_pipeline
+from dflash.observe import Observer, describe, setup_tracing, tracing_config
+from dflash.pipeline import PipelineError, TrainingInterrupted, run_pipeline
 from dflash.stages import Pipeline
 from dflash.step import DrafterTrainer, null_phase
 
 STEPS = 4
 PARENT = {
+    names.DATA_BATCH: names.BATCH,
     names.BATCH_QUEUE_WAIT: names.BATCH,
     names.TARGET_FORWARD: names.BATCH,
     names.HS_QUEUE_WAIT: names.BATCH,
@@ -25,11 +38,13 @@ PARENT = {
 }
 
 
-def observer(sample_ratio: float = 1.0) -> tuple[Observer, InMemorySpanExporter]:
+def observer(sample_ratio: float = 1.0, output_dir=None) -> tuple[Observer, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    cfg = tracing.TracingConfig(sample_ratio=sample_ratio, report_interval_s=60)
-    telemetry = tracing.setup(cfg, span_processors=[SimpleSpanProcessor(exporter)])
-    return Observer(cfg, telemetry, world_size=1), exporter
+    cfg = tracing.TracingConfig(
+        sample_ratio=sample_ratio, report_interval_s=60, attribute_namespace="dflash"
+    )
+    telemetry = setup_tracing(cfg, span_processors=[SimpleSpanProcessor(exporter)])
+    return Observer(cfg, telemetry, world_size=1, output_dir=output_dir), exporter
 
 
 def traced_run(tmp_path, obs: Observer, **overrides) -> list[str]:
@@ -179,3 +194,108 @@ def test_flags_win_over_otel_variables(monkeypatch) -> None:
     line = describe(cfg)
     assert "OTLP/grpc http://127.0.0.1:9" in line and "sample ratio 0.5" in line
     assert cfg.service_instance_id in line and cfg.rank == 1
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_drafter_bound_cpu_run_names_the_shared_device(tmp_path, monkeypatch, capsys) -> None:
+    real_step = DrafterTrainer.step
+
+    def slow_step(self, batch, target_out, phase=null_phase):
+        time.sleep(0.03)  # drafters far slower than the target: targets block on hs_queue
+        return real_step(self, batch, target_out, phase)
+
+    monkeypatch.setattr(DrafterTrainer, "step", slow_step)
+    obs, _ = observer(output_dir=tmp_path)
+    lines: list[str] = []
+    summary = run_pipeline(small_cfg(tmp_path, steps=16), log=lines.append, observer=obs)
+    verdict = summary["verdict"]
+    # Following "add drafter devices" would not help: both stages share the CPU.
+    assert "drafter-bound" in verdict and "every stage runs on cpu" in verdict, verdict
+    assert "add drafter devices" not in verdict
+    assert f"verdict: {verdict}" in capsys.readouterr().err.splitlines()  # the final table
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["phases"]["hs_queue.put"]["count"] == 16
+    assert "Acceptance per block position" in (tmp_path / "report.html").read_text()
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_ctrl_c_with_two_drafters_marks_no_span_error(tmp_path, monkeypatch) -> None:
+    real_step = DrafterTrainer.step
+    sent = threading.Event()
+
+    def step(self, batch, target_out, phase=null_phase):
+        result = real_step(self, batch, target_out, phase)
+        if self.step_count == 3 and not sent.is_set():
+            sent.set()
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    monkeypatch.setattr(DrafterTrainer, "step", step)
+    obs, exporter = observer()
+    cfg = small_cfg(tmp_path, steps=500, drafter_devices=["cpu", "cpu"])
+    with pytest.raises(TrainingInterrupted) as stopped:
+        run_pipeline(cfg, log=lambda _: None, observer=obs)
+    obs.close(lambda _: None)
+    assert stopped.value.code == 130
+    spans = exporter.get_finished_spans()
+    assert sum(s.name == names.DRAFTER_STEP for s in spans) >= 4
+    errors = [s.name for s in spans if s.status.status_code == StatusCode.ERROR]
+    assert errors == []
+
+
+SHORT_COLLECTIVE_TIMEOUT_S = 4.0
+
+
+def _torchrun_worker(out_dir: Path) -> None:
+    """Both ranks train through `run_training`; rank 0's evaluation outlasts the
+    collective timeout, which the other rank must not wait out."""
+    from test_pipeline_training import _small_target_everywhere
+
+    from dflash import distributed, pipeline, run
+    from dflash.distributed import dist_info_from_env
+
+    _small_target_everywhere()
+    distributed.COLLECTIVE_TIMEOUT_S = SHORT_COLLECTIVE_TIMEOUT_S
+    # What static rendezvous gives every rank: no shared id from torchrun.
+    os.environ["TORCHELASTIC_RUN_ID"] = "none"
+    info = dist_info_from_env()
+    real_evaluate = run.evaluate_run
+
+    def slow_evaluate(*args, **kwargs):
+        time.sleep(2 * SHORT_COLLECTIVE_TIMEOUT_S)
+        return real_evaluate(*args, **kwargs)
+
+    run.evaluate_run = slow_evaluate
+    (out_dir / f"data{info.rank}").mkdir(parents=True, exist_ok=True)
+    cfg = small_cfg(out_dir / f"data{info.rank}", out_dir / f"out{info.rank}", steps=4,
+                    trace_file=str(out_dir / "spans.jsonl"), timeline="off")  # fmt: skip
+    pipeline.run_training(cfg, log=print)
+
+
+def _resource(path: Path) -> dict[str, object]:
+    line = path.read_text().splitlines()[0]
+    attrs = json.loads(line)["resourceSpans"][0]["resource"]["attributes"]
+    return {a["key"]: next(iter(a["value"].values())) for a in attrs}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_two_ranks_share_a_run_id_and_outlast_a_slow_evaluation(tmp_path: Path) -> None:
+    from test_distributed import torchrun_command
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [*torchrun_command(2), __file__, str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    summary = json.loads((tmp_path / "out0" / "summary.json").read_text())
+    assert summary["eval_s"] > SHORT_COLLECTIVE_TIMEOUT_S
+    # One trace file per rank; one run id for both, a service instance of each.
+    ranks = [_resource(tmp_path / "spans.jsonl"), _resource(tmp_path / "spans.jsonl.rank1")]
+    assert [int(r["dflash.rank"]) for r in ranks] == [0, 1]
+    assert ranks[0]["dflash.run.id"] == ranks[1]["dflash.run.id"]
+    assert ranks[0]["service.instance.id"] != ranks[1]["service.instance.id"]
+    assert ranks[0]["service.name"] == "dflash-train"
+
+
+if __name__ == "__main__":
+    _torchrun_worker(Path(sys.argv[1]))

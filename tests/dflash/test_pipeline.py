@@ -157,7 +157,8 @@ def test_one_trace_per_batch_with_waits_under_the_batch_they_received(spans) -> 
         parents = {s.name: by_id[s.parent.span_id].name for s in trace if s.parent is not None}
         # The trainer's phases are opened without a parent: they nest under drafter.step.
         assert parents == {
-            names.BATCH_QUEUE_WAIT: names.BATCH, names.TARGET_FORWARD: names.BATCH,
+            names.DATA_BATCH: names.BATCH, names.BATCH_QUEUE_WAIT: names.BATCH,
+            names.TARGET_FORWARD: names.BATCH,
             names.HS_QUEUE_WAIT: names.BATCH, names.DRAFTER_STEP: names.BATCH,
             names.LOSS: names.DRAFTER_STEP,
         }  # fmt: skip

@@ -1,7 +1,9 @@
 import io
 
+import pytest
+
 from dflash.config import config_from_options
-from dflash.progress import Progress, format_loss_config, format_summary
+from dflash.progress import LineStream, Progress, format_loss_config, format_summary
 
 
 def figures(loss: float, tau: float = 1.5) -> dict:
@@ -35,13 +37,27 @@ def test_bar_on_a_terminal() -> None:
     assert "5/5" in stream.getvalue() and "loss=1.0000" in stream.getvalue()
 
 
-def test_loss_line_names_every_setting() -> None:
-    cfg = config_from_options(
-        {"block_size": 16, "use_soft_labels": True, "kl_temperature": 2.0, "streak_alpha": 0.3}
-    )
-    line = format_loss_config(cfg)
-    for fragment in ("block size 16", "γ 7", "KL T=2", "streak α 0.3", "anchors"):
-        assert fragment in line
+@pytest.mark.parametrize(
+    ("options", "fragments"),
+    [
+        ({"block_size": 16}, ["γ 7 (by block size)", "streak weighting off"]),
+        ({"block_size": 16, "loss_decay_gamma": 3.0}, ["γ 3 (set)"]),
+        # Streak weights already decay over block positions: they replace γ ...
+        ({"block_size": 16, "streak_alpha": 0.3}, ["no γ decay (streak weights replace it",
+                                                   "streak α 0.3"]),
+        # ... unless the user sets both.
+        ({"block_size": 16, "streak_alpha": 0.3, "loss_decay_gamma": 7.0},
+         ["γ 7 (set, applied on top of the streak weights)", "streak α 0.3"]),
+        ({"use_soft_labels": True, "kl_temperature": 2.0}, ["KL T=2", "soft labels on"]),
+        ({}, ["block size 8", "up to 16 anchors", "noise: all non-anchor masked"]),
+        ({"noise_schedule": "linear:0.5:1", "steps": 40},
+         ["noise: masked share 0.5 -> 1 over 40 steps"]),
+    ],
+)  # fmt: skip
+def test_loss_line_names_every_setting(options, fragments) -> None:
+    line = format_loss_config(config_from_options(options))
+    for fragment in fragments:
+        assert fragment in line, line
     assert "\n" not in line
 
 
@@ -50,3 +66,21 @@ def test_summary_text() -> None:
         {"steps": 3, "wall_s": 1.5, "tokens_per_s": 1234.0, "final_loss": 2.5, "tau": 1.75}
     )
     assert "3 steps" in text and "1,234 tokens/s training" in text and "τ on held-out 1.750" in text
+
+
+def test_line_stream_hands_over_whole_lines_once_ended() -> None:
+    emitted: list[str] = []
+    stream = LineStream(emitted.append)
+    print("table line 1\ntable line 2", file=stream, flush=True)  # text, then "\n"
+    stream.write("partial")
+    assert emitted == ["table line 1\ntable line 2"]
+    stream.write(" line\nnext\n")
+    assert emitted[-1] == "partial line\nnext"
+
+
+def test_write_without_a_bar_prints_plainly() -> None:
+    out = io.StringIO()
+    progress = Progress(total_steps=5, stream=out)
+    print("interval: last 1.0s", file=progress.line_stream(), flush=True)
+    progress.write("note")
+    assert out.getvalue() == "interval: last 1.0s\nnote\n"

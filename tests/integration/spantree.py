@@ -17,6 +17,7 @@ SERVICE_NAME = "dflash-train"
 # Phase name -> expected parent phase (None for the root).
 PARENT_OF: dict[str, str | None] = {
     "batch": None,
+    "data.batch": "batch",
     "batch_queue.wait": "batch",
     "target.forward": "batch",
     "hs_queue.wait": "batch",

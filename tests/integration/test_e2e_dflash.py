@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import JaegerProcess
+from conftest import REPO_ROOT, JaegerProcess
 from spantree import (
     PHASES,
     batch_tree_problems,
@@ -59,15 +59,21 @@ TOKENS_KEYS = (names.TOKENS,)
 DEVICE_KEYS = (names.DEVICE,)
 
 
-def dflash_train() -> str:
-    """The console script of the environment running the tests."""
-    beside_python = Path(sys.executable).parent / "dflash-train"
-    return str(beside_python) if beside_python.exists() else "dflash-train"
+def dflash_train() -> list[str]:
+    """`dflash-train` of this checkout, whatever the environment's console script points at."""
+    return [sys.executable, "-m", "dflash.cli"]
+
+
+def checkout_env(**extra: str) -> dict[str, str]:
+    """The environment of a `dflash_train()` process: this checkout first on the path."""
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def trainer_supports_otlp() -> bool:
     done = subprocess.run(
-        [dflash_train(), "train", "--help"],
+        [*dflash_train(), "train", "--help"],
+        env=checkout_env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -84,11 +90,11 @@ def _require_otlp_flags() -> None:
 
 def train(tmp_path: Path, service: str, *extra: str, steps: int = STEPS) -> subprocess.Popen[str]:
     """Starts `dflash-train train` in the background; output goes to tmp_path/train.log."""
-    env = {**os.environ, "OTEL_SERVICE_NAME": service}
+    env = checkout_env(OTEL_SERVICE_NAME=service)
     log = (tmp_path / "train.log").open("w")
     return subprocess.Popen(
         [
-            dflash_train(),
+            *dflash_train(),
             "train",
             "--steps",
             str(steps),

@@ -64,6 +64,8 @@ def emit_batch(tracer: trace.Tracer, step: int) -> None:
     with tracer.start_as_current_span(
         "batch", attributes={"step": step, "batch.id": 100 + step, "tokens": 512}
     ):
+        with tracer.start_as_current_span("data.batch"):  # the prefetcher builds the batch
+            pass
         # The wait span is created after the batch arrived, with the wait's start.
         tracer.start_span("batch_queue.wait", start_time=waited_since_ns).end()
         with tracer.start_as_current_span("target.forward", attributes={"device": "cpu"}):

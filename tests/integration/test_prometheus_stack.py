@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from conftest import REPO_ROOT, die_with_parent, free_port
 from run_metrics_sender import metrics_run
 from test_collector_pipeline import Collector, load_stack_checks
 from test_collector_pipeline import collector as collector  # the fixture, re-exported
+from test_e2e_dflash import finish, train
 from test_jaeger_otlp import unique_service
 
 from dflash.bottleneck import DEFAULT_THRESHOLD, WaitShares, verdict
@@ -169,3 +171,48 @@ def test_dashboard_queries_return_series_and_the_verdict(
         prometheus, f'count by (dflash_run_id) (dflash_train_loss{{service_name="{service}"}})'
     )
     assert {r["metric"]["dflash_run_id"] for r in runs} == set(SCENARIOS)
+
+
+RUN_ID_RE = re.compile(r"^telemetry: .*, run (\S+)\)$", re.M)
+
+
+def test_a_real_training_run_fills_every_dashboard_query(
+    prometheus: str,
+    collector: tuple[Collector, dict[str, int]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`dflash-train train` itself (traces and metrics over OTLP gRPC to the stack's
+    collector): every PromQL query of the dashboards, span metrics included, returns
+    series labelled with the run's own id."""
+    _, ports = collector
+    service = unique_service("prom-train")
+    checks = load_stack_checks()
+    stack = checks.load_stack()
+    # Trace-to-metrics links of the datasources are filled per span by Grafana ($__tags);
+    # a healthy run has no error spans to count.
+    dashboard_queries = [(w, e) for w, e in checks.prometheus_queries(stack)
+                         if "$__tags" not in e and "STATUS_CODE_ERROR" not in e]  # fmt: skip
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "500")  # train() copies the environment
+    process = train(tmp_path, service, "--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}",
+                    "--profile-interval", "5", steps=1_000_000)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            empty = [where for where, expr in dashboard_queries
+                     if not query(prometheus, grafana_to_promql(expr, service, ".*"))]  # fmt: skip
+            if not empty or process.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        assert process.poll() is None, "training ended early"
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)  # the run's normal end here: checkpoint, summary
+        output = finish(process, tmp_path, returncode=143)
+    assert empty == [], f"dashboard queries without series from a real run: {empty}"
+    match = RUN_ID_RE.search(output)
+    assert match, output[-3000:]
+    runs = query(
+        prometheus, f'count by (dflash_run_id) (dflash_tokens_total{{service_name="{service}"}})'
+    )
+    assert {r["metric"]["dflash_run_id"] for r in runs} == {match[1]}
