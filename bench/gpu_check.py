@@ -6,7 +6,8 @@ the paper's step (block 16, 512 anchors, 3,072-token rows, AdamW 6e-4 with warmu
 γ 7, chunked loss, flex block-sparse attention) for --steps steps with
 --cuda-timing off, sync and events. Prints tokens/s, peak memory, each timing mode's
 cost against off, and whether the CUDA event times agree with the host times of the
-synchronized run. Independent of the trainer: the step is built here from the library.
+synchronized run. The step is the trainer's own (`DrafterTrainer` on a config of
+configs/paper.yaml's settings, the target stage's `capture_fn`), on random token rows.
 
     python bench/gpu_check.py               # one GPU, well under 10 minutes
     python bench/gpu_check.py --small       # reduced size on CPU (CI); a host clock
@@ -25,10 +26,12 @@ from dataclasses import dataclass
 import torch
 
 import tracing
-from dflash.chunked_loss import chunked_dflash_loss
+from dflash.config import config_from_options
+from dflash.data import Batch
 from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.objective import LossConfig, block_labels, build_blocks, select_anchors
-from dflash.optim_step import NonFiniteGuard, grad_norm, nonfinite
+from dflash.estimate import estimate_for_config, geometry_of
+from dflash.replicas import capture_fn
+from dflash.step import DrafterTrainer
 from dflash.synthetic import QWEN3_8B, TINY_QWEN3, Qwen3Shape, random_qwen3_target
 
 MODES = ("off", "sync", "events")
@@ -55,55 +58,35 @@ SMALL = Recipe(TINY_QWEN3.scaled(vocab_size=4096, mask_token_id=4095, num_hidden
 
 
 class Step:
-    """Target forward + one drafter optimizer step, each phase a tracing.phase."""
+    """Target forward + one trainer step (its own phases), on random token rows."""
 
     def __init__(self, recipe: Recipe, device: torch.device) -> None:
         self.recipe, self.device = recipe, device
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.target = random_qwen3_target(recipe.shape, device, dtype)
-        cfg = DrafterConfig.for_target(
-            self.target, recipe.drafter_layers, recipe.block_size,
+        self.cfg = config_from_options({
+            "seq_len": recipe.seq_len, "batch_size": recipe.batch_size,
+            "num_anchors": recipe.num_anchors, "block_size": recipe.block_size,
+            "drafter_layers": recipe.drafter_layers, "lr": recipe.lr,
+            "warmup_steps": recipe.warmup_steps, "loss_decay_gamma": recipe.gamma,
+        })  # fmt: skip
+        dcfg = DrafterConfig.for_target(
+            self.target, num_layers=recipe.drafter_layers, block_size=recipe.block_size,
             mask_token_id=recipe.shape.mask_token_id,
         )  # fmt: skip
-        self.drafter = DFlashDrafter(cfg, self.target.embed_tokens, self.target.lm_head)
-        self.drafter.to(device)  # fp32 master weights; autocast computes in bf16
-        self.params = list(self.drafter.parameters())
-        self.opt = torch.optim.AdamW(self.params, lr=recipe.lr, betas=(0.9, 0.95))
-        warm = recipe.warmup_steps
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warm))
-        self.loss_cfg = LossConfig(gamma=recipe.gamma)
-        self.guard = NonFiniteGuard(max_bad_steps=10)
+        drafter = DFlashDrafter(dcfg, self.target.embed_tokens, self.target.lm_head).to(device)
+        self.trainer = DrafterTrainer(drafter, self.cfg, device)  # fp32 master weights
+        self.forward = capture_fn(self.target, dcfg.target_layer_ids, False, device)
         self.gen = torch.Generator().manual_seed(0)
         self.steps = 0
 
-    def _autocast(self) -> contextlib.AbstractContextManager[None]:
-        if self.device.type != "cuda":
-            return contextlib.nullcontext()
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-
     def __call__(self) -> None:
-        r, dev, bs = self.recipe, self.device, self.recipe.block_size
+        r, dev = self.recipe, self.device
         ids = torch.randint(0, r.shape.mask_token_id, (r.batch_size, r.seq_len), generator=self.gen)
-        loss_mask = torch.ones_like(ids, dtype=torch.bool)
+        batch = Batch(self.steps, ids, torch.ones_like(ids, dtype=torch.bool))
         with tracing.phase("target.forward", device=dev):
-            hidden = self.target.capture(ids.to(dev), self.drafter.config.target_layer_ids,
-                                         with_logits=False).hidden  # fmt: skip
-        anchors, keep = select_anchors(loss_mask, r.num_anchors, self.gen)
-        blocks = build_blocks(ids, anchors, bs, self.drafter.mask_id)
-        labels, valid = block_labels(ids, loss_mask, anchors, keep, bs)
-        anchors, keep, blocks = anchors.to(dev), keep.to(dev), blocks.to(dev)
-        with tracing.phase("drafter.block_prediction", device=dev), self._autocast():
-            states = self.drafter.hidden_states(hidden, blocks, anchors, keep)
-        with tracing.phase("drafter.loss", device=dev):
-            out = chunked_dflash_loss(states, self.drafter.lm_head, labels.to(dev),
-                                      valid.to(dev), self.loss_cfg)  # fmt: skip
-        with tracing.phase("drafter.backward", device=dev):
-            self.opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-        with tracing.phase("drafter.optimizer", device=dev):
-            norm = grad_norm(self.params, max_norm=1.0)
-            self.guard.step(self.opt, nonfinite(out.loss.detach(), norm), self.steps)
-            self.sched.step()
+            target_out = self.forward(batch)
+        self.trainer.step(batch, target_out, phase=lambda name: tracing.phase(name, device=dev))
         self.steps += 1
 
 
@@ -176,8 +159,7 @@ def main() -> None:
     device = torch.device("cpu" if args.small else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device here; use --small for the CPU run")
-    torch.backends.cuda.matmul.allow_tf32 = True
-    step = Step(recipe, device)
+    step = Step(recipe, device)  # the trainer allows TF32 on CUDA
     for _ in range(args.warmup):  # compiles flex attention, warms the allocator
         step()
     results = {mode: run_mode(step, mode, steps) for mode in MODES}
@@ -186,6 +168,7 @@ def main() -> None:
     print(f"device {name}; target {r.shape.hidden_size}x{r.shape.num_hidden_layers} "
           f"V={r.shape.vocab_size}; {r.batch_size} rows x {r.seq_len} tokens, "
           f"{r.num_anchors} anchors, block {r.block_size}; {steps} steps per mode")  # fmt: skip
+    print("\n".join(estimate_for_config(step.cfg, geometry_of(step.target), device)))
     off = results["off"]["tok_s"]
     for mode, res in results.items():
         cost = (off / res["tok_s"] - 1) * 100

@@ -42,7 +42,8 @@ def run_case(mode: str, soft: bool, anchors: int) -> dict[str, float]:
     from dflash.synthetic import TINY_QWEN3, random_qwen3_target
 
     target = random_qwen3_target(TINY_QWEN3)
-    cfg = DrafterConfig.for_target(target, num_layers=DRAFTER_LAYERS, block_size=BLOCK_SIZE)
+    cfg = DrafterConfig.for_target(target, num_layers=DRAFTER_LAYERS, block_size=BLOCK_SIZE,
+                                   mask_token_id=TINY_QWEN3.mask_token_id)  # fmt: skip
     drafter = DFlashDrafter(cfg, target.embed_tokens, target.lm_head)
     drafter.attention_backend = "dense" if mode == "dense" else "grouped"
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)

@@ -43,7 +43,8 @@ def measure(cfg: TrainConfig, steps: int, warmup: int) -> dict[str, float]:
         start_s = time.perf_counter()
         batch = run.train_data.batch(i)
         with torch.no_grad():
-            out = run.target.capture(batch.input_ids, run.layer_ids, with_logits=soft)
+            out = run.target.capture(batch.input_ids, run.layer_ids, with_logits=False,
+                                    with_final_hidden=soft)  # fmt: skip
         mid_s = time.perf_counter()
         run.trainer.step(batch, out)
         end_s = time.perf_counter()

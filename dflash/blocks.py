@@ -24,6 +24,14 @@ class BlockInputs:
     valid: Tensor  # [B, N, Bs] bool
     ctx_start: Tensor | None  # [B, N] long: first context position a block sees; None = 0
 
+    def rows(self, rows: slice) -> BlockInputs:
+        """The blocks of a micro-batch of rows."""
+        ctx = None if self.ctx_start is None else self.ctx_start[rows]
+        return BlockInputs(
+            self.anchors[rows], self.keep[rows], self.block_ids[rows], self.labels[rows],
+            self.valid[rows], ctx,
+        )  # fmt: skip
+
     def to(self, device: torch.device | str) -> BlockInputs:
         """The same inputs on `device` (asynchronous copies where the memory allows)."""
 

@@ -30,18 +30,22 @@ from dflash.objective import (
     streak_weights,
 )
 
-# Blocks per chunk: at Bs 16 and a 152k vocabulary one chunk's fp32 logits are ~0.3 GB.
-DEFAULT_LOSS_CHUNK_SIZE = 32
-
 
 @dataclass
 class ChunkedLossOutput:
-    """loss = weighted_sum / weight_sum; metrics are device tensors (no host sync)."""
+    """loss = weighted_sum / weight_sum; metrics are device tensors (no host sync).
+
+    correct, run and ce_sum are what `block_metrics` is made of, so the metrics of
+    several micro-batches can be combined exactly.
+    """
 
     loss: Tensor  # scalar, differentiable
     weighted_sum: Tensor  # scalar sum(w * l), differentiable: gradient accumulation sums these
     weight_sum: Tensor  # scalar sum(w), detached
     metrics: dict[str, Tensor]
+    correct: Tensor  # [B, N, Bs] bool, detached
+    run: Tensor  # [B, N] consecutive correct predictions from k=1
+    ce_sum: Tensor  # scalar sum(ce * valid), detached
 
 
 def gather_target_hidden(final_hidden: Tensor, anchors: Tensor, block_size: int) -> Tensor:
@@ -101,15 +105,18 @@ def chunked_dflash_loss(
     valid: Tensor,
     cfg: LossConfig,
     target_hidden: Tensor | None = None,
-    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+    chunk_size: int | None = None,
 ) -> ChunkedLossOutput:
     """Weighted loss sum(w * l) / sum(w) from the drafter's final-normed states.
 
     hidden[B, N, Bs, D] (`DFlashDrafter.hidden_states`), labels/valid[B, N, Bs];
     target_hidden[B, N, Bs, D] (`gather_target_hidden`) is required with soft labels.
-    chunk_size: blocks per chunk, over the flattened B*N blocks. Call it outside
-    autocast: the logits, softmax and KL are fp32 whatever the hidden dtype.
+    chunk_size: blocks per chunk, over the flattened B*N blocks (None: cfg's
+    --loss-chunk-size). When all blocks fit in one chunk nothing is recomputed: that
+    chunk's logits are the bound anyway. Call it outside autocast: the LM head runs in
+    its own dtype, the logits, softmax and KL in fp32 whatever the hidden dtype.
     """
+    chunk_size = cfg.loss_chunk_size if chunk_size is None else chunk_size
     if chunk_size < 1:
         raise ObjectiveError(f"--loss-chunk-size {chunk_size} must be >= 1")
     if cfg.use_soft_labels and target_hidden is None:
@@ -127,7 +134,7 @@ def chunked_dflash_loss(
         sl = slice(i, i + chunk_size)
         t_chunk = flat_t[sl] if flat_t is not None else None
         args = (flat_h[sl], t_chunk, flat_labels[sl], flat_valid[sl], lm_head, cfg, gamma)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and b * n > chunk_size:
             parts.append(checkpoint(_chunk_terms, *args, use_reentrant=False))
         else:
             parts.append(_chunk_terms(*args))
@@ -138,7 +145,7 @@ def chunked_dflash_loss(
     ce_sum = torch.stack([p[2] for p in parts]).sum()
     loss = weighted / weight_sum.clamp(min=1e-8)
     metrics = block_metrics(correct, run, valid, ce_sum, weight_sum)
-    return ChunkedLossOutput(loss, weighted, weight_sum, metrics)
+    return ChunkedLossOutput(loss, weighted, weight_sum, metrics, correct, run, ce_sum)
 
 
 def block_metrics(

@@ -178,6 +178,11 @@ def train(config_file: str | None, **given: Any) -> None:
 
     debug = bool(given.get("debug"))
     cfg = _report_errors(debug, lambda: build_config(config_file, given))
+    if cfg.run.dry_run:
+        from dflash.estimate import dry_run_lines
+
+        click.echo("\n".join(_report_errors(cfg.run.debug, lambda: dry_run_lines(cfg))))
+        return
     try:
         _report_errors(cfg.run.debug, lambda: run_training(cfg, log=log))
     except PipelineError as exc:

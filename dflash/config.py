@@ -197,7 +197,9 @@ class LossConfig(Section):
         option="loss_decay_gamma", gt=0.0,
     )  # fmt: skip
     use_soft_labels: bool = setting(
-        False, "Also distill from the target's logits (KL), not only hard labels."
+        False,
+        "Also distill from the target's distribution (KL), not only hard labels; the "
+        "target sends its final-norm states and the frozen LM head makes the logits.",
     )
     kl_temperature: float = setting(1.0, "Softmax temperature of the distillation KL.", gt=0.0)
     kl_weight: float = setting(
@@ -213,6 +215,13 @@ class LossConfig(Section):
         "run's --steps; only masked positions are scored.",
         check=_noise_spec,
     )
+    loss_chunk_size: int = setting(
+        64,
+        "Blocks per chunk of the LM head and loss. With more blocks in a micro-batch, each "
+        "chunk is recomputed in the backward, so the loss's memory stays at LOSS_CHUNK_SIZE x "
+        "block size x vocabulary fp32 logits whatever the anchor count.",
+        min=1,
+    )
 
     def decay_gamma(self, block_size: int) -> float | None:
         """The γ of the exp decay in force: the one set; else None when streak weights
@@ -225,7 +234,7 @@ class LossConfig(Section):
 
 @dataclass(frozen=True)
 class OptimConfig(Section):
-    """AdamW with a cosine schedule after a linear warmup."""
+    """AdamW with a cosine schedule after a linear warmup, and how one step is computed."""
 
     lr: float = setting(2e-3, "Peak learning rate of AdamW, reached after the warmup.", gt=0.0)
     warmup_steps: int = setting(
@@ -237,6 +246,25 @@ class OptimConfig(Section):
     weight_decay: float = setting(0.0, "AdamW decoupled weight decay.", min=0.0)
     min_lr_ratio: float = setting(
         0.1, "The cosine ends at MIN_LR_RATIO times the peak learning rate.", min=0.0, max=1.0
+    )
+    grad_accum: int = setting(
+        1,
+        "Micro-batches per optimizer step: each batch holds GRAD_ACCUM x --batch-size rows, "
+        "the drafter trains on --batch-size rows at a time and steps once (exact: the same "
+        "loss and update as one batch of all rows).",
+        min=1,
+    )
+    activation_checkpointing: bool = setting(
+        False,
+        "Recompute each drafter layer in the backward instead of keeping its activations "
+        "(about a third more drafter compute, far less memory); works with every other option.",
+    )
+    max_bad_steps: int = setting(
+        10,
+        "Steps whose loss or gradient norm is not finite are skipped (no update) and counted; "
+        "after this many in a row the run stops, keeping its last good checkpoint. Checked "
+        "on logged steps (--log-every) and before every checkpoint.",
+        min=1,
     )
 
 
@@ -282,6 +310,11 @@ class RunConfig(Section):
     eval_new_tokens: int = setting(64, "Tokens generated per evaluation prompt.", min=1)
     eval_prompt_tokens: int = setting(64, "Length of each evaluation prompt, in tokens.", min=1)
     debug: bool = setting(False, "Show full tracebacks instead of one-line errors.")
+    dry_run: bool = setting(
+        False,
+        "Print the estimated peak memory and FLOPs of one optimizer step and exit, "
+        "without loading any weights (a hub target's config.json may be fetched).",
+    )
 
 
 @dataclass(frozen=True)

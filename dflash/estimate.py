@@ -5,18 +5,30 @@ use per-token element counts of the layers as written here (a few D- and I-sized
 tensors kept per token and layer), so treat the figures as ±30%. The point is to say
 before the first step that a config cannot fit, and which term makes it so.
 
-Shapes: rows per micro-batch R, sequence T, anchors N, block Bs, Q = R*N*Bs block
-tokens, D hidden, I FFN width, V vocabulary, H/Hkv heads, Hd head dim.
+`estimate_for_config` applies it to a run's config: at the start of every run (a
+warning when it exceeds the device's memory) and for `--dry-run`, which reads the
+target's geometry without loading its weights (`geometry_for_spec`).
+
+Shapes: rows per micro-batch R (the target runs R * grad_accum rows at once),
+sequence T, anchors N, block Bs, Q = R*N*Bs block tokens, D hidden, I FFN width,
+V vocabulary, H/Hkv heads, Hd head dim.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from dflash.errors import DFlashError
+
+if TYPE_CHECKING:
+    from dflash.config import TrainConfig
+    from dflash.target import TargetModel
 
 GIB = 1024**3
 # fp32 intermediates per logit over a loss chunk: logits, log-softmax and its grad (CE);
@@ -113,11 +125,14 @@ class StepEstimate:
         return sum(self.flops.values())
 
     def format(self) -> str:
-        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in self.memory_bytes.items())
-        flops = ", ".join(f"{k} {v / 1e12:.1f}" for k, v in self.flops.items())
+        unit, scale = ("GiB", GIB) if self.total_bytes >= GIB else ("MiB", 2**20)
+        big = self.total_flops >= 1e12
+        f_unit, f_scale = ("TFLOP", 1e12) if big else ("GFLOP", 1e9)
+        parts = ", ".join(f"{k} {v / scale:.1f}" for k, v in self.memory_bytes.items())
+        flops = ", ".join(f"{k} {v / f_scale:.1f}" for k, v in self.flops.items())
         return (
-            f"estimated peak memory {self.total_bytes / GIB:.1f} GiB ({parts}); "
-            f"{self.total_flops / 1e12:.1f} TFLOP per optimizer step ({flops})"
+            f"estimated peak memory {self.total_bytes / scale:.1f} {unit} ({parts}); "
+            f"{self.total_flops / f_scale:.1f} {f_unit} per optimizer step ({flops})"
         )
 
     def warning(self, device_bytes: float) -> str | None:
@@ -126,18 +141,21 @@ class StepEstimate:
             return None
         return (
             f"warning: this config needs about {self.total_bytes / GIB:.1f} GiB per device, "
-            f"more than its {device_bytes / GIB:.1f} GiB: {self.format()}"
+            f"more than its {device_bytes / GIB:.1f} GiB (lower --batch-size and raise "
+            f"--grad-accum, lower --loss-chunk-size or --num-anchors, or set "
+            f"--activation-checkpointing): {self.format()}"
         )
 
 
 def _memory(s: StepShape) -> dict[str, float]:
     g, d, i = s.target, s.target.hidden_size, s.target.intermediate_size
     rows_t = s.batch_size * s.seq_len
+    rows_all = rows_t * s.grad_accum  # the target runs all micro-batches' rows at once
     q, v = s.block_tokens, g.vocab_size
-    queue = rows_t * (s.k * d + (d if s.soft_labels else 0)) * s.target_bytes
+    queue = rows_all * (s.k * d + (d if s.soft_labels else 0)) * s.target_bytes
     if s.soft_labels and s.loss_chunk_size is None:
-        queue += rows_t * v * s.target_bytes  # dense soft labels ship logits
-    target_act = rows_t * (4 * d + 2 * i) * s.target_bytes
+        queue += rows_all * v * s.target_bytes  # dense soft labels ship logits
+    target_act = rows_all * (4 * d + 2 * i) * s.target_bytes
     per_layer = q * (10 * d + 4 * i) + rows_t * 2 * g.num_kv_heads * g.head_dim
     if s.attention != "flex":  # scores and probabilities kept in fp32
         per_layer += q * g.num_heads * s.keys_per_query() * 4 / s.activation_bytes
@@ -202,3 +220,124 @@ def shape_from_options(options: Mapping[str, Any], target: Geometry) -> StepShap
         soft_labels=bool(options.get("use_soft_labels", False)),
         activation_checkpointing=bool(options.get("activation_checkpointing", False)),
     )
+
+
+# ------------------------------------------------------------- a run's config
+
+
+def geometry_of(target: TargetModel) -> Geometry:
+    """The Geometry of a loaded target."""
+    geo = target.geometry
+    return Geometry(
+        target.hidden_size, geo.intermediate_size, target.num_layers, geo.num_heads,
+        geo.num_kv_heads, geo.head_dim, target.lm_head.out_features,
+    )  # fmt: skip
+
+
+def _geometry_from_hf_config(raw: Mapping[str, Any]) -> Geometry:
+    cfg = raw.get("text_config") or raw  # multimodal configs nest the text model's
+    heads = int(cfg["num_attention_heads"])
+    return Geometry(
+        int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"]),
+        heads, int(cfg.get("num_key_value_heads") or heads),
+        int(cfg.get("head_dim") or cfg["hidden_size"] // heads), int(cfg["vocab_size"]),
+    )  # fmt: skip
+
+
+def geometry_for_spec(spec: str) -> tuple[Geometry, str]:
+    """A target's geometry without its weights -> (geometry, where it came from).
+
+    builtin:tiny from its config; a local directory from its config.json; a hub id
+    from the shapes dflash.synthetic knows (Qwen/Qwen3-8B), else from its config.json
+    through transformers (downloaded where the machine has internet).
+    """
+    from dflash.synthetic import KNOWN_SHAPES, shape_geometry
+    from dflash.tiny import TinyLMConfig
+
+    if spec.startswith("builtin:"):
+        c = TinyLMConfig()
+        geo = Geometry(c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
+                       c.num_heads, c.head_dim, c.vocab_size)  # fmt: skip
+        return geo, f"{spec} config"
+    path = Path(spec).expanduser()
+    try:
+        if (path / "config.json").is_file():
+            raw = json.loads((path / "config.json").read_text())
+            return _geometry_from_hf_config(raw), str(path / "config.json")
+        if spec in KNOWN_SHAPES:
+            return shape_geometry(KNOWN_SHAPES[spec]), f"the published shape of {spec}"
+        from transformers import AutoConfig
+
+        return _geometry_from_hf_config(AutoConfig.from_pretrained(spec).to_dict()), spec
+    except (OSError, ValueError, KeyError, ImportError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise EstimateError(
+            f"--target {spec!r}: cannot read its config for the estimate ({reason}); "
+            "give a local model directory"
+        ) from None
+
+
+def shape_for_config(cfg: TrainConfig, geometry: Geometry, device_type: str) -> StepShape:
+    """The StepShape of a run's config on a device type (bf16 on cuda, fp32 elsewhere)."""
+    on_gpu = device_type == "cuda"
+    width = 2 if on_gpu else 4
+    layer_ids = cfg.target.layer_ids
+    return StepShape(
+        target=geometry, drafter_layers=cfg.drafter.num_layers,
+        block_size=cfg.drafter.block_size, num_anchors=cfg.loss.num_anchors,
+        seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
+        grad_accum=cfg.optim.grad_accum, loss_chunk_size=cfg.loss.loss_chunk_size,
+        soft_labels=cfg.loss.use_soft_labels,
+        activation_checkpointing=cfg.optim.activation_checkpointing,
+        attention="flex" if on_gpu else "grouped", target_bytes=width, activation_bytes=width,
+        num_target_features=len(layer_ids) if layer_ids else None,
+    )  # fmt: skip
+
+
+def device_memory_bytes(device: Any) -> float | None:
+    """Total memory of a torch device (CUDA: the GPU's; CPU: physical RAM), if known."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def estimate_for_config(
+    cfg: TrainConfig, geometry: Geometry, device: Any, device_bytes: float | None = None
+) -> list[str]:
+    """One line: the estimate of `cfg` on `device`, or the warning (with the estimate)
+    when it exceeds the device's memory (`device_bytes`, default: `device_memory_bytes`)."""
+    import torch
+
+    device = torch.device(device)
+    estimate = estimate_step(shape_for_config(cfg, geometry, device.type))
+    precision = "bf16 autocast" if device.type == "cuda" else "fp32"
+    limit = device_bytes if device_bytes is not None else device_memory_bytes(device)
+    warning = None if limit is None else estimate.warning(limit)
+    return [warning or f"estimate on {device} ({precision}): {estimate.format()}"]
+
+
+def dry_run_lines(cfg: TrainConfig) -> list[str]:
+    """`--dry-run`: the estimate for the run's first drafter device, and for a CUDA
+    device when this machine has none; no weights are loaded."""
+    from dflash.devices import DeviceError, decide_placement
+
+    geometry, source = geometry_for_spec(cfg.target.spec)
+    try:
+        device = decide_placement(cfg.pipeline).drafter
+    except DeviceError:  # devices of another machine: estimate for their kind
+        device = cfg.pipeline.drafter_devices[0]
+    lines = [f"dry run: target {cfg.target.spec} (geometry from {source}), "
+             f"{cfg.data.batch_size * cfg.optim.grad_accum} rows x {cfg.data.seq_len} tokens "
+             f"per optimizer step in {cfg.optim.grad_accum} micro-batch(es)"]  # fmt: skip
+    lines += estimate_for_config(cfg, geometry, device)
+    if str(device).startswith("cpu"):
+        lines += estimate_for_config(cfg, geometry, "cuda", device_bytes=math.inf)
+    return lines

@@ -46,9 +46,11 @@ class StepMetrics:
         """The step's figures, with one device-to-host transfer."""
         m = result.metrics
         parts = [result.loss.reshape(1).float(), m["grad_norm"].reshape(1).float()]
+        nonfinite = m["nonfinite"].float()  # NonFiniteGuard.state
         accuracy = m["accuracy_per_position"].float()
-        values = torch.cat([*parts, accuracy.to(parts[0].device)]).tolist()
-        per_position = values[2:]
+        device = parts[0].device
+        values = torch.cat([*parts, nonfinite.to(device), accuracy.to(device)]).tolist()
+        per_position = values[5:]
         return {
             "step": step,
             "loss": values[0],
@@ -56,6 +58,9 @@ class StepMetrics:
             "tau_estimate": tau_estimate(per_position),
             "grad_norm": values[1],
             "lr": result.lr,
+            "bad_steps": int(values[2]),  # non-finite steps skipped so far in the run
+            "bad_steps_in_a_row": int(values[3]),
+            "diverged_at_step": int(values[4]) or None,
         }
 
     def write(self, figures: dict[str, Any]) -> None:

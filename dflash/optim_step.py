@@ -6,8 +6,11 @@ summed gradients are divided once by the total weight (a device tensor, known on
 after the last micro-batch when streak weights depend on the drafter's own CE).
 
 A step whose loss or gradient norm is not finite is skipped: no optimizer update,
-counted, and after `max_bad_steps` in a row the run stops. Deciding to skip reads one
-boolean on the host per optimizer step; everything else stays on the device.
+counted, and after `max_bad_steps` in a row the run stops. Nothing reads the device:
+the skip is the fused optimizers' `found_inf` protocol (the one torch's GradScaler
+uses: a float tensor set as `optimizer.found_inf`, nonzero = the fused kernel leaves
+parameters, moments and step count untouched), and the counters are device tensors
+read with the step's figures on logged steps.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class StepError(DFlashError):
 
 
 class DivergedError(RuntimeError):
-    """Too many non-finite steps in a row: the run stops (its last good checkpoint stays)."""
+    """Too many non-finite steps in a row: the run stops without saving anything more."""
 
 
 class GradAccumulator:
@@ -78,37 +81,59 @@ def nonfinite(loss: Tensor, norm: Tensor) -> Tensor:
 
 
 class NonFiniteGuard:
-    """Skips and counts non-finite steps; raises DivergedError after max_bad_steps in a row."""
+    """Skips and counts non-finite steps on the device; `check` stops a diverged run.
 
-    def __init__(self, max_bad_steps: int = 10) -> None:
+    State: int64[3] on the device = (bad steps in the run, bad steps in a row, the
+    1-based step at which the streak reached max_bad_steps, 0 while it has not).
+    """
+
+    def __init__(self, max_bad_steps: int = 10, device: torch.device | str = "cpu") -> None:
         if max_bad_steps < 1:
             raise StepError(f"--max-bad-steps {max_bad_steps} must be >= 1")
         self.max_bad_steps = max_bad_steps
-        self.bad_steps = 0  # whole run
-        self.bad_in_a_row = 0
+        self.state = torch.zeros(3, dtype=torch.int64, device=device)
 
-    def step(self, optimizer: torch.optim.Optimizer, bad: Tensor, step: int) -> bool:
-        """optimizer.step() unless `bad` (from `nonfinite`); -> whether it stepped.
+    def step(self, optimizer: torch.optim.Optimizer, bad: Tensor, step: int) -> None:
+        """optimizer.step(), a no-op on the device where `bad` (from `nonfinite`) holds.
 
-        The one host read of the step: `bad` decides host-side control flow.
+        `step` is the 1-based number of this step (named when the run diverges).
         """
-        if not bool(bad):
+        if not optimizer.defaults.get("fused"):
+            raise TypeError("NonFiniteGuard needs a fused optimizer (fused=True)")
+        optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
+        try:
             optimizer.step()
-            self.bad_in_a_row = 0
-            return True
-        optimizer.zero_grad(set_to_none=True)
-        self.bad_steps += 1
-        self.bad_in_a_row += 1
-        if self.bad_in_a_row >= self.max_bad_steps:
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        b = bad.to(torch.int64)
+        total, row, at = self.state.unbind()
+        row = (row + 1) * b  # a good step ends the streak
+        hit = (row >= self.max_bad_steps) & (at == 0)
+        self.state.copy_(torch.stack([total + b, row, torch.where(hit, step, at)]))
+
+    def check(self, diverged_at_step: float | None) -> None:
+        """DivergedError when the state's third value, as read on the host, is a step."""
+        if diverged_at_step:
+            at = int(diverged_at_step)
             raise DivergedError(
-                f"step {step}: loss or gradient norm not finite for {self.bad_in_a_row} steps "
-                f"in a row (--max-bad-steps {self.max_bad_steps}); stopping, the last good "
-                "checkpoint is kept"
+                f"step {at}: loss or gradient norm not finite for {self.max_bad_steps} steps "
+                f"in a row (--max-bad-steps {self.max_bad_steps}); stopped without saving, so the "
+                "newest checkpoint is the last good one"
             )
-        return False
+
+    def raise_if_diverged(self) -> None:
+        """`check` on the device state: one read, for checkpoints (not every step)."""
+        self.check(self.state.tolist()[2])
+
+    @property
+    def bad_steps(self) -> int:
+        """Non-finite steps of the run so far (reads the device)."""
+        return int(self.state[0])
 
     def state_dict(self) -> dict[str, int]:
-        return {"bad_steps": self.bad_steps, "bad_in_a_row": self.bad_in_a_row}
+        total, row, at = self.state.tolist()
+        return {"bad_steps": total, "bad_in_a_row": row, "diverged_at": at}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.bad_steps, self.bad_in_a_row = int(state["bad_steps"]), int(state["bad_in_a_row"])
+        values = [state.get(k, 0) for k in ("bad_steps", "bad_in_a_row", "diverged_at")]
+        self.state.copy_(torch.tensor(values, dtype=torch.int64))

@@ -90,6 +90,7 @@ class _StepBook:
         self.progress.update(run.step, batch.num_tokens * self.batches_per_step, figures)
         if figures is not None:
             self._log_step(figures)
+            run.trainer.check_figures(figures)  # a diverged run stops before it saves
         every = run.cfg.run.save_every
         if self.info.is_main and every and run.step % every == 0 and run.step < run.cfg.run.steps:
             # replica 0's weights cannot move while it is here

@@ -125,7 +125,10 @@ class Progress:
             if figures is not None:
                 self.bar.set_postfix(loss=f"{figures['loss']:.4f}",
                                      tau=f"{figures['tau_estimate']:.2f}",
-                                     tok_s=f"{tokens_per_s:,.0f}", refresh=False)  # fmt: skip
+                                     tok_s=f"{tokens_per_s:,.0f}",
+                                     **({"bad": figures["bad_steps"]}
+                                        if figures.get("bad_steps") else {}),
+                                     refresh=False)  # fmt: skip
             return
         if figures is None:
             return
@@ -134,10 +137,11 @@ class Progress:
                or done - self.last_print_done >= self.every_steps)  # fmt: skip
         if due or step == self.total_steps or done == 1:
             eta_s = (now_s - self.start_time_s) / done * (self.total_steps - step)
+            bad = figures.get("bad_steps")
             self.log(
                 f"step {step}/{self.total_steps}  loss {figures['loss']:.4f}  "
                 f"τ≈{figures['tau_estimate']:.2f}  {tokens_per_s:,.0f} tokens/s  "
-                f"eta {_format_eta(eta_s)}"
+                f"eta {_format_eta(eta_s)}" + (f"  skipped {bad} non-finite" if bad else "")
             )
             self.last_print_s, self.last_print_done = now_s, done
 

@@ -55,8 +55,8 @@ def train_reference(
                 with torch.no_grad():
                     docs = None if batch.doc_ids is None else batch.doc_ids.to(placement.target)
                     target_out = run.target.capture(
-                        batch.input_ids.to(placement.target), run.layer_ids, with_logits=soft,
-                        doc_ids=docs,
+                        batch.input_ids.to(placement.target), run.layer_ids,
+                        with_logits=False, with_final_hidden=soft, doc_ids=docs,
                     )  # fmt: skip
             target_out = move_target_out(target_out, placement.drafter)
             result = run.trainer.step(batch, target_out)
@@ -67,6 +67,8 @@ def train_reference(
             if figures is not None:
                 metrics.write(figures)
             progress.update(run.step, result.num_tokens, figures)
+            if figures is not None:
+                run.trainer.check_figures(figures)  # a diverged run stops before it saves
             every = cfg.run.save_every
             if every and run.step % every == 0 and run.step < cfg.run.steps:
                 save_run_checkpoint(run)

@@ -55,13 +55,19 @@ def build_replicas(run: Run) -> list[Replica]:
 
 
 def capture_fn(
-    target: TargetModel, layer_ids: list[int], with_logits: bool, device: torch.device
+    target: TargetModel, layer_ids: list[int], with_final_hidden: bool, device: torch.device
 ) -> Callable[[Batch], TargetOutput]:
+    """The target stage's forward: features, plus the final-norm states for soft labels
+    (never logits: the drafter stage applies the frozen LM head per loss chunk)."""
+
     def forward(batch: Batch) -> TargetOutput:
         with torch.no_grad():
             ids = batch.input_ids.to(device, non_blocking=True)
             docs = None if batch.doc_ids is None else batch.doc_ids.to(device, non_blocking=True)
-            return target.capture(ids, layer_ids, with_logits=with_logits, doc_ids=docs)
+            return target.capture(
+                ids, layer_ids, with_logits=False, with_final_hidden=with_final_hidden,
+                doc_ids=docs,
+            )  # fmt: skip
 
     return forward
 
@@ -79,8 +85,8 @@ def cache_reader(
                                with_final_norm=soft)  # fmt: skip
     if last_batch_index is not None:
         reader.covers(last_batch_index)
-    head = run.target.lm_head if soft else None  # the online forward's logits, from disk
-    return torch.device("cpu"), lambda batch: reader.read(batch, head)
+    # Soft labels come from the cached final-norm states, as online: never logits.
+    return torch.device("cpu"), reader.read
 
 
 def target_forwards(
@@ -101,12 +107,16 @@ def target_forwards(
 
 
 def move_target_out(target_out: TargetOutput, device: torch.device) -> TargetOutput:
-    """A TargetOutput's tensors (hidden, optional logits) on the drafter device."""
-    logits = target_out.logits
+    """A TargetOutput's tensors (hidden, optional logits and final states) on `device`."""
+
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device, non_blocking=True)
+
     return dataclasses.replace(
         target_out,
         hidden=target_out.hidden.to(device, non_blocking=True),
-        logits=None if logits is None else logits.to(device, non_blocking=True),
+        logits=move(target_out.logits),
+        final_hidden=move(target_out.final_hidden),
     )
 
 

@@ -36,6 +36,7 @@ from dflash.drafter_io import (
     read_drafter_config,
     save_drafter,
 )
+from dflash.estimate import estimate_for_config, geometry_of
 from dflash.evaluate import eval_figures, evaluate_run
 from dflash.progress import format_loss_config, format_run_config, format_summary
 from dflash.step import DrafterTrainer, PhaseFn, null_phase
@@ -209,18 +210,19 @@ def run_datasets(
     an explicit mask token the data uses is refused here. `--data embedded` trains on
     the target's own continuations of the corpus (regenerated once, cached)."""
     d, tok = cfg.data, target.tokenizer
+    rows = d.batch_size * cfg.optim.grad_accum  # the step splits it into micro-batches
     if d.source == EMBEDDED:
         from dflash.regenerate import embedded_regeneration, regenerated_corpus
 
         path = embedded_regeneration(target, d.heldout_fraction, log)
         corpus = regenerated_corpus(path, tok, d.heldout_fraction)
         train, heldout = datasets_from_corpus(
-            corpus, tok, d.seq_len, d.batch_size, cfg.run.seed, d.heldout_fraction,
+            corpus, tok, d.seq_len, rows, cfg.run.seed, d.heldout_fraction,
             packing=d.packing, log=log,
         )  # fmt: skip
     else:
         train, heldout = build_datasets(
-            d.source, tok, d.seq_len, d.batch_size, cfg.run.seed, d.heldout_fraction,
+            d.source, tok, d.seq_len, rows, cfg.run.seed, d.heldout_fraction,
             packing=d.packing, log=log,
         )  # fmt: skip
     if cfg.drafter.mask_token_id is not None:
@@ -277,7 +279,11 @@ def save_drafter_dir(run: Run, directory: Path) -> Path:
 
 
 def save_run_checkpoint(run: Run) -> Path:
-    """Checkpoint of the run's current position (atomic; keeps the newest few)."""
+    """Checkpoint of the run's current position (atomic; keeps the newest few).
+
+    A diverged run (DivergedError) writes none: its weights are those that gave
+    --max-bad-steps non-finite steps in a row."""
+    run.trainer.guard.raise_if_diverged()
     return save_checkpoint(
         run.output_dir / "checkpoints",
         write_drafter=lambda directory: save_drafter_dir(run, directory),
@@ -322,6 +328,7 @@ def build_summary(
         "train_s": stats.train_s,
         "setup_s": run.setup_s,
         "eval_s": eval_s,
+        "bad_steps": run.trainer.guard.bad_steps,  # non-finite steps skipped (no update)
         "block_size": run.cfg.drafter.block_size,
         "target": run.cfg.target.spec,
         "target_layer_ids": run.layer_ids,
@@ -364,3 +371,5 @@ def log_startup(
     if telemetry_line is not None:
         log(telemetry_line)
     log(format_run_config(run.cfg, f"{run.cfg.target.spec} layers {run.layer_ids}", devices))
+    for line in estimate_for_config(run.cfg, geometry_of(run.target), run.placement.drafter):
+        log(line)  # and a warning when it exceeds the device's memory: before the first step

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from dflash.estimate import Geometry
 from dflash.target import TargetModel, hf_geometry
 
 
@@ -40,6 +41,18 @@ TINY_QWEN3 = Qwen3Shape(
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
     mask_token_id=32_767,
 )  # fmt: skip
+
+
+# Hub ids whose geometry `--dry-run` knows without fetching their config.json.
+KNOWN_SHAPES = {"Qwen/Qwen3-8B": QWEN3_8B}
+
+
+def shape_geometry(shape: Qwen3Shape) -> Geometry:
+    """The estimator's Geometry of a Qwen3 shape."""
+    return Geometry(
+        shape.hidden_size, shape.intermediate_size, shape.num_hidden_layers,
+        shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim, shape.vocab_size,
+    )  # fmt: skip
 
 
 def random_qwen3_target(

@@ -1,25 +1,38 @@
+import json
+import math
 from pathlib import Path
 
 import pytest
 import yaml
+from click.testing import CliRunner
 
+from dflash.cli import cli
+from dflash.config import config_from_options, values_from_mapping
 from dflash.estimate import (
     GIB,
     EstimateError,
     Geometry,
     StepShape,
+    estimate_for_config,
     estimate_step,
+    geometry_for_spec,
+    shape_for_config,
     shape_from_options,
     tokens_per_step,
 )
+from dflash.synthetic import QWEN3_8B as QWEN3_8B_SHAPE
+from dflash.synthetic import shape_geometry
 
 QWEN3_8B = Geometry(4096, 12_288, 36, 32, 8, 128, 151_936)
 PAPER = Path(__file__).parents[2] / "configs" / "paper.yaml"
 
 
+def paper_options() -> dict:
+    return values_from_mapping(yaml.safe_load(PAPER.read_text()), str(PAPER))
+
+
 def paper_shape(**changes) -> StepShape:
-    options = yaml.safe_load(PAPER.read_text()) | changes
-    return shape_from_options(options, QWEN3_8B)
+    return shape_from_options(paper_options() | changes, QWEN3_8B)
 
 
 def test_qwen3_8b_has_its_published_parameter_count() -> None:
@@ -67,3 +80,50 @@ def test_bad_shapes_name_the_value() -> None:
         paper_shape(loss_chunk_size=0)
     with pytest.raises(EstimateError, match="grad_accum 0"):
         paper_shape(grad_accum=0)
+
+
+def test_the_paper_config_loads_as_the_papers_recipe() -> None:
+    cfg = config_from_options(paper_options())
+    assert cfg.target.spec == "Qwen/Qwen3-8B"
+    assert (cfg.drafter.block_size, cfg.drafter.num_layers, cfg.loss.num_anchors) == (16, 5, 512)
+    assert (cfg.data.seq_len, cfg.optim.lr, cfg.gamma) == (3072, 6e-4, 7.0)
+    assert cfg.optim.warmup_steps > 0 and cfg.loss.loss_chunk_size >= 1
+    # the config's own shape is the one the tests above estimate
+    assert shape_for_config(cfg, QWEN3_8B, "cuda") == paper_shape()
+
+
+def test_dry_run_of_the_paper_config_prints_the_estimate_and_loads_nothing(monkeypatch) -> None:
+    from dflash import target as target_mod
+
+    def no_load(*_args, **_kwargs):
+        raise AssertionError("--dry-run must not load the target")
+
+    monkeypatch.setattr(target_mod, "load_target", no_load)
+    result = CliRunner().invoke(cli, ["train", "--config", str(PAPER), "--dry-run"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "Qwen/Qwen3-8B" in lines[0] and "4 rows x 3072 tokens" in lines[0]
+    gpu = next(line for line in lines if line.startswith("estimate on cuda"))
+    expected = estimate_step(paper_shape())
+    assert f"{expected.total_bytes / GIB:.1f} GiB" in gpu and "TFLOP" in gpu
+
+
+def test_target_geometry_without_weights(tmp_path) -> None:
+    assert geometry_for_spec("Qwen/Qwen3-8B")[0] == QWEN3_8B == shape_geometry(QWEN3_8B_SHAPE)
+    hf_config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": hf_config}))
+    assert geometry_for_spec(str(tmp_path))[0] == Geometry(64, 96, 3, 4, 2, 16, 500)
+    tiny, _ = geometry_for_spec("builtin:tiny")
+    assert tiny.vocab_size > 256 and tiny.num_layers >= 4
+    with pytest.raises(EstimateError, match="'/no/such/model'"):
+        geometry_for_spec("/no/such/model")
+
+
+def test_a_config_beyond_the_device_memory_gets_one_warning_line_with_the_estimate() -> None:
+    cfg = config_from_options(paper_options())
+    fits = estimate_for_config(cfg, QWEN3_8B, "cuda", device_bytes=math.inf)
+    assert len(fits) == 1 and fits[0].startswith("estimate on cuda (bf16 autocast)")
+    (line,) = estimate_for_config(cfg, QWEN3_8B, "cuda", device_bytes=16 * GIB)
+    assert line.startswith("warning:") and "more than its 16.0 GiB" in line
+    assert "estimated peak memory" in line and "--grad-accum" in line

@@ -47,21 +47,22 @@ def test_training_from_the_cache_gives_the_online_losses(tmp_path, soft) -> None
     def online(i):
         batch = data.batch(i)
         docs = batch.doc_ids
-        return batch, target.capture(batch.input_ids, LAYERS, with_logits=soft, doc_ids=docs)
+        return batch, target.capture(batch.input_ids, LAYERS, with_logits=False,
+                                     with_final_hidden=soft, doc_ids=docs)  # fmt: skip
 
     def cached(i):
-        return reader.get(i, lm_head=target.lm_head if soft else None)
+        return reader.get(i)
 
     batch, from_cache = cached(3)
     assert from_cache.hidden.dtype == target.embed_tokens.weight.dtype
     assert torch.equal(from_cache.hidden, online(3)[1].hidden)
     assert torch.equal(batch.doc_ids, data.batch(3).doc_ids)
     assert torch.equal(batch.position_ids, data.batch(3).position_ids)
-    if soft:  # the final-norm state, for soft labels without logits
-        final = target.capture(batch.input_ids, LAYERS, False, with_final_hidden=True,
-                               doc_ids=batch.doc_ids).final_hidden  # fmt: skip
-        assert torch.equal(from_cache.final_hidden, final)
-        assert torch.equal(from_cache.logits, online(3)[1].logits)
+    assert from_cache.logits is None
+    if soft:  # the final-norm state: soft labels without logits, as online
+        assert torch.equal(from_cache.final_hidden, online(3)[1].final_hidden)
+        logits = target.capture(batch.input_ids, LAYERS, True, doc_ids=batch.doc_ids).logits
+        assert torch.equal(reader.get(3, lm_head=target.lm_head)[1].logits, logits)
     assert _losses(cfg, target, cached, 5) == _losses(cfg, target, online, 5)
     with pytest.raises(HiddenCacheError, match="holds batches 0..4"):
         reader.get(5)

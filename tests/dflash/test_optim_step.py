@@ -98,22 +98,36 @@ def test_drafter_logits_are_the_head_of_its_hidden_states_on_every_backend(targe
 
 def test_guard_skips_non_finite_steps_counts_them_and_stops_after_the_limit() -> None:
     param = torch.nn.Parameter(torch.ones(3))
-    opt = torch.optim.SGD([param], lr=0.1)
+    opt = torch.optim.AdamW([param], lr=0.1, fused=True)
     guard = NonFiniteGuard(max_bad_steps=2)
-    for step, loss_value in enumerate([1.0, math.nan, 2.0, math.inf]):
+    for step, loss_value in enumerate([1.0, math.nan, 2.0, math.inf], start=1):
         param.grad = torch.full((3,), loss_value)
         bad = nonfinite(torch.tensor(loss_value), grad_norm([param]))
         before = param.detach().clone()
-        stepped = guard.step(opt, bad, step)
-        assert stepped == math.isfinite(loss_value)
-        assert torch.equal(param.detach(), before) != stepped
+        moments = {k: v.clone() for k, v in opt.state[param].items()}
+        guard.step(opt, bad, step)
+        changed = not torch.equal(param.detach(), before)
+        assert changed == math.isfinite(loss_value), step
+        if not math.isfinite(loss_value):  # moments and step count untouched too
+            for key, value in moments.items():
+                assert torch.equal(opt.state[param][key], value), (step, key)
         assert torch.isfinite(param).all()
-    assert guard.state_dict() == {"bad_steps": 2, "bad_in_a_row": 1}
+    assert guard.state_dict() == {"bad_steps": 2, "bad_in_a_row": 1, "diverged_at": 0}
+    guard.raise_if_diverged()  # one in a row: not yet
     param.grad = torch.ones(3)
-    with pytest.raises(DivergedError, match="step 4: .* 2 steps in a row"):
-        guard.step(opt, nonfinite(torch.tensor(1.0), torch.tensor(math.nan)), 4)
+    guard.step(opt, nonfinite(torch.tensor(1.0), torch.tensor(math.nan)), 5)
+    with pytest.raises(DivergedError, match="step 5: .* 2 steps in a row"):
+        guard.raise_if_diverged()
+    param.grad = torch.ones(3)
+    guard.step(opt, nonfinite(torch.tensor(1.0), torch.tensor(1.0)), 6)  # a good step after
+    assert guard.state_dict() == {"bad_steps": 3, "bad_in_a_row": 0, "diverged_at": 5}
+    restored = NonFiniteGuard(max_bad_steps=2)
+    restored.load_state_dict(guard.state_dict())
+    assert torch.equal(restored.state, guard.state)
     with pytest.raises(StepError, match="--max-bad-steps 0"):
         NonFiniteGuard(0)
+    with pytest.raises(TypeError, match="fused"):
+        guard.step(torch.optim.SGD([param], lr=0.1), torch.tensor(False), 7)
 
 
 def test_grad_norm_clips_like_torch() -> None:
