@@ -17,7 +17,6 @@ import json
 import sys
 from pathlib import Path
 
-from dflash.trainer import train_reference
 from train_throughput import parse_overrides
 
 from dflash.config import config_from_options
@@ -25,6 +24,7 @@ from dflash.data import build_datasets, heldout_prompts
 from dflash.drafter import load_drafter
 from dflash.evaluate import evaluate_tau
 from dflash.prompts import load_chat_prompts
+from dflash.reference import train_reference
 
 
 def _prompts(args: argparse.Namespace, cfg, target) -> list[list[int]]:

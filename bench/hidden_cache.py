@@ -18,11 +18,13 @@ import time
 from pathlib import Path
 
 import torch
-from dflash.trainer import DrafterTrainer, build_drafter, build_run
 from train_throughput import parse_overrides
 
 from dflash.config import config_from_options
+from dflash.devices import decide_placement
 from dflash.hidden_cache import open_hidden_cache, write_hidden_cache
+from dflash.run import build_drafter, build_run
+from dflash.step import DrafterTrainer
 
 
 def _timed_steps(cfg, target, layer_ids, source, steps: int) -> float:
@@ -47,7 +49,7 @@ def main() -> None:
     cfg = config_from_options(
         {"output_dir": "runs/bench-hidden-cache", **parse_overrides(args.overrides)}
     )
-    run = build_run(cfg, log=lambda s: None)
+    run = build_run(cfg, decide_placement(cfg.pipeline), log=lambda s: None)
     target, data, layers = run.target, run.train_data, run.layer_ids
     root = args.cache_dir or Path(tempfile.mkdtemp(prefix="dflash-hidden-cache-"))
     write_start_s = time.perf_counter()

@@ -1,13 +1,16 @@
 """τ of drafters trained on the corpus vs on the target's own continuations.
 
-Usage: python bench/regen_vs_corpus.py [--windows-per-document N] [--prefix-tokens N]
-       [--new-tokens N] [--eval-prompts N] [train flags as KEY=VALUE ...]
-On the built-in target: cuts every held-in embedded document into windows of
-prefix + continuation, writes (a) the windows as the corpus has them and (b) the
-same prefixes continued by the target's greedy decoding, trains one drafter on each
-for the same steps, and prints one JSON line with both τ on the same held-out
-prompts of the embedded corpus. OUTPUT_DIR (default runs/bench-regen) keeps the
-data (regeneration resumes) and both drafters.
+Usage: python bench/regen_vs_corpus.py [--eval-prompts N] [--only NAME,...]
+       [train flags as KEY=VALUE ...]
+On the built-in target, trains one drafter per data set for the same steps (the
+default config unless overridden) and prints one JSON line with every τ on the same
+held-out prompts of the embedded corpus:
+  corpus        `--data embedded-corpus`: the standard library source as it is
+  windows       the windows the regeneration recipe cuts (prefix + continuation),
+                with the corpus' own continuation
+  regenerated   `--data embedded` (the default): the same prefixes continued by the
+                target's greedy decoding (dflash.regenerate.EMBEDDED_RECIPE, cached)
+OUTPUT_DIR (default runs/bench-regen) keeps the window file and the drafters.
 """
 
 from __future__ import annotations
@@ -22,20 +25,27 @@ from typing import Any
 from train_throughput import parse_overrides
 
 from dflash.config import config_from_options
-from dflash.data import build_datasets, embedded_corpus, encode_texts, heldout_prompts
+from dflash.data import (
+    EMBEDDED,
+    EMBEDDED_CORPUS,
+    build_datasets,
+    embedded_corpus,
+    encode_texts,
+    heldout_prompts,
+)
 from dflash.drafter import load_drafter
 from dflash.evaluate import evaluate_tau
-from dflash.regenerate import RegenerateSettings, regenerate, window_starts
+from dflash.reference import train_reference
+from dflash.regenerate import EMBEDDED_RECIPE, RegenerateSettings, window_starts
 from dflash.target import load_target
 
 
-def train_drafter(options: dict[str, Any]) -> Path:
-    """Train with the current trainer API; returns the saved drafter directory."""
-    from dflash.trainer import train_reference
-
+def train_drafter(options: dict[str, Any]) -> tuple[Path, float]:
+    """Train with the reference loop; (the saved drafter directory, seconds)."""
     cfg = config_from_options(options)
+    start_s = time.perf_counter()
     train_reference(cfg, log=lambda s: print(s, file=sys.stderr), progress_stream=sys.stderr)
-    return Path(cfg.run.output_dir) / "drafter"
+    return Path(cfg.run.output_dir) / "drafter", time.perf_counter() - start_s
 
 
 def write_corpus_windows(tokenizer: Any, settings: RegenerateSettings, path: Path) -> int:
@@ -52,43 +62,32 @@ def write_corpus_windows(tokenizer: Any, settings: RegenerateSettings, path: Pat
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--windows-per-document", type=int, default=2)
-    parser.add_argument("--prefix-tokens", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--eval-prompts", type=int, default=32)
+    parser.add_argument("--only", default="corpus,windows,regenerated")
     parser.add_argument("overrides", nargs="*", help="train options as KEY=VALUE")
     args = parser.parse_args()
     base = {"output_dir": "runs/bench-regen", **parse_overrides(args.overrides)}
     root = Path(base["output_dir"])
     root.mkdir(parents=True, exist_ok=True)
     target = load_target("builtin:tiny", log=lambda s: print(s, file=sys.stderr))
-    settings = RegenerateSettings(
-        max_new_tokens=args.new_tokens, prefix_tokens=args.prefix_tokens,
-        windows_per_document=args.windows_per_document, batch_size=64, chunk_lines=256,
-    )  # fmt: skip
-    num_windows = write_corpus_windows(target.tokenizer, settings, root / "corpus.jsonl")
-
-    def progress(p: Any) -> None:
-        print(f"regenerate: {p.lines_done}/{p.lines_total} {p.tokens_per_s:.0f} tok/s",
-              file=sys.stderr)  # fmt: skip
-
-    regen = regenerate(target, "embedded", root / "regen.jsonl", settings=settings,
-                       progress=progress)  # fmt: skip
-    taus, train_s = {}, {}
-    _, heldout = build_datasets("embedded", target.tokenizer, 128, 1, 0)
+    windows = write_corpus_windows(target.tokenizer, EMBEDDED_RECIPE, root / "windows.jsonl")
+    sources = {"corpus": EMBEDDED_CORPUS, "windows": str(root / "windows.jsonl"),
+               "regenerated": EMBEDDED}  # fmt: skip
+    _, heldout = build_datasets(EMBEDDED_CORPUS, target.tokenizer, 128, 1, 0)
     prompts = heldout_prompts(heldout, args.eval_prompts, 64)
-    for name in ("corpus", "regen"):
-        start_s = time.perf_counter()
-        options = {**base, "data": str(root / f"{name}.jsonl"), "eval_prompts": 0,
+    taus, train_s = {}, {}
+    for name in args.only.split(","):
+        options = {**base, "data": sources[name], "eval_prompts": 0,
                    "output_dir": str(root / f"drafter-{name}")}  # fmt: skip
-        drafter, _ = load_drafter(train_drafter(options), target=target)
-        train_s[name] = round(time.perf_counter() - start_s, 1)
-        taus[name] = evaluate_tau(target, drafter, prompts, 64).tau
+        drafter_dir, seconds = train_drafter(options)
+        drafter, _ = load_drafter(drafter_dir, target=target)
+        train_s[name] = round(seconds, 1)  # the regenerated run includes a first regeneration
+        taus[name] = round(evaluate_tau(target, drafter, prompts, 64).tau, 3)
     print(json.dumps({
-        "tau_corpus": round(taus["corpus"], 3), "tau_regenerated": round(taus["regen"], 3),
-        "ratio": round(taus["regen"] / taus["corpus"], 3), "windows": num_windows,
-        "regen_new_tokens": regen.new_tokens, "regen_s": round(regen.wall_s, 1),
-        "train_s": train_s, "prompts": len(prompts), "overrides": args.overrides,
+        "tau": taus, "train_s": train_s, "windows": windows, "prompts": len(prompts),
+        "recipe": {k: getattr(EMBEDDED_RECIPE, k) for k in
+                   ("prefix_tokens", "max_new_tokens", "windows_per_document")},
+        "overrides": args.overrides,
     }))  # fmt: skip
 
 

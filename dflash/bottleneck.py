@@ -23,7 +23,7 @@ BATCH_WAIT = names.BATCH_QUEUE_WAIT
 HS_PUT = names.HS_QUEUE_PUT
 HS_WAIT = names.HS_QUEUE_WAIT
 # The entries that identify a thread as one of a stage's threads.
-TARGET_PHASES = (BATCH_WAIT, names.TARGET_FORWARD, HS_PUT)
+TARGET_PHASES = (BATCH_WAIT, names.TARGET_FORWARD, names.TARGET_READ, HS_PUT)
 DRAFTER_PHASES = (HS_WAIT, names.DRAFTER_STEP)
 
 

@@ -192,6 +192,24 @@ def train(config_file: str | None, **given: Any) -> None:
         raise click.ClickException(first_line(exc)) from None
 
 
+def _write_json(json_path: str | None, figures: dict[str, Any]) -> None:
+    if json_path == "-":
+        click.echo(json.dumps(figures, indent=2))
+    elif json_path:
+        Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def _echo_err(line: str) -> None:
+    click.echo(line, err=True)
+
+
+_NEW_TOKENS_HELP = "Tokens generated at most per prompt; generation also ends at a stop token."
+_TEMPERATURE_HELP = (
+    "Sampling temperature; 0 decodes greedily (output identical to the target's greedy "
+    "decoding), above 0 uses the speculative-sampling acceptance rule."
+)
+
+
 @cli.command("eval")
 @click.option(
     "--drafter", "drafter_dir", required=True, type=click.Path(exists=True, file_okay=False),
@@ -202,10 +220,25 @@ def train(config_file: str | None, **given: Any) -> None:
     show_default="the target the drafter was trained for",
     help="Target model to verify against: builtin:tiny, a Hugging Face directory or hub id.",
 )  # fmt: skip
-@_schema_option("data", "Corpus whose held-out split gives the prompts (same rules as for train).")
-@_schema_option("eval_prompts", "Number of held-out prompts.")
-@_schema_option("eval_new_tokens", "Tokens generated per prompt.")
-@_schema_option("eval_prompt_tokens", "Length of each prompt, in tokens.")
+@click.option(
+    "--eval-data", default=None, type=click.Path(exists=True, dir_okay=False),
+    help="Chat JSONL of prompts ({'messages': [...]}, ShareGPT 'conversations' or "
+    "{'turns': [...]}): each conversation up to its last user turn, through the chat "
+    "template with the generation prompt. Without it, held-out windows of --data.",
+)  # fmt: skip
+@_schema_option("data", "Corpus whose held-out split gives the prompts when --eval-data is unset.")
+@_schema_option(
+    "eval_prompts", "Number of prompts (with --eval-data: the first N conversations; unset: all)."
+)
+@_schema_option("eval_prompt_tokens", "Length of each held-out prompt, in tokens.")
+@click.option("--max-new-tokens", default=256, show_default=True, type=int, help=_NEW_TOKENS_HELP)
+@click.option("--temperature", default=0.0, show_default=True, type=FiniteFloat(),
+              help=_TEMPERATURE_HELP)  # fmt: skip
+@_schema_option("seed", "Seed of sampling when --temperature is above 0.")
+@click.option(
+    "--timing-repeats", default=1, show_default=True, type=click.IntRange(min=1),
+    help="Decode each prompt this often both ways and keep the fastest times (noisy machines).",
+)  # fmt: skip
 @click.option(
     "--device", default="auto", show_default=True, envvar="DFLASH_DEVICE", show_envvar=True,
     help="Device for target and drafter (cpu, cuda:0, ...); auto picks cuda:0 when present.",
@@ -218,27 +251,56 @@ def train(config_file: str | None, **given: Any) -> None:
 def eval_command(
     drafter_dir: str,
     target: str | None,
+    eval_data: str | None,
+    max_new_tokens: int,
+    temperature: float,
+    timing_repeats: int,
     json_path: str | None,
     device: str,
     debug: bool,
     **given: Any,
 ) -> None:
-    """Speculative decoding of held-out prompts: τ and acceptance per block position."""
-    from dflash.evaluate import evaluate_drafter_dir
+    """Speculative decoding with KV caches: τ (per-prompt mean and pooled), acceptance
+    per block position, and the wall-clock speedup against plain greedy decoding."""
+    from dflash.evaluate import EvalSettings, evaluate_drafter_dir
 
     def go() -> dict[str, Any]:
         cfg = config_from_options(given)
-        return evaluate_drafter_dir(
-            Path(drafter_dir), target, cfg.data.source,
-            cfg.run.eval_prompts, cfg.run.eval_new_tokens, cfg.run.eval_prompt_tokens,
-            device, log=lambda line: click.echo(line, err=True),
+        settings = EvalSettings(
+            data=cfg.data.source, eval_data=eval_data,
+            num_prompts=given["eval_prompts"] if eval_data else cfg.run.eval_prompts,
+            prompt_tokens=cfg.run.eval_prompt_tokens, max_new_tokens=max_new_tokens,
+            temperature=temperature, seed=cfg.run.seed, timing_repeats=timing_repeats,
         )  # fmt: skip
+        return evaluate_drafter_dir(Path(drafter_dir), target, settings, device, log=_echo_err)
 
-    figures = _report_errors(debug, go)
-    if json_path == "-":
-        click.echo(json.dumps(figures, indent=2))
-    elif json_path:
-        Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
+    _write_json(json_path, _report_errors(debug, go))
+
+
+@cli.command("export")
+@click.option(
+    "--drafter", "drafter_dir", required=True, type=click.Path(exists=True, file_okay=False),
+    help="Drafter directory in the first dflash-train layout (runs before the DFlash format).",
+)  # fmt: skip
+@click.option(
+    "--output", "output_dir", required=True, type=click.Path(file_okay=False),
+    help="Directory for the standard DFlash checkpoint (config.json, model.safetensors).",
+)  # fmt: skip
+@click.option(
+    "--num-target-layers", default=None, type=click.IntRange(min=1),
+    help="Decoder layers of the drafter's target; unset loads the target (CPU) to count them.",
+)  # fmt: skip
+@click.option("--debug/--no-debug", default=False, show_default=True, help=_DEBUG_HELP)
+def export_command(
+    drafter_dir: str, output_dir: str, num_target_layers: int | None, debug: bool
+) -> None:
+    """Convert an older run's drafter into the standard DFlash format serving engines load."""
+    from dflash.drafter_io import export_drafter
+
+    def go() -> Path:
+        return export_drafter(drafter_dir, output_dir, num_target_layers=num_target_layers)
+
+    click.echo(str(_report_errors(debug, go)))
 
 
 @cli.command("prepare-target")
@@ -275,8 +337,15 @@ def report_command(run_dir: str, debug: bool) -> None:
 
 
 def main() -> None:
-    cli(prog_name="dflash-train")
+    # Run as `python -m dflash.cli` this file is __main__; the data subcommands
+    # registered on the group of the imported dflash.cli.
+    from dflash import cli as module
 
+    module.cli(prog_name="dflash-train")
+
+
+# The data subcommands (regenerate, cache-hidden) register themselves on `cli`.
+from dflash import cli_data  # noqa: E402, F401
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

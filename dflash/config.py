@@ -118,8 +118,10 @@ class DataConfig(Section):
 
     source: str = setting(
         "embedded",
-        "Training text: `embedded` (the Python standard library source), a text file, a "
-        "folder, or JSONL with a `text` field or chat `messages` (loss on assistant turns only).",
+        "Training text: `embedded` (the target's own continuations of prefixes of the Python "
+        "standard library source, generated once and cached), `embedded-corpus` (that source "
+        "as it is), a text file, a folder, or JSONL with a `text` field or chat `messages` "
+        "(loss on assistant turns only).",
         option="data", check=_not_blank,
     )  # fmt: skip
     seq_len: int = setting(128, "Tokens per packed row.", min=8)
@@ -133,6 +135,13 @@ class DataConfig(Section):
         "anchors and every block's context stay inside it; chats are cut at turn ends), "
         "`concat` cuts rows from the concatenated stream.",
     )
+    hidden_cache: str | None = setting(
+        None,
+        "Train from this offline hidden-state cache (written by `dflash-train cache-hidden` "
+        "with the same target, layers and data options) instead of running the target "
+        "forward; the target stage then reads from disk.",
+        check=_not_blank,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

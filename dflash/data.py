@@ -57,6 +57,13 @@ __all__ = [  # reading lives in dflash.sources; these names are part of this mod
 PAD_ID, BOS_ID, EOS_ID, MASK_ID = 256, 257, 258, 259
 BYTE_VOCAB_SIZE = 260
 
+# `--data embedded` (the default) trains on the target's own continuations of the
+# corpus' held-in prefixes (dflash.regenerate.embedded_regeneration, cached);
+# `--data embedded-corpus` on the standard library source as it is. Both evaluate on
+# the corpus' held-out files.
+EMBEDDED = "embedded"
+EMBEDDED_CORPUS = "embedded-corpus"
+
 # Bump when the embedded token cache layout or the packing rules change.
 _CACHE_VERSION = 3
 
@@ -278,7 +285,7 @@ def special_ids(tokenizer: Any) -> tuple[int | None, int | None]:
     return getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "bos_token_id", None)
 
 
-def _embedded_key(tokenizer: Any, heldout_fraction: float) -> str:
+def embedded_key(tokenizer: Any, heldout_fraction: float) -> str:
     root = Path(sysconfig.get_paths()["stdlib"])
     h = hashlib.sha256(f"v{_CACHE_VERSION} {sys.version} {heldout_fraction}".encode())
     h.update(tokenizer_fingerprint(tokenizer).encode())
@@ -305,7 +312,7 @@ def _split_stream(ids: np.ndarray, mask: np.ndarray, starts: np.ndarray) -> list
 
 def embedded_tokens(tokenizer: Any, heldout_fraction: float = 0.05) -> Corpus:
     """The embedded corpus tokenized and framed once per tokenizer, cached under cache_dir()."""
-    path = cache_dir() / "tokens" / f"embedded-{_embedded_key(tokenizer, heldout_fraction)}.npz"
+    path = cache_dir() / "tokens" / f"embedded-{embedded_key(tokenizer, heldout_fraction)}.npz"
     names = ("train", "h")
     if path.exists():
         try:
@@ -332,7 +339,7 @@ def embedded_tokens(tokenizer: Any, heldout_fraction: float = 0.05) -> Corpus:
 
 def load_corpus(source: str, tokenizer: Any, heldout_fraction: float = 0.05) -> Corpus:
     """Framed train/held-out documents of `--data` (documents split by name hash)."""
-    if source == "embedded":
+    if source in (EMBEDDED, EMBEDDED_CORPUS):
         return embedded_tokens(tokenizer, heldout_fraction)
     report = DataReport()
     docs = [d for d in read_documents(source, tokenizer, report) if len(d.ids) > 0]
@@ -381,6 +388,26 @@ def build_datasets(
     packing: str = "docs",
     log: Callable[[str], None] | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
+    """(train, held-out) datasets of packed rows of `source` (see `datasets_from_corpus`);
+    `embedded` here is the corpus as it is (dflash.run substitutes the regenerated text)."""
+    if packing not in PACKING_MODES:
+        raise DataError(f"--packing {packing!r}: expected one of {', '.join(PACKING_MODES)}")
+    corpus = load_corpus(source, tokenizer, heldout_fraction)
+    return datasets_from_corpus(corpus, tokenizer, seq_len, batch_size, seed, heldout_fraction,
+                                packing=packing, log=log)  # fmt: skip
+
+
+def datasets_from_corpus(
+    corpus: Corpus,
+    tokenizer: Any,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    heldout_fraction: float = 0.05,
+    *,
+    packing: str = "docs",
+    log: Callable[[str], None] | None = None,
+) -> tuple[PackedDataset, PackedDataset]:
     """(train, held-out) datasets of packed rows.
 
     When the document split leaves nothing held out (one file, few lines) the
@@ -388,9 +415,6 @@ def build_datasets(
     data that training never saw unless the corpus is a single row. `log` gets
     one line per thing the user should know (skipped lines, truncated chats).
     """
-    if packing not in PACKING_MODES:
-        raise DataError(f"--packing {packing!r}: expected one of {', '.join(PACKING_MODES)}")
-    corpus = load_corpus(source, tokenizer, heldout_fraction)
     pad, eos = _pad_id(tokenizer), special_ids(tokenizer)[0]
     train = pack_split(corpus.train, seq_len, pad, eos, packing)
     corpus.report.pack = train.report

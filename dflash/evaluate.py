@@ -24,7 +24,7 @@ from torch import Tensor
 
 from dflash import target as target_mod  # by module: tests swap load_target
 from dflash.config import RunConfig
-from dflash.data import PackedDataset, build_datasets, heldout_prompts
+from dflash.data import DataReport, PackedDataset, build_datasets, heldout_prompts
 from dflash.devices import resolve_device
 from dflash.drafter import DFlashDrafter, load_drafter
 from dflash.generation import (
@@ -39,10 +39,12 @@ from dflash.generation import (
     token_probs,
 )
 from dflash.kvcache import KVCache
+from dflash.prompts import read_conversations, render_prompt
 from dflash.target import TargetModel
 
 __all__ = [
     "EvalResult",
+    "EvalSettings",
     "GenerationError",
     "SpecStats",
     "evaluate_tau",
@@ -305,11 +307,16 @@ def evaluate_tau(
 def evaluate_run(
     target: TargetModel, drafter: DFlashDrafter, heldout: PackedDataset, run_cfg: RunConfig
 ) -> EvalResult | None:
-    """τ of a run's drafter on its held-out prompts (None when --eval-prompts is 0)."""
+    """τ and the speedup against greedy decoding of a run's drafter on its held-out
+    prompts (None when --eval-prompts is 0)."""
     if run_cfg.eval_prompts == 0:
         return None
     prompts = heldout_prompts(heldout, run_cfg.eval_prompts, run_cfg.eval_prompt_tokens)
-    return evaluate_tau(target, drafter, prompts, run_cfg.eval_new_tokens)
+    return evaluate_tau(target, drafter, prompts, run_cfg.eval_new_tokens, compare_baseline=True)
+
+
+def _float_or_none(value: float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def eval_figures(result: EvalResult | None) -> dict[str, Any]:
@@ -318,41 +325,108 @@ def eval_figures(result: EvalResult | None) -> dict[str, Any]:
         return {"tau": None}
     return {
         "tau": float(result.tau),
+        "tau_pooled": float(result.tau_pooled),
         "acceptance_per_position": [float(a) for a in result.acceptance_per_position],
         "tokens_per_target_forward": float(result.tokens_per_target_forward),
+        "speedup": _float_or_none(result.speedup),
+        "speculative_s": float(result.speculative_s),
+        "greedy_s": _float_or_none(result.baseline_s),
     }
+
+
+def format_eval(figures: dict[str, Any], where: str) -> list[str]:
+    """The log lines of an evaluation: τ both ways, speedup, acceptance per position."""
+    rates = " ".join(f"{r:.2f}" for r in figures["acceptance_per_position"])
+    speedup = figures.get("speedup")
+    against = (
+        f"; speedup {speedup:.2f}x vs greedy decoding with the same KV-cached target "
+        f"({figures['greedy_s']:.2f} s -> {figures['speculative_s']:.2f} s)"
+        if speedup is not None
+        else ""
+    )
+    return [
+        f"eval: τ {figures['tau']:.3f} (mean of per-prompt means), pooled "
+        f"{figures['tau_pooled']:.3f}, on {where}{against}",
+        f"eval: acceptance per block position {rates}; tokens per target forward "
+        f"{figures['tokens_per_target_forward']:.2f}",
+    ]
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What `dflash-train eval` decodes: prompts from chat JSONL (`eval_data`) or
+    held-out windows of `data`, and how."""
+
+    data: str = "embedded"
+    eval_data: str | None = None
+    num_prompts: int | None = 8  # None with eval_data: every conversation of the file
+    prompt_tokens: int = 64
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    seed: int = 0
+    timing_repeats: int = 1
+
+    def __post_init__(self) -> None:
+        check_decoding(self.max_new_tokens, self.temperature)
+
+
+class _PromptSource:
+    """Where `dflash-train eval` takes its prompts; chat files are read (and refused)
+    before the models load, rendered once the tokenizer is known."""
+
+    def __init__(self, settings: EvalSettings, log: Callable[[str], None]) -> None:
+        self.settings = settings
+        self.conversations: list[list[dict[str, str]]] | None = None
+        if settings.eval_data is not None:
+            report = DataReport()
+            self.conversations = read_conversations(
+                settings.eval_data, settings.num_prompts, report
+            )
+            for line in report.lines(0):
+                log(line.replace("data:", "eval:", 1))
+
+    def prompts(self, tokenizer: Any) -> tuple[list[list[int]], str]:
+        """(prompts, a phrase saying where they come from)."""
+        settings = self.settings
+        if self.conversations is not None:
+            prompts = [render_prompt(tokenizer, m) for m in self.conversations]
+            return prompts, f"{len(prompts)} conversations of {settings.eval_data}"
+        # The unpacked held-out stream gives the prompts: seq_len and seed do not matter.
+        tokens = settings.prompt_tokens
+        _, heldout = build_datasets(settings.data, tokenizer, max(tokens, 8), 1, 0)
+        prompts = heldout_prompts(heldout, settings.num_prompts or 8, tokens)
+        return prompts, f"{len(prompts)} held-out prompts"
 
 
 def evaluate_drafter_dir(
     drafter_dir: Path,
     target_spec: str | None,
-    data: str,
-    num_prompts: int,
-    new_tokens: int,
-    prompt_tokens: int,
+    settings: EvalSettings,
     device: str = "auto",
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """`dflash-train eval`: τ of a saved drafter on held-out prompts of `data`."""
+    """`dflash-train eval`: τ of a saved drafter, and its speedup against greedy decoding."""
     dev = resolve_device(device, "--device")
+    source = _PromptSource(settings, log)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     target = target_mod.load_target(target_spec, dev, dtype, log=log) if target_spec else None
     drafter, target = load_drafter(drafter_dir, target=target, device=dev)
-    # Prompts come from the unpacked held-out stream: seq_len and seed do not matter here.
-    _, heldout = build_datasets(data, target.tokenizer, max(prompt_tokens, 8), 1, 0)
-    prompts = heldout_prompts(heldout, num_prompts, prompt_tokens)
+    prompts, where = source.prompts(target.tokenizer)
     start_s = time.perf_counter()
-    result = evaluate_tau(target, drafter, prompts, new_tokens)
+    result = evaluate_tau(
+        target, drafter, prompts, settings.max_new_tokens, temperature=settings.temperature,
+        seed=settings.seed, compare_baseline=True, timing_repeats=settings.timing_repeats,
+    )  # fmt: skip
     figures = {
         **eval_figures(result),
         "prompts": len(prompts),
-        "new_tokens": new_tokens,
+        "new_tokens": result.new_tokens,
+        "max_new_tokens": settings.max_new_tokens,
+        "temperature": settings.temperature,
         "block_size": drafter.config.block_size,
         "target": target.spec,
         "eval_s": time.perf_counter() - start_s,
     }
-    rates = " ".join(f"{r:.2f}" for r in figures["acceptance_per_position"])
-    log(f"eval: τ {figures['tau']:.3f} on {len(prompts)} held-out prompts; "
-        f"tokens per target forward {figures['tokens_per_target_forward']:.2f}")  # fmt: skip
-    log(f"eval: acceptance per block position {rates}")
+    for line in format_eval(figures, where):
+        log(line)
     return figures

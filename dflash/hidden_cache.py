@@ -1,5 +1,10 @@
 """Offline hidden-state cache: run the target once, train from disk afterwards.
 
+`train --hidden-cache DIR` plugs `HiddenCacheReader.read` into the pipeline as the
+target stage's forward (traced as target.read): the batches, with their document
+ids and positions, still come from the dataset; only the target's features come
+from disk.
+
 Layout of a cache directory:
   index.json               fingerprint of what was cached, and the finished shards
   shard-00000.safetensors  batches [0, S): `hidden.{i}` [B, T, K*D] in the target's
@@ -18,6 +23,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
@@ -82,17 +88,19 @@ _WHAT = {
     "dtype": "target dtype",
     "layer_ids": "target layers",
     "tokenizer": "tokenizer",
-    "data": "data",
     "seq_len": "--seq-len",
     "batch_size": "--batch-size",
     "packing": "--packing",
     "final_norm": "final-norm states (soft labels)",
+    "data": "data",  # after the options that change it, so the message names the option
     "format": "cache format",
 }
 
 
 def _check_fingerprint(directory: Path, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
-    for key, value in wanted.items():
+    order = list(_WHAT)
+    for key in sorted(wanted, key=lambda k: order.index(k) if k in order else len(order)):
+        value = wanted[key]
         if saved.get(key) != value:
             raise HiddenCacheError(
                 f"hidden cache {directory} was written for another {_WHAT.get(key, key)}: "
@@ -140,18 +148,12 @@ def _capture(
     target: TargetModel, batch: Batch, layer_ids: list[int], with_final_norm: bool
 ) -> tuple[Tensor, Tensor | None]:
     """hidden[B, T, K*D] and, when asked, the final-norm state [B, T, D] (the LM head's input)."""
-    seen: list[Tensor] = []
-    hook = None
-    if with_final_norm:
-        hook = target.lm_head.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
-    try:
-        ids = batch.input_ids.to(target.device)
-        docs = None if batch.doc_ids is None else batch.doc_ids.to(target.device)
-        out = target.capture(ids, layer_ids, with_logits=with_final_norm, doc_ids=docs)
-    finally:
-        if hook is not None:
-            hook.remove()
-    return out.hidden, (seen[0] if seen else None)
+    ids = batch.input_ids.to(target.device)
+    docs = None if batch.doc_ids is None else batch.doc_ids.to(target.device)
+    out = target.capture(
+        ids, layer_ids, with_logits=False, with_final_hidden=with_final_norm, doc_ids=docs
+    )
+    return out.hidden, out.final_hidden
 
 
 def _open_for_writing(directory: Path, fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -272,27 +274,43 @@ class HiddenCacheReader:
                     ) from err
             return self._handles[shard["file"]]
 
-    def get(self, index: int, lm_head: torch.nn.Module | None = None) -> tuple[Batch, TargetOutput]:
-        """Batch `index` and its cached features; logits = lm_head(final-norm state)
-        when `lm_head` is given (soft labels; the cache must hold final-norm states)."""
+    def covers(self, last_index: int) -> None:
+        """Refuses a run that would need batch `last_index` when the cache stops earlier."""
+        if last_index >= self.num_batches:
+            raise HiddenCacheError(
+                f"--hidden-cache {self.directory} holds {self.num_batches} batches, this run "
+                f"reads up to batch {last_index}: write more with cache-hidden --num-batches "
+                f"{last_index + 1}"
+            )
+
+    def read(self, batch: Batch, lm_head: torch.nn.Module | None = None) -> TargetOutput:
+        """The cached features of `batch` (batch.batch_id is its index): hidden, and the
+        final-norm state when cached; logits = lm_head(final-norm state) when `lm_head`
+        is given (soft labels from logits; the cache must hold final-norm states)."""
+        index = batch.batch_id
         handle = self._shard(index)
-        batch = self.dataset.batch(index)
         if not torch.equal(handle.get_tensor(f"input_ids.{index}").long(), batch.input_ids):
             raise HiddenCacheError(
                 f"hidden cache {self.directory}: batch {index} holds other tokens than the data"
             )
         hidden = handle.get_tensor(f"hidden.{index}")
-        logits = final = None
+        has_final = bool(self.index["fingerprint"]["final_norm"])
+        final = handle.get_tensor(f"final.{index}") if has_final else None
+        logits = None
         if lm_head is not None:
-            if not self.index["fingerprint"]["final_norm"]:
+            if final is None:
                 raise HiddenCacheError(
                     f"hidden cache {self.directory} has no final-norm states: "
                     "write it with soft labels on"
                 )
-            final = handle.get_tensor(f"final.{index}").to(lm_head.weight.device)
             with torch.no_grad():
-                logits = lm_head(final)
-        return batch, TargetOutput(hidden=hidden, logits=logits, final_hidden=final)
+                logits = lm_head(final.to(lm_head.weight.device))
+        return TargetOutput(hidden=hidden, logits=logits, final_hidden=final)
+
+    def get(self, index: int, lm_head: torch.nn.Module | None = None) -> tuple[Batch, TargetOutput]:
+        """Batch `index` of the dataset and its cached features (see `read`)."""
+        batch = self.dataset.batch(index)
+        return batch, self.read(batch, lm_head)
 
 
 def open_hidden_cache(
@@ -316,3 +334,38 @@ def open_hidden_cache(
         wanted.pop("final_norm")
     _check_fingerprint(path, index["fingerprint"], wanted)
     return HiddenCacheReader(path, index, dataset)
+
+
+def write_run_cache(
+    cfg: Any,
+    output_dir: Path | str,
+    *,
+    num_batches: int | None = None,
+    batches_per_shard: int = 64,
+    log: Callable[[str], None] = print,
+) -> HiddenCacheReader:
+    """`dflash-train cache-hidden`: the features a `train` run of `cfg` (a TrainConfig)
+    would compute, for batches [0, num_batches) (None: --steps of one drafter device)."""
+    from dflash import target as target_mod
+    from dflash.devices import decide_placement
+    from dflash.run import check_target_fits, resolve_layer_ids, run_datasets
+
+    device = decide_placement(cfg.pipeline).target
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = target_mod.load_target(cfg.target.spec, device, dtype, log=log)
+    check_target_fits(cfg, target)
+    layer_ids = resolve_layer_ids(cfg, target.num_layers)
+    train, _ = run_datasets(cfg, target, log)
+    total, soft = num_batches or cfg.run.steps, cfg.loss.use_soft_labels
+    tokens_per_batch = train.batch_size * train.seq_len
+    start_s = time.perf_counter()
+
+    def progress(done: int, of: int) -> None:
+        rate = done * tokens_per_batch / max(time.perf_counter() - start_s, 1e-9)
+        log(f"cache-hidden: {done}/{of} batches, {rate:,.0f} tokens/s")
+
+    write_hidden_cache(target, train, output_dir, layer_ids=layer_ids, num_batches=total,
+                       with_final_norm=soft, batches_per_shard=batches_per_shard,
+                       progress=progress)  # fmt: skip
+    return open_hidden_cache(output_dir, target=target, dataset=train, layer_ids=layer_ids,
+                             with_final_norm=soft)  # fmt: skip

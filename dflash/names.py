@@ -11,6 +11,7 @@ BATCH = "batch"  # root, started by the prefetcher, ended after the drafter step
 DATA_BATCH = "data.batch"  # the prefetcher building the batch (the prefetch track's slices)
 BATCH_QUEUE_WAIT = "batch_queue.wait"
 TARGET_FORWARD = "target.forward"
+TARGET_READ = "target.read"  # in place of target.forward when training from a hidden cache
 HS_QUEUE_WAIT = "hs_queue.wait"
 DRAFTER_STEP = "drafter.step"
 ANCHOR_SELECTION = "drafter.anchor_selection"
@@ -22,8 +23,8 @@ DRAFTER_PHASES = (ANCHOR_SELECTION, BLOCK_PREDICTION, LOSS, BACKWARD, OPTIMIZER)
 # Traces of their own, outside any batch.
 CHECKPOINT_SAVE = "checkpoint.save"
 EVAL = "eval"
-SPANS = (BATCH, DATA_BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, HS_QUEUE_WAIT, DRAFTER_STEP,
-         *DRAFTER_PHASES, CHECKPOINT_SAVE, EVAL)  # fmt: skip
+SPANS = (BATCH, DATA_BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, TARGET_READ, HS_QUEUE_WAIT,
+         DRAFTER_STEP, *DRAFTER_PHASES, CHECKPOINT_SAVE, EVAL)  # fmt: skip
 
 # --- statistics without a span ---------------------------------------------------------
 HS_QUEUE_PUT = "hs_queue.put"  # target threads blocked on a full hs_queue

@@ -234,11 +234,13 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], info: DistInfo, placeme
                           Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip
     book = _StepBook(run, progress, info, len(replicas), metrics, averager, observer)
     window = observer.profile if observer is not None else None
+    indices = rank_batch_indices(cfg.run.steps - run.step, info.rank, info.world_size,
+                                 len(replicas), run.next_batch_index)  # fmt: skip
     pipe = Pipeline.build(
         make_batch=run.train_data.batch,
-        indices=rank_batch_indices(cfg.run.steps - run.step, info.rank, info.world_size,
-                                   len(replicas), run.next_batch_index),
-        forwards=target_forwards(run),
+        indices=indices,
+        forwards=target_forwards(run, max(indices, default=0)),
+        target_phase=names.TARGET_READ if cfg.data.hidden_cache else names.TARGET_FORWARD,
         steps=[(r.device, _step_fn(r, i, metrics, window), mover(r.device))
                for i, r in enumerate(replicas)],
         on_step=book.on_step,

@@ -62,6 +62,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{summary['tokens_per_s']:,.0f} tokens/s training, final loss {summary['final_loss']:.4f}",
         f"summary: τ on held-out {tau_txt} (block size {summary.get('block_size', '?')})",
     ]
+    if isinstance(summary.get("tau_pooled"), float):
+        lines[-1] += f", pooled {summary['tau_pooled']:.3f}"
+    if isinstance(summary.get("speedup"), float):
+        lines[-1] += f"; speedup {summary['speedup']:.2f}x vs greedy decoding"
     if summary.get("acceptance_per_position"):
         rates = " ".join(f"{r:.2f}" for r in summary["acceptance_per_position"])
         lines.append(f"summary: acceptance per block position {rates}")

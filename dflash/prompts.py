@@ -15,9 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import DFlashError
+from dflash.sources import DataReport
 
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                    "system": "system"}  # fmt: skip
+
+
+_NO_TURNS = "no chat turns (expected 'messages' with a user turn, 'conversations' or 'turns')"
 
 
 class PromptError(DFlashError):
@@ -60,32 +64,46 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return ([bos] if isinstance(bos, int) else []) + list(tokenizer.encode(text))
 
 
-def load_chat_prompts(
-    path: Path | str, tokenizer: Any, limit: int | None = None
-) -> list[list[int]]:
-    """Rendered prompts of a chat JSONL file; lines without a user turn are an error."""
+def read_conversations(
+    path: Path | str, limit: int | None = None, report: DataReport | None = None
+) -> list[list[dict[str, str]]]:
+    """Each line's messages up to its last user turn. Lines without one (or not JSON)
+    are skipped and counted in `report`; none usable at all is a PromptError."""
     source = Path(path)
+    report = report if report is not None else DataReport()
     try:
         lines = source.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
         raise PromptError(f"--eval-data {path}: cannot read it ({err})") from err
-    prompts: list[list[int]] = []
+    conversations: list[list[dict[str, str]]] = []
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            messages = conversation_to_prompt(json.loads(line))
         except json.JSONDecodeError as err:
-            raise PromptError(f"--eval-data {source}:{lineno}: malformed JSON ({err.msg})") from err
-        messages = conversation_to_prompt(obj)
+            report.skip(f"{source}:{lineno}", f"malformed JSON ({err.msg})")
+            continue
         if messages is None:
-            raise PromptError(
-                f"--eval-data {source}:{lineno}: no chat turns (expected 'messages' with a "
-                "user turn, 'conversations' or 'turns')"
-            )
-        prompts.append(render_prompt(tokenizer, messages))
-        if limit is not None and len(prompts) >= limit:
+            report.skip(f"{source}:{lineno}", _NO_TURNS)
+            continue
+        conversations.append(messages)
+        if limit is not None and len(conversations) >= limit:
             break
-    if not prompts:
-        raise PromptError(f"--eval-data {source}: no chat turns in the file")
-    return prompts
+    if not conversations:
+        skipped = f" (skipped {report.skipped_lines} lines; first: {report.first_bad_line})"
+        raise PromptError(
+            f"--eval-data {source}: no chat turns in the file"
+            + (skipped if report.skipped_lines else "")
+        )
+    return conversations
+
+
+def load_chat_prompts(
+    path: Path | str,
+    tokenizer: Any,
+    limit: int | None = None,
+    report: DataReport | None = None,
+) -> list[list[int]]:
+    """Rendered prompts of a chat JSONL file (see `read_conversations`)."""
+    return [render_prompt(tokenizer, m) for m in read_conversations(path, limit, report)]

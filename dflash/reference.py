@@ -17,7 +17,7 @@ from dflash.config import TrainConfig
 from dflash.devices import decide_placement
 from dflash.metrics import StepMetrics
 from dflash.progress import Progress
-from dflash.replicas import move_target_out
+from dflash.replicas import cache_reader, move_target_out
 from dflash.run import (
     METRICS_FILE,
     RunStats,
@@ -44,15 +44,20 @@ def train_reference(
     losses: list[torch.Tensor] = []
     num_tokens, train_start_s = 0, time.perf_counter()
     soft = cfg.loss.use_soft_labels
+    last_index = run.next_batch_index + cfg.run.steps - run.step - 1
+    read = cache_reader(run, last_index)[1] if cfg.data.hidden_cache else None
     try:
         while run.step < cfg.run.steps:
             batch = run.train_data.batch(run.next_batch_index)
-            with torch.no_grad():
-                docs = None if batch.doc_ids is None else batch.doc_ids.to(placement.target)
-                target_out = run.target.capture(
-                    batch.input_ids.to(placement.target), run.layer_ids,
-                    with_logits=False, with_final_hidden=soft, doc_ids=docs,
-                )  # fmt: skip
+            if read is not None:
+                target_out = read(batch)
+            else:
+                with torch.no_grad():
+                    docs = None if batch.doc_ids is None else batch.doc_ids.to(placement.target)
+                    target_out = run.target.capture(
+                        batch.input_ids.to(placement.target), run.layer_ids,
+                        with_logits=False, with_final_hidden=soft, doc_ids=docs,
+                    )  # fmt: skip
             target_out = move_target_out(target_out, placement.drafter)
             result = run.trainer.step(batch, target_out)
             run.step, run.next_batch_index = run.step + 1, run.next_batch_index + 1

@@ -13,6 +13,8 @@ existing output from another run (or without the record) is refused.
 
 from __future__ import annotations
 
+import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -25,7 +27,23 @@ from typing import Any
 import torch
 
 from dflash.chat import chat_prompt_ids
-from dflash.data import DataError, DataReport, embedded_corpus, encode_texts, is_heldout, iter_jsonl
+from dflash.data import (
+    EMBEDDED,
+    EMBEDDED_CORPUS,
+    Corpus,
+    DataError,
+    DataReport,
+    cache_dir,
+    embedded_corpus,
+    embedded_key,
+    embedded_tokens,
+    encode_texts,
+    frame,
+    is_heldout,
+    iter_jsonl,
+    read_jsonl,
+    special_ids,
+)
 from dflash.generation import generate_batch
 from dflash.target import TargetModel
 
@@ -104,7 +122,7 @@ def _text_windows(tokenizer: Any, text: str, settings: RegenerateSettings) -> li
 
 def read_items(source: str, report: DataReport, heldout_fraction: float) -> list[dict[str, Any]]:
     """Held-in records of `source`: {"text": ...} or {"messages": [...]} objects."""
-    if source == "embedded":
+    if source in (EMBEDDED, EMBEDDED_CORPUS):
         return [{"text": t} for t in embedded_corpus("train", heldout_fraction)]
     path = Path(source).expanduser()
     if not path.exists():
@@ -303,3 +321,68 @@ def regenerate(
                 progress(RegenProgress(done, len(items), new_tokens, rate))
     wall_s = time.perf_counter() - start_s
     return RegenReport(out, len(items), first_line, new_tokens, wall_s, report)
+
+
+# --------------------------------------------------------------------------- the embedded default
+
+# The recipe of `--data embedded`: two windows per held-in document, 64 tokens of
+# corpus text continued by 64 of the target's greedy tokens.
+EMBEDDED_RECIPE = RegenerateSettings(
+    max_new_tokens=64, prefix_tokens=64, windows_per_document=2, batch_size=64, chunk_lines=128
+)
+
+
+def embedded_regeneration(
+    target: TargetModel, heldout_fraction: float = 0.05, log: Callable[[str], None] = print
+) -> Path:
+    """The target's continuations of the embedded corpus' held-in prefixes (JSONL),
+    regenerated once per target and recipe and cached under cache_dir()/regen; an
+    interrupted regeneration continues where it stopped."""
+    from dflash.hidden_cache import target_fingerprint
+
+    settings = dataclasses.replace(EMBEDDED_RECIPE, heldout_fraction=heldout_fraction)
+    key = hashlib.sha256(json.dumps({
+        "target": target_fingerprint(target), "recipe": asdict(settings),
+        "corpus": embedded_key(target.tokenizer, heldout_fraction),
+    }, sort_keys=True).encode()).hexdigest()[:20]  # fmt: skip
+    path = cache_dir() / "regen" / f"embedded-{key}.jsonl"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.stem}.lock"), "w") as lock:
+        # Runs started together: one regenerates, the others wait and read its file.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            _regenerate_embedded(target, settings, path, log)
+    return path
+
+
+def _regenerate_embedded(
+    target: TargetModel, settings: RegenerateSettings, path: Path, log: Callable[[str], None]
+) -> None:
+    partial = path.with_name(f".{path.stem}.partial.jsonl")
+    log(f"data: the target's own continuations of the embedded corpus, generated once "
+        f"({target.spec}; cached as {path})")  # fmt: skip
+    step = [0.0]
+
+    def progress(p: RegenProgress) -> None:
+        if p.lines_done >= step[0] or p.lines_done == p.lines_total:
+            log(f"data: regenerated {p.lines_done}/{p.lines_total} windows, "
+                f"{p.tokens_per_s:,.0f} tokens/s")  # fmt: skip
+            step[0] = p.lines_done + p.lines_total / 4
+
+    report = regenerate(target, EMBEDDED, partial, settings=settings, progress=progress)
+    os.replace(partial, path)
+    partial.with_name(partial.name + ".run.json").unlink(missing_ok=True)
+    log(f"data: {report.new_tokens:,} tokens regenerated in {report.wall_s:.1f} s")
+
+
+def regenerated_corpus(path: Path, tokenizer: Any, heldout_fraction: float = 0.05) -> Corpus:
+    """Training documents of a regenerated JSONL file (all of it: it holds held-in text
+    only), held-out documents of the embedded corpus (the prompts evaluation uses)."""
+    report = DataReport()
+    eos, bos = special_ids(tokenizer)
+    train = [frame(d, bos, eos) for d in read_jsonl(path, tokenizer, report) if len(d.ids)]
+    if not train:
+        raise RegenerateError(f"regenerated data {path} holds no text: delete it to regenerate")
+    return Corpus(train, embedded_tokens(tokenizer, heldout_fraction).heldout, report)

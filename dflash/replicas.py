@@ -72,8 +72,30 @@ def capture_fn(
     return forward
 
 
-def target_forwards(run: Run) -> list[tuple[torch.device, Callable[[Batch], TargetOutput]]]:
-    """One target per thread: `capture` hooks the module, so threads cannot share one."""
+def cache_reader(
+    run: Run, last_batch_index: int | None
+) -> tuple[torch.device, Callable[[Batch], TargetOutput]]:
+    """The target stage of `--hidden-cache`: one thread reading the cached features,
+    refused here (before any thread starts) for a cache of another run or too short."""
+    from dflash.hidden_cache import open_hidden_cache
+
+    soft = run.cfg.loss.use_soft_labels
+    reader = open_hidden_cache(run.cfg.data.hidden_cache or "", target=run.target,
+                               dataset=run.train_data, layer_ids=run.layer_ids,
+                               with_final_norm=soft)  # fmt: skip
+    if last_batch_index is not None:
+        reader.covers(last_batch_index)
+    # Soft labels come from the cached final-norm states, as online: never logits.
+    return torch.device("cpu"), reader.read
+
+
+def target_forwards(
+    run: Run, last_batch_index: int | None = None
+) -> list[tuple[torch.device, Callable[[Batch], TargetOutput]]]:
+    """One target per thread: `capture` hooks the module, so threads cannot share one.
+    With --hidden-cache, one reader thread instead (it reads up to `last_batch_index`)."""
+    if run.cfg.data.hidden_cache is not None:
+        return [cache_reader(run, last_batch_index)]
     soft = run.cfg.loss.use_soft_labels
     first = run.placement.target
     forwards = [(first, capture_fn(run.target, run.layer_ids, soft, first))]

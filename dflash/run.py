@@ -27,7 +27,7 @@ from dflash.checkpoint import (
     save_checkpoint,
 )
 from dflash.config import ConfigError, TrainConfig
-from dflash.data import PackedDataset, build_datasets
+from dflash.data import EMBEDDED, PackedDataset, build_datasets, datasets_from_corpus
 from dflash.devices import Placement
 from dflash.drafter import DFlashDrafter, DrafterConfig, DrafterError
 from dflash.drafter_io import (
@@ -203,16 +203,28 @@ def _warm_start(cfg: TrainConfig, resuming: bool) -> tuple[Path, DrafterConfig] 
     return where, saved
 
 
-def _datasets(
-    cfg: TrainConfig, target: TargetModel, log: Callable[[str], None]
+def run_datasets(
+    cfg: TrainConfig, target: TargetModel, log: Callable[[str], None] = print
 ) -> tuple[PackedDataset, PackedDataset]:
-    """Train and held-out rows; an explicit mask token the data uses is refused here."""
-    d = cfg.data
-    train, heldout = build_datasets(
-        d.source, target.tokenizer, d.seq_len,
-        d.batch_size * cfg.optim.grad_accum,  # the step splits it into micro-batches
-        cfg.run.seed, d.heldout_fraction, packing=d.packing, log=log,
-    )  # fmt: skip
+    """Train and held-out rows of a run (`cache-hidden` cuts its batches the same way);
+    an explicit mask token the data uses is refused here. `--data embedded` trains on
+    the target's own continuations of the corpus (regenerated once, cached)."""
+    d, tok = cfg.data, target.tokenizer
+    rows = d.batch_size * cfg.optim.grad_accum  # the step splits it into micro-batches
+    if d.source == EMBEDDED:
+        from dflash.regenerate import embedded_regeneration, regenerated_corpus
+
+        path = embedded_regeneration(target, d.heldout_fraction, log)
+        corpus = regenerated_corpus(path, tok, d.heldout_fraction)
+        train, heldout = datasets_from_corpus(
+            corpus, tok, d.seq_len, rows, cfg.run.seed, d.heldout_fraction,
+            packing=d.packing, log=log,
+        )  # fmt: skip
+    else:
+        train, heldout = build_datasets(
+            d.source, tok, d.seq_len, rows, cfg.run.seed, d.heldout_fraction,
+            packing=d.packing, log=log,
+        )  # fmt: skip
     if cfg.drafter.mask_token_id is not None:
         check_mask_token_unused(cfg.drafter.mask_token_id, (train.ids, heldout.ids, heldout.stream))
     return train, heldout
@@ -235,7 +247,7 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     if warm is not None:
         check_fits_target(warm[1], target, f"--init-from {warm[0]}")
     layer_ids = resolve_layer_ids(cfg, target.num_layers)
-    train, heldout = _datasets(cfg, target, log)
+    train, heldout = run_datasets(cfg, target, log)
     drafter = build_drafter(cfg, target, layer_ids, placement.drafter)
     trainer = DrafterTrainer(drafter, cfg, placement.drafter)
     run = Run(cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir)

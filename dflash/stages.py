@@ -183,9 +183,11 @@ class TargetForwardLoop(StageThread):
         counters: PipelineCounters,
         producers: _Countdown,
         num_consumers: int,
+        phase_name: str = names.TARGET_FORWARD,
     ):
         super().__init__(name, group)
         self.in_q, self.out_q, self.forward, self.device = in_q, out_q, forward, device
+        self.phase_name = phase_name  # target.read when `forward` reads a hidden cache
         self.counters = counters
         self.producers, self.num_consumers = producers, num_consumers
 
@@ -196,9 +198,9 @@ class TargetForwardLoop(StageThread):
             item = _take(self, self.in_q, self.counters, attrs)
             if item is END:
                 break
-            self.enter(names.TARGET_FORWARD)
+            self.enter(self.phase_name)
             try:
-                with tracing.phase(names.TARGET_FORWARD, parent=item.span, device=self.device,
+                with tracing.phase(self.phase_name, parent=item.span, device=self.device,
                                    attributes=attrs):  # fmt: skip
                     target_out = self.forward(item.batch)
                 self.counters.add_target(item.batch.num_tokens)
@@ -296,8 +298,11 @@ class Pipeline:
         pin_memory: bool = False,
         group: StageGroup | None = None,
         first_step: int = 0,
+        target_phase: str = names.TARGET_FORWARD,
     ) -> Pipeline:
-        """Wire the stages; `on_step(replica, replica_step, batch, result)` after each step."""
+        """Wire the stages; `on_step(replica, replica_step, batch, result)` after each step.
+
+        `target_phase` names the target threads' phase (target.read for a hidden cache)."""
         group, counters = group or StageGroup(), PipelineCounters()
         batch_q: BoundedQueue[Any] = BoundedQueue("batch_queue", batch_queue_size, group.stop)
         hs_q: BoundedQueue[Any] = BoundedQueue("hs_queue", hs_queue_size, group.stop)
@@ -306,7 +311,7 @@ class Pipeline:
         producers = _Countdown(len(forwards))
         for i, (device, forward) in enumerate(forwards):
             TargetForwardLoop(f"target-{i}", group, batch_q, hs_q, forward, device, counters,
-                              producers, len(steps))  # fmt: skip
+                              producers, len(steps), target_phase)  # fmt: skip
         for i, (device, step, move) in enumerate(steps):
             DrafterTrainLoop(
                 f"drafter-{i}", group, hs_q, step, device, counters,

@@ -174,14 +174,17 @@ def test_train_then_eval_with_json(tmp_path) -> None:
     out = tmp_path / "eval.json"
     result = invoke([
         "eval", "--drafter", str(tmp_path / "drafter"), "--data", str(tmp_path / "corpus.txt"),
-        "--eval-prompts", "2", "--eval-new-tokens", "8", "--eval-prompt-tokens", "8",
+        "--eval-prompts", "2", "--max-new-tokens", "8", "--eval-prompt-tokens", "8",
         "--json", str(out),
     ])  # fmt: skip
     assert result.exit_code == 0, result.output
     figures = json.loads(out.read_text())
     assert 1.0 <= figures["tau"] <= 4.0 and len(figures["acceptance_per_position"]) == 3
     assert figures["tau"] == pytest.approx(summary["tau"])  # same prompts, same drafter
-    assert "τ" in result.output
+    assert figures["tau_pooled"] == pytest.approx(summary["tau_pooled"])
+    assert figures["speedup"] > 0 and summary["speedup"] > 0
+    assert figures["speedup"] == pytest.approx(figures["greedy_s"] / figures["speculative_s"])
+    assert "τ" in result.output and "pooled" in result.output and "vs greedy" in result.output
 
 
 def test_help_shows_units_defaults_and_env_vars() -> None:
@@ -217,6 +220,17 @@ def test_eval_rejects_a_bad_device_and_a_non_drafter_dir(tmp_path) -> None:
     result = invoke(["eval", "--drafter", str(tmp_path), "--device", "gpu7"])
     assert_one_line_error(result, "gpu7")
     assert_one_line_error(invoke(["eval", "--drafter", str(tmp_path)]), "not a DFlash checkpoint")
+
+
+def test_eval_rejects_bad_decoding_settings_and_chatless_eval_data(tmp_path) -> None:
+    drafter = ["eval", "--drafter", str(tmp_path)]
+    for flag, value in (("--max-new-tokens", "0"), ("--max-new-tokens", "-3"),
+                        ("--temperature", "-0.5")):  # fmt: skip
+        assert_one_line_error(invoke([*drafter, flag, value]), flag, value)
+    chatless = tmp_path / "eval.jsonl"
+    chatless.write_text(json.dumps({"text": "no turns"}) + "\n" + "[1, 2]\n")
+    result = invoke([*drafter, "--eval-data", str(chatless)])
+    assert_one_line_error(result, "eval.jsonl", "no chat turns", "skipped 2 lines", "eval.jsonl:1")
 
 
 def _flags(values):

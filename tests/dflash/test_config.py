@@ -26,6 +26,7 @@ NON_DEFAULT = {
     "data": "corpus.txt", "seq_len": 64, "batch_size": 3, "heldout_fraction": 0.1,
     "packing": "concat", "drafter_intermediate_size": 96, "mask_token_id": 7,
     "noise_schedule": "linear:0.5:1", "init_from": "runs/old/drafter",
+    "hidden_cache": "cache/",
     "target": "builtin:other", "target_layers": (1, 3), "drafter_layers": 2,
     "block_size": 6, "num_anchors": 5, "loss_decay_gamma": 2.5, "use_soft_labels": True,
     "kl_temperature": 2.0, "kl_weight": 0.25, "streak_alpha": 0.5, "loss_chunk_size": 4, "lr": 1e-3,

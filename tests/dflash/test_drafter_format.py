@@ -168,6 +168,22 @@ def test_export_converts_the_first_layout(small, tmp_path) -> None:
     with pytest.raises(DrafterError, match="already a DFlash checkpoint"):
         export_drafter(new_dir, tmp_path / "again")
 
+    from click.testing import CliRunner
+
+    from dflash.cli import cli
+
+    def export(src, dst):
+        args = ["export", "--drafter", str(src), "--output", str(dst), "--num-target-layers", "6"]
+        return CliRunner().invoke(cli, args, catch_exceptions=False)
+
+    result = export(old_dir, tmp_path / "cli")
+    assert result.exit_code == 0 and result.output.strip() == str(tmp_path / "cli")
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "cli" / name).read_bytes() == (new_dir / name).read_bytes()
+    result = export(new_dir, tmp_path / "again")
+    assert result.exit_code == 2 and "already a DFlash checkpoint" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
 
 def _step_loss(run, index: int) -> torch.Tensor:
     """One real trainer step on batch `index` (document-aware capture); its loss."""

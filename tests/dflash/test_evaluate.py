@@ -279,3 +279,32 @@ def test_hugging_face_target_with_dynamic_cache_decodes_like_greedy(tmp_path, ar
     plain, plain_stats = speculative_generate(hf, drafter, prompt, 24, use_cache=False)
     assert cached == plain == reference
     assert stats.accepted_per_cycle == plain_stats.accepted_per_cycle
+
+
+def test_eval_of_a_saved_drafter_on_chat_prompts(target, tmp_path, monkeypatch) -> None:
+    from dflash import target as target_mod
+    from dflash.drafter import save_drafter
+    from dflash.evaluate import EvalSettings, evaluate_drafter_dir
+
+    monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: target)
+    saved = save_drafter(make_drafter(target), tmp_path / "drafter")
+    rows = [{"messages": [{"role": "user", "content": "hi"}]}, {"text": "skipped"},
+            {"turns": ["def f(x):"]}]  # fmt: skip
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines: list[str] = []
+    settings = EvalSettings(eval_data=str(chats), num_prompts=None, max_new_tokens=12)
+    figures = evaluate_drafter_dir(saved, "builtin:tiny", settings, "cpu", log=lines.append)
+    assert figures["prompts"] == 2 and 0 < figures["new_tokens"] <= 24
+    prompts = load_chat_prompts(chats, target.tokenizer)
+    drafter = make_drafter(target)
+    direct = evaluate_tau(target, drafter, prompts, 12)
+    assert (figures["tau"], figures["tau_pooled"]) == (direct.tau, direct.tau_pooled)
+    assert figures["speedup"] == pytest.approx(figures["greedy_s"] / figures["speculative_s"])
+    assert any("skipped 1 unusable JSONL lines" in line and "chats.jsonl:2" in line
+               for line in lines)  # fmt: skip
+    assert any("pooled" in line and "vs greedy" in line for line in lines)
+    with pytest.raises(GenerationError, match="--max-new-tokens 0"):
+        EvalSettings(max_new_tokens=0)
+    with pytest.raises(GenerationError, match="--temperature -1"):
+        EvalSettings(temperature=-1.0)

@@ -153,3 +153,96 @@ def test_an_interrupted_regeneration_continues_and_a_foreign_output_is_refused(
     with pytest.raises(RegenerateError, match="no run record"):
         regenerate(target, str(data), stranger, settings=SETTINGS)
     assert stranger.read_text() == '{"text": "mine"}\n'
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from dflash.cli import cli
+
+    return CliRunner().invoke(cli, ["regenerate", *map(str, args)], catch_exceptions=False)
+
+
+def _one_error_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    return errors[0]
+
+
+def test_regenerate_command_writes_resumes_and_refuses(hf_dir, tmp_path) -> None:
+    target = load_target(str(hf_dir))
+    data = _write_chats(tmp_path / "chats.jsonl", extra_lines=["[1]", '{"messages": "x"}'])
+    reference = tmp_path / "reference.jsonl"
+    regenerate(target, str(data), reference, settings=SETTINGS)
+    out = tmp_path / "regen.jsonl"
+    flags = ["--target", hf_dir, "--data", data, "--max-new-tokens", 6, "--batch-size", 4,
+             "--chunk-lines", 2, "--heldout-fraction", 0.01, "--device", "cpu"]  # fmt: skip
+    result = _cli(*flags, "--output", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_text() == reference.read_text()
+    assert f"skipped 2 unusable JSONL lines (first: {data}:6" in result.output
+    assert "tokens/s" in result.output and f"{len(CONVERSATIONS)} lines" in result.output
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:3]) + lines[3][:7])  # killed while writing line 4
+    result = _cli(*flags, "--output", out)
+    assert result.exit_code == 0 and "continued after line 2" in result.output, result.output
+    assert out.read_text() == reference.read_text()
+    before = out.read_text()
+    error = _one_error_line(_cli(*flags, "--output", out, "--temperature", 0.5))
+    assert str(out) in error and "not a resumable file of this run" in error
+    assert out.read_text() == before  # nothing already written is lost
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "wizard", "content": "x"}]}\n"text"\n')
+    error = _one_error_line(_cli(*flags[:2], "--data", bad, "--output", tmp_path / "o.jsonl"))
+    assert "nothing to regenerate" in error and f"skipped 2 lines; first: {bad}:1" in error
+    assert "unknown role 'wizard'" in error
+    for flag, value in (("--max-new-tokens", 0), ("--temperature", -1), ("--prefix-tokens", 0)):
+        error = _one_error_line(_cli(*flags, "--output", tmp_path / "x.jsonl", flag, value))
+        assert f"{flag} {value}" in error
+
+
+def test_the_embedded_default_is_regenerated_once_per_target_and_recipe(
+    tmp_path, monkeypatch
+) -> None:
+    import dataclasses
+
+    from dflash import regenerate as regen_mod
+    from dflash.config import config_from_options
+    from dflash.data import EMBEDDED_CORPUS, ByteTokenizer, embedded_corpus
+    from dflash.run import run_datasets
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    recipe = RegenerateSettings(max_new_tokens=4, prefix_tokens=16, windows_per_document=1,
+                                batch_size=256, chunk_lines=512)  # fmt: skip
+    monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", recipe)
+    torch.manual_seed(0)
+    target = wrap_tiny(TinyLM(TinyLMConfig(hidden_size=16, num_layers=2, num_heads=2,
+                                           intermediate_size=32)))  # fmt: skip
+    lines: list[str] = []
+    path = regen_mod.embedded_regeneration(target, 0.05, lines.append)
+    assert any("generated once" in line for line in lines) and path.parent.name == "regen"
+    direct = tmp_path / "direct.jsonl"
+    regenerate(target, "embedded", direct, settings=dataclasses.replace(recipe))
+    assert path.read_text() == direct.read_text()
+    held_in = [t for t in embedded_corpus("train") if len(t.encode()) >= 16]
+    written = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    assert len(written) == len(held_in)
+    assert all(w.startswith(t.encode()[:16].decode(errors="ignore")[:8])
+               for w, t in zip(written, held_in, strict=True))  # fmt: skip
+    monkeypatch.setattr(regen_mod, "regenerate", lambda *a, **k: pytest.fail("not cached"))
+    assert regen_mod.embedded_regeneration(target, 0.05, lines.append) == path
+    monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", dataclasses.replace(recipe, max_new_tokens=5))
+    with pytest.raises(pytest.fail.Exception, match="not cached"):
+        regen_mod.embedded_regeneration(target, 0.05, lines.append)  # another recipe, another key
+    monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", recipe)
+    opts = {"seq_len": 64, "batch_size": 2}
+    train, heldout = run_datasets(config_from_options(opts), target, lines.append)
+    corpus_train, corpus_heldout = run_datasets(
+        config_from_options({**opts, "data": EMBEDDED_CORPUS}), target, lines.append
+    )
+    assert len(train) < len(corpus_train) and train.fingerprint() != corpus_train.fingerprint()
+    assert (heldout.stream == corpus_heldout.stream).all()  # the same evaluation prompts
+    tok = ByteTokenizer()  # every regenerated window, framed BOS ... EOS, is in the rows
+    framed = sum(len(w.encode()) + 2 for w in written)
+    assert int((train.ids != tok.pad_token_id).sum()) == framed
