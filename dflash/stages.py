@@ -146,6 +146,9 @@ def _take(
     wait_start_ns = tracing.now_ns()
     item, depth = in_q.get_with_depth()
     if item is END:
+        # No batch, so no span; but the thread did wait (often the longest wait of a
+        # thread that ran out of work early), and the verdict's shares need all of it.
+        tracing.get_stats().add(wait_name, (tracing.now_ns() - wait_start_ns) / 1e9)
         return END
     counters.queue_depth(in_q.name, depth)
     # The tables get the whole wait, also the part before the batch existed (an idle
