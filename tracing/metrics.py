@@ -48,7 +48,8 @@ from tracing.clock import now_ns
 from tracing.config import TracingConfig
 from tracing.exporters import quiet_otlp_loggers
 from tracing.metrics_config import METRICS_EXPORTERS, MetricsConfig, otlp_metrics_url
-from tracing.stats import BUCKETS_PER_OCTAVE, ProfileStats
+from tracing.snapshot import BUCKETS_PER_OCTAVE
+from tracing.stats import ProfileStats
 from tracing.telemetry import build_resource
 
 __all__ = [
