@@ -40,7 +40,7 @@ def grpc_receiver() -> Iterator[GrpcReceiver]:
 
 def _export_one(cfg: MetricsConfig, tracing_cfg: TracingConfig) -> None:
     metrics = start_metrics(cfg, tracing_cfg)
-    metrics.observe_gauge("depth", lambda: 3, unit="{item}")
+    metrics.observe("gauge", "depth", lambda: 3, unit="{item}")
     assert metrics.force_flush(timeout_s=5.0)
     report = metrics.shutdown(timeout_s=5.0)
     assert report.exports_failed == 0, report.summary()
