@@ -4,38 +4,13 @@ in docs/observability.md), against real OTLP receivers where a request shows it.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Iterator
 
 import pytest
-from receivers import GrpcReceiver, HttpReceiver
 
 import tracing
 from tracing import TracingConfig, TracingConfigError
 from tracing.metrics import MetricsConfig, start_metrics
 from tracing.metrics_config import otlp_metrics_url
-
-
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in list(os.environ):
-        if name.startswith("OTEL_"):
-            monkeypatch.delenv(name)
-    return monkeypatch
-
-
-@pytest.fixture
-def http_receiver() -> Iterator[HttpReceiver]:
-    receiver = HttpReceiver()
-    yield receiver
-    receiver.close()
-
-
-@pytest.fixture
-def grpc_receiver() -> Iterator[GrpcReceiver]:
-    receiver = GrpcReceiver()
-    yield receiver
-    receiver.close()
 
 
 def _export_one(cfg: MetricsConfig, tracing_cfg: TracingConfig) -> None:
