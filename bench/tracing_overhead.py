@@ -132,8 +132,8 @@ def with_metrics(telemetry: tracing.Telemetry, port: int, on: bool) -> Metrics |
                         export_interval_s=0.2, namespace="bench")  # fmt: skip
     metrics = start_metrics(cfg, telemetry.cfg)
     metrics.observe_stats(telemetry.stats)
-    metrics.observe_counter("tokens", lambda: 1.0, unit="{token}")
-    metrics.observe_gauge("queue.depth", lambda: 2.0, unit="{batch}")
+    metrics.observe("counter", "tokens", lambda: 1.0, unit="{token}")
+    metrics.observe("gauge", "queue.depth", lambda: 2.0, unit="{batch}")
     return metrics
 
 

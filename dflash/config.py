@@ -15,84 +15,16 @@ so the Python API and the command line reject the same values with the same line
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Literal
 
+from dflash import checks
 from dflash.schema import ConfigError, Option, Section, field_options, setting
-from tracing.config import TracingConfigError, parse_endpoint
-from tracing.profiler import parse_steps
 
 # Bump when a saved config.json can no longer be read as it was written.
 SCHEMA_VERSION = 1
-
-
-# ----------------------------------------------------------------- value checks
-
-
-def _not_blank(value: str) -> str | None:
-    return "must not be empty" if not value.strip() else None
-
-
-def _noise_spec(value: str) -> str | None:
-    from dflash.objective import NoiseSchedule, ObjectiveError  # objective imports this module
-
-    try:
-        NoiseSchedule.parse(value, 1)
-    except ObjectiveError as err:
-        return str(err).split(": ", 1)[-1]
-    return None
-
-
-def _endpoint(value: str) -> str | None:
-    try:
-        parse_endpoint(value, "grpc")  # the same URL rule for both protocols
-    except TracingConfigError:
-        return "expected a URL http(s)://host[:port][/path], e.g. http://localhost:4317"
-    return None
-
-
-def _step_range(value: str) -> str | None:
-    try:
-        parse_steps(value)
-    except TracingConfigError as exc:
-        return str(exc).split(", got ")[0]
-    return None
-
-
-_DEVICE_NAME = re.compile(r"^(cpu|cuda|mps)(?::(\d+))?$")
-
-
-def split_device_name(name: str) -> tuple[str, int | None] | None:
-    """`cuda:1` -> ('cuda', 1), `cpu` -> ('cpu', None); None when it is no device name."""
-    match = _DEVICE_NAME.match(name.strip().lower())
-    if match is None:
-        return None
-    index = match.group(2)
-    return match.group(1), None if index is None else int(index)
-
-
-def _device_list(names: tuple[str, ...]) -> str | None:
-    if names == ("auto",):
-        return None
-    if not names:
-        return "name at least one device"
-    for name in names:
-        if split_device_name(name) is None:
-            return f"{name!r} is not a device: expected auto, cpu, mps, cuda or cuda:N"
-    return None
-
-
-def _layer_ids(ids: tuple[int, ...] | None) -> str | None:
-    if ids is None:
-        return None
-    if not ids:
-        return "give at least one layer id"
-    if any(i < 0 for i in ids):
-        return "ids must be >= 0"
-    return "ids repeat" if len(set(ids)) != len(ids) else None
 
 
 # (block size, γ) points from the DFlash paper; other sizes interpolate linearly.
@@ -122,7 +54,7 @@ class DataConfig(Section):
         "standard library source, generated once and cached), `embedded-corpus` (that source "
         "as it is), a text file, a folder, or JSONL with a `text` field or chat `messages` "
         "(loss on assistant turns only).",
-        option="data", check=_not_blank,
+        option="data", check=checks.not_blank,
     )  # fmt: skip
     seq_len: int = setting(128, "Tokens per packed row.", min=8)
     batch_size: int = setting(4, "Packed rows per training batch.", min=1)
@@ -140,7 +72,7 @@ class DataConfig(Section):
         "Train from this offline hidden-state cache (written by `dflash-train cache-hidden` "
         "with the same target, layers and data options) instead of running the target "
         "forward; the target stage then reads from disk.",
-        check=_not_blank,
+        check=checks.not_blank,
     )  # fmt: skip
 
 
@@ -151,13 +83,13 @@ class TargetConfig(Section):
     spec: str = setting(
         "builtin:tiny",
         "Target model: `builtin:tiny`, a local Hugging Face directory or a hub id.",
-        option="target", check=_not_blank,
+        option="target", check=checks.not_blank,
     )  # fmt: skip
     layer_ids: tuple[int, ...] | None = setting(
         None,
         "Comma-separated 0-based target layer ids to capture; unset spreads as many as "
         "--drafter-layers evenly from layer 1 to L-3.",
-        option="target_layers", check=_layer_ids,
+        option="target_layers", check=checks.layer_ids,
     )  # fmt: skip
 
 
@@ -213,7 +145,7 @@ class LossConfig(Section):
         "Which non-anchor block positions are masked: `all` (the paper's choice), or "
         "`linear:START:END`, the masked share going from START to END (in (0, 1]) over the "
         "run's --steps; only masked positions are scored.",
-        check=_noise_spec,
+        check=checks.noise_spec,
     )
     loss_chunk_size: int = setting(
         64,
@@ -280,7 +212,7 @@ class RunConfig(Section):
         "runs/default",
         "Directory for the final drafter (drafter/), checkpoints (checkpoints/), config.json, "
         "metrics.jsonl and summary.json.",
-        check=_not_blank,
+        check=checks.not_blank,
     )
     resume: str | None = setting(
         None,
@@ -292,7 +224,7 @@ class RunConfig(Section):
         "Start the drafter from the weights of a DFlash drafter directory (a published "
         "drafter, OUTPUT_DIR/drafter of an earlier run, or a checkpoint's drafter/); its "
         "geometry must fit this run. With --resume the checkpoint's weights win.",
-        check=_not_blank,
+        check=checks.not_blank,
     )
     save_every: int = setting(
         0, "Write a checkpoint every this many steps (0: only at the end).", min=0
@@ -325,13 +257,13 @@ class PipelineConfig(Section):
         ("auto",),
         "Comma-separated devices running the target (cpu, cuda:0, ...); `auto`: cpu without "
         "GPUs, else the first half of this rank's GPUs (one GPU serves both sides).",
-        check=_device_list,
+        check=checks.device_list,
     )
     drafter_devices: tuple[str, ...] = setting(
         ("auto",),
         "Comma-separated devices training drafter replicas; `auto`: cpu without GPUs, else "
         "the second half of this rank's GPUs.",
-        check=_device_list,
+        check=checks.device_list,
     )
     batch_queue_size: int = setting(4, "Batches prefetched ahead of the target threads.", min=1)
     hs_queue_size: int = setting(
@@ -347,7 +279,7 @@ class TelemetryConfig(Section):
         None,
         "OTLP collector URL, http(s)://host[:port] (e.g. http://localhost:4317); unset uses "
         "OTEL_EXPORTER_OTLP_ENDPOINT, else sends nothing over the network.",
-        check=_endpoint,
+        check=checks.endpoint,
     )
     otlp_protocol: Literal["grpc", "http"] | None = setting(
         None,
@@ -381,7 +313,7 @@ class TelemetryConfig(Section):
         "Chrome/Perfetto trace-event timeline of every phase (open in ui.perfetto.dev); rank N "
         "writes FILE.rankN. Unset: OUTPUT_DIR/timeline.json with the run's first "
         "events (what report.html shows); `off`: none.",
-        check=_not_blank,
+        check=checks.not_blank,
     )
     nvtx: bool = setting(
         False, "NVTX range on every phase, for Nsight Systems (CUDA only; elsewhere a note)."
@@ -390,7 +322,7 @@ class TelemetryConfig(Section):
         None,
         "Record torch.profiler for steps START:STOP (0-based, STOP excluded, e.g. 200:205) "
         "into OUTPUT_DIR/profile/; the steps' spans carry the file's path.",
-        check=_step_range,
+        check=checks.step_range,
     )
 
 

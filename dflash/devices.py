@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.config import PipelineConfig, split_device_name
+from dflash.checks import split_device_name
+from dflash.config import PipelineConfig
 from dflash.errors import DFlashError
 
 

@@ -99,8 +99,10 @@ def start_run_metrics(
 
 def _observe(metrics: Metrics, name: str, fn: Reader, **attributes: str) -> None:
     spec = SPECS[name]
-    observe = metrics.observe_counter if spec.kind == "counter" else metrics.observe_gauge
-    observe(name, fn, unit=spec.unit, description=spec.description, attributes=attributes)
+    kind = "counter" if spec.kind == "counter" else "gauge"
+    metrics.observe(
+        kind, name, fn, unit=spec.unit, description=spec.description, attributes=attributes
+    )
 
 
 def record_step(metrics: Metrics, **values: float | None) -> None:

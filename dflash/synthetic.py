@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from dflash.estimate import Geometry
-from dflash.target import TargetModel, hf_geometry
+from dflash.hf_target import hf_geometry
+from dflash.target import TargetModel
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ from dflash.kvcache import KVCache
 from dflash.layers import RMSNorm, SwiGLU, apply_rope, merge_heads, rope_cos_sin, split_heads
 from dflash.schedule import warmup_cosine
 
+Rope = tuple[Tensor, Tensor]  # (cos, sin), each float32[B, T, Hd], of the rows' positions
+
 
 @dataclass(frozen=True)
 class TinyLMConfig:
@@ -51,23 +53,20 @@ class TinyLMConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: TinyLMConfig) -> None:
+    def __init__(self, cfg: TinyLMConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.theta = cfg.num_heads, cfg.head_dim, cfg.rope_theta
+        self.layer_idx = layer_idx  # this layer's slot in a KVCache
         self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=False)
         self.o_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
 
     def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: Tensor | None = None,
-        cache: KVCache | None = None,
-        layer_idx: int = 0,
+        self, x: Tensor, rope: Rope, mask: Tensor | None = None, cache: KVCache | None = None
     ) -> Tensor:
-        """x[B, T, D]; mask[B, 1, T, T] (True = attend) replaces the plain causal mask when
-        given; with a cache, x continues the cached positions (rope tables of x's)."""
+        """x[B, T, D]; rope: (cos, sin) of x's positions; mask[B, 1, T, T] (True = attend)
+        replaces the plain causal mask when given; with a cache, x continues the cached
+        positions."""
+        cos, sin = rope
         q, k, v = self.qkv_proj(x).chunk(3, dim=-1)  # 3 x [B, T, D]
         q = apply_rope(split_heads(q, self.num_heads), cos, sin)  # [B, H, T, Hd]
         k = apply_rope(split_heads(k, self.num_heads), cos, sin)  # [B, H, T, Hd]
@@ -78,8 +77,8 @@ class CausalSelfAttention(nn.Module):
             else:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             return self.o_proj(merge_heads(out))  # [B, T, D]
-        past = cache.layer_len(layer_idx)
-        k, v = cache.update(layer_idx, k, v)  # [B, H, past+T, Hd]
+        past = cache.layer_len(self.layer_idx)
+        k, v = cache.update(self.layer_idx, k, v)  # [B, H, past+T, Hd]
         t = q.shape[2]
         # is_causal aligns top-left; with a past the diagonal sits at column past.
         mask = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
@@ -88,23 +87,17 @@ class CausalSelfAttention(nn.Module):
 
 
 class TinyDecoderLayer(nn.Module):
-    def __init__(self, cfg: TinyLMConfig) -> None:
+    def __init__(self, cfg: TinyLMConfig, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, layer_idx)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: Tensor | None = None,
-        cache: KVCache | None = None,
-        layer_idx: int = 0,
+        self, x: Tensor, rope: Rope, mask: Tensor | None = None, cache: KVCache | None = None
     ) -> Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin, mask, cache, layer_idx)
+        x = x + self.attn(self.input_norm(x), rope, mask, cache)
         return x + self.mlp(self.post_attn_norm(x))
 
 
@@ -115,7 +108,7 @@ class TinyLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(TinyDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TinyDecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
@@ -149,10 +142,10 @@ class TinyLM(nn.Module):
         else:
             assert cache is None, "cached decoding runs one document"
             positions, mask = document_positions(doc_ids), document_causal_mask(doc_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i)
+        for layer in self.layers:
+            x = layer(x, rope, mask, cache)
         return self.lm_head(self.norm(x))
 
 

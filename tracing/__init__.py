@@ -79,8 +79,9 @@ from tracing.export import BoundedBatchSpanProcessor, DeliveryCounts
 from tracing.exporters import OtlpJsonFileExporter
 from tracing.format import DEVICE_SUFFIX, format_compact, format_duration, format_table
 from tracing.reporter import Reporter
+from tracing.snapshot import PhaseStats, StatsSnapshot
 from tracing.spans import Phase, SpanHandle, current_phase, phase, start_span
-from tracing.stats import NO_THREAD, PhaseStats, ProfileStats, StatsSnapshot
+from tracing.stats import NO_THREAD, ProfileStats
 from tracing.telemetry import ShutdownReport, Telemetry, active, get_stats, setup, shutdown
 
 __all__ = [

@@ -220,14 +220,11 @@ def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
 def _env_batching(env: Mapping[str, str]) -> dict[str, Any]:
     read = otel_env.read
     values: dict[str, Any] = {}
-    timeouts = [
-        read(env, otel_env.TRACES_TIMEOUT, otel_env.parse_millis)
-        or read(env, otel_env.TIMEOUT, otel_env.parse_millis),
-        read(env, otel_env.BSP_EXPORT_TIMEOUT, otel_env.parse_millis),
-    ]
-    given = [t for t in timeouts if t is not None]
-    if given:
-        values["export_timeout_s"] = min(given)  # an export must end within both bounds
+    timeout_s = otel_env.read_export_timeout_s(
+        env, otel_env.TRACES_TIMEOUT, otel_env.BSP_EXPORT_TIMEOUT
+    )
+    if timeout_s is not None:
+        values["export_timeout_s"] = timeout_s
     delay = read(env, otel_env.BSP_SCHEDULE_DELAY, otel_env.parse_millis)
     if delay is not None:
         values["schedule_delay_s"] = delay

@@ -185,3 +185,17 @@ def read_resource_attributes(env: Mapping[str, str]) -> dict[str, str]:
         warn_once(RESOURCE_ATTRIBUTES, text, problems[0], "using no attributes from it")
         return {}
     return pairs
+
+
+def read_export_timeout_s(
+    env: Mapping[str, str], signal_timeout: str, own_timeout: str
+) -> float | None:
+    """Seconds an export may take: the signal's OTLP timeout (else OTEL_EXPORTER_OTLP_TIMEOUT)
+    and the processor's or reader's `own_timeout`, the smaller one when both are set (an
+    export must end within both bounds); None when neither is."""
+    timeouts = [
+        read(env, signal_timeout, parse_millis) or read(env, TIMEOUT, parse_millis),
+        read(env, own_timeout, parse_millis),
+    ]
+    given = [t for t in timeouts if isinstance(t, float)]  # parse_millis gives floats
+    return min(given) if given else None

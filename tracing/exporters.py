@@ -4,12 +4,14 @@ an OTLP/JSON lines file, one per rank."""
 from __future__ import annotations
 
 import base64
+import importlib
 import json
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -135,19 +137,24 @@ def otlp_traces_url(cfg: TracingConfig) -> str:
 
 def _otlp_exporter(cfg: TracingConfig) -> SpanExporter:
     quiet_otlp_loggers()
-    headers = dict(cfg.otlp_headers) or None
     url = otlp_traces_url(cfg)
-    if cfg.otlp_protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    return otlp_exporter("trace", cfg.otlp_protocol, url, cfg.otlp_headers, cfg.export_timeout_s)
 
-        return OTLPSpanExporter(
-            endpoint=url,
-            insecure=url.startswith("http://"),
-            headers=headers,
-            timeout=cfg.export_timeout_s,
-        )
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-        OTLPSpanExporter as HttpSpanExporter,
+
+def otlp_exporter(
+    signal: Literal["trace", "metric"],
+    protocol: str,
+    url: str,
+    headers: Mapping[str, str],
+    timeout_s: float,
+) -> Any:
+    """The SDK's OTLP exporter of `signal` over gRPC (`protocol` "grpc") or HTTP; its
+    module is imported only here, so a transport that is not used need not be installed."""
+    transport = "grpc" if protocol == "grpc" else "http"
+    module = importlib.import_module(
+        f"opentelemetry.exporter.otlp.proto.{transport}.{signal}_exporter"
     )
-
-    return HttpSpanExporter(endpoint=url, headers=headers, timeout=cfg.export_timeout_s)
+    exporter_cls = module.OTLPSpanExporter if signal == "trace" else module.OTLPMetricExporter
+    # gRPC needs TLS switched off explicitly for a plain-text collector.
+    tls = {"insecure": url.startswith("http://")} if transport == "grpc" else {}
+    return exporter_cls(endpoint=url, headers=dict(headers) or None, timeout=timeout_s, **tls)

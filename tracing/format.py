@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tracing.stats import PhaseStats, StatsSnapshot
+from tracing.snapshot import PhaseStats, StatsSnapshot
 
 DEVICE_SUFFIX = "@device"
 """Names ending in this hold device time measured by the `events`/`sync` timing modes."""

@@ -3,8 +3,8 @@ per logged step, and a phase-duration histogram taken from the unsampled Profile
 
     cfg = MetricsConfig.from_env(tracing_cfg, namespace="myapp")   # OTEL_METRICS_* honoured
     metrics = start_metrics(cfg, tracing_cfg)
-    metrics.observe_counter("tokens", lambda: n_tokens, unit="{token}", attributes={"stage": "x"})
-    metrics.observe_gauge("queue.depth", q.qsize, unit="{item}", attributes={"queue": "q"})
+    metrics.observe("counter", "tokens", lambda: n, unit="{token}", attributes={"stage": "x"})
+    metrics.observe("gauge", "queue.depth", q.qsize, unit="{item}", attributes={"queue": "q"})
     metrics.observe_stats(telemetry.stats, "phase.duration")      # seconds, explicit buckets
     metrics.gauge("train.loss", unit="{nat}")
     metrics.record({"train.loss": 2.1})                            # once per logged step
@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
@@ -46,9 +46,10 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from tracing.clock import now_ns
 from tracing.config import TracingConfig
-from tracing.exporters import quiet_otlp_loggers
+from tracing.exporters import otlp_exporter, quiet_otlp_loggers
 from tracing.metrics_config import METRICS_EXPORTERS, MetricsConfig, otlp_metrics_url
-from tracing.stats import BUCKETS_PER_OCTAVE, ProfileStats
+from tracing.snapshot import BUCKETS_PER_OCTAVE
+from tracing.stats import ProfileStats
 from tracing.telemetry import build_resource
 
 __all__ = [
@@ -228,8 +229,9 @@ class Metrics:
     def full_name(self, name: str) -> str:
         return f"{self.cfg.namespace}.{name}" if self.cfg.namespace else name
 
-    def observe_counter(
+    def observe(
         self,
+        kind: Literal["counter", "gauge"],
         name: str,
         fn: Callable[[], float],
         *,
@@ -237,23 +239,10 @@ class Metrics:
         description: str = "",
         attributes: Mapping[str, Any] | None = None,
     ) -> None:
-        """A monotonic counter read through `fn()` at each collection."""
-        self._observe("counter", name, fn, unit, description, attributes)
-
-    def observe_gauge(
-        self,
-        name: str,
-        fn: Callable[[], float],
-        *,
-        unit: str,
-        description: str = "",
-        attributes: Mapping[str, Any] | None = None,
-    ) -> None:
-        """A gauge read through `fn()` at each collection (queue depths, memory)."""
-        self._observe("gauge", name, fn, unit, description, attributes)
-
-    def _observe(self, kind: str, name: str, fn: Callable[[], float], unit: str,
-                 description: str, attributes: Mapping[str, Any] | None) -> None:  # fmt: skip
+        """A monotonic counter or a gauge (queue depths, memory) read through `fn()` at
+        each collection; series of one name differ by `attributes`."""
+        if kind not in ("counter", "gauge"):
+            raise ValueError(f"metric kind must be counter or gauge, got {kind!r}")
         with self._lock:
             series = self._observed.get(name)
             if series is None:
@@ -356,22 +345,8 @@ def build_metric_exporters(cfg: MetricsConfig) -> list[MetricExporter]:
 
 def _otlp_metric_exporter(cfg: MetricsConfig) -> MetricExporter:
     quiet_otlp_loggers("opentelemetry.exporter.otlp.proto.http.metric_exporter")
-    headers = dict(cfg.otlp_headers) or None
     url = otlp_metrics_url(cfg)
-    if cfg.otlp_protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-
-        return OTLPMetricExporter(
-            endpoint=url,
-            insecure=url.startswith("http://"),
-            headers=headers,
-            timeout=cfg.export_timeout_s,
-        )
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import (
-        OTLPMetricExporter as HttpMetricExporter,
-    )
-
-    return HttpMetricExporter(endpoint=url, headers=headers, timeout=cfg.export_timeout_s)
+    return otlp_exporter("metric", cfg.otlp_protocol, url, cfg.otlp_headers, cfg.export_timeout_s)
 
 
 def start_metrics(

@@ -183,14 +183,11 @@ def _env_timing(env: Mapping[str, str]) -> dict[str, Any]:
     interval = read(env, otel_env.METRIC_EXPORT_INTERVAL, otel_env.parse_millis)
     if interval is not None:
         values["export_interval_s"] = interval
-    timeouts = [
-        read(env, otel_env.METRICS_TIMEOUT, otel_env.parse_millis)
-        or read(env, otel_env.TIMEOUT, otel_env.parse_millis),
-        read(env, otel_env.METRIC_EXPORT_TIMEOUT, otel_env.parse_millis),
-    ]
-    given = [t for t in timeouts if t is not None]
-    if given:
-        values["export_timeout_s"] = min(given)  # an export must end within both bounds
+    timeout_s = otel_env.read_export_timeout_s(
+        env, otel_env.METRICS_TIMEOUT, otel_env.METRIC_EXPORT_TIMEOUT
+    )
+    if timeout_s is not None:
+        values["export_timeout_s"] = timeout_s
     return values
 
 

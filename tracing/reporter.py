@@ -11,7 +11,8 @@ from typing import IO, Any
 
 from tracing.config import TracingConfigError
 from tracing.format import format_table
-from tracing.stats import ProfileStats, StatsSnapshot
+from tracing.snapshot import StatsSnapshot
+from tracing.stats import ProfileStats
 
 logger = logging.getLogger("tracing")
 

@@ -1,10 +1,9 @@
 """ProfileStats: a thread-safe accumulator of named durations with bounded memory.
 
 Classic use keeps working: `stats.add("fwd", dt)` then `print(stats)`. Each name keeps
-count, total, min, max and a histogram of log-spaced buckets (p50/p95 within one
-bucket, about 9 % relative). Two views exist: cumulative (`snapshot()`) and the last
-interval (`take_interval()`, which starts the next one). Snapshots are plain data,
-convert to and from dicts, and merge across ranks.
+count, total, min, max and a histogram of log-spaced buckets (tracing.snapshot). Two
+views exist: cumulative (`snapshot()`) and the last interval (`take_interval()`, which
+starts the next one), both plain-data `StatsSnapshot`s.
 """
 
 from __future__ import annotations
@@ -16,208 +15,17 @@ import threading
 import time
 import weakref
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from math import floor, log2
 from threading import get_ident
 from typing import Any
 
-# 8 buckets per doubling: bucket b covers [2**(b/8), 2**((b+1)/8)) seconds.
-BUCKETS_PER_OCTAVE = 8
-_MIN_BUCKET = -30 * BUCKETS_PER_OCTAVE  # ~1 ns; shorter (or zero) durations land here
-_TINY_S = 2.0 ** (_MIN_BUCKET / BUCKETS_PER_OCTAVE)  # durations up to this: bucket _MIN_BUCKET
+from tracing.snapshot import MIN_BUCKET, TINY_S, PhaseStats, StatsSnapshot, bucket_edge_s, bucket_of
+
 _FOLD_AT = 1024
 """Pending durations per (thread, name) that `add` lets pile up before folding them."""
 NO_THREAD = None
 """Pass as `thread=` for durations that belong to no single thread (cross-thread spans)."""
 _CURRENT_THREAD = object()
 _thread_serials = itertools.count()  # next() is atomic under the GIL
-
-
-def _bucket_edge_s(bucket: int) -> float:
-    """Lower edge of `bucket`: bucket b covers [edge(b), edge(b + 1))."""
-    return 2.0 ** (bucket / BUCKETS_PER_OCTAVE)
-
-
-def _bucket(seconds: float) -> int:
-    """The bucket of a duration above _TINY_S, consistent with `_bucket_edge_s` even
-    where log2 rounds across an edge."""
-    bucket = floor(log2(seconds) * BUCKETS_PER_OCTAVE)
-    if seconds >= _bucket_edge_s(bucket + 1):
-        bucket += 1
-    elif seconds < _bucket_edge_s(bucket):
-        bucket -= 1
-    return bucket
-
-
-def _bucket_mid_s(bucket: int) -> float:
-    return 2.0 ** ((bucket + 0.5) / BUCKETS_PER_OCTAVE)
-
-
-@dataclass
-class PhaseStats:
-    """Figures of one name over one window (an interval or the whole run)."""
-
-    count: int = 0
-    total_s: float = 0.0
-    min_s: float = math.inf
-    max_s: float = 0.0
-    buckets: dict[int, int] = field(default_factory=dict)
-    threads: dict[str, int] = field(default_factory=dict)
-    """Records per thread key; empty for names recorded with `thread=NO_THREAD`."""
-    thread_total_s: dict[str, float] = field(default_factory=dict)
-    """Seconds per thread key (the same keys as `threads`)."""
-
-    @property
-    def mean_s(self) -> float:
-        return self.total_s / self.count if self.count else 0.0
-
-    @property
-    def p50_s(self) -> float:
-        return self.quantile_s(0.50)
-
-    @property
-    def p95_s(self) -> float:
-        return self.quantile_s(0.95)
-
-    def quantile_s(self, q: float) -> float:
-        """Bucket midpoint of the q-quantile, clamped to the exact min and max."""
-        if not self.count:
-            return 0.0
-        rank = q * self.count
-        seen = 0
-        for bucket in sorted(self.buckets):
-            seen += self.buckets[bucket]
-            if seen >= rank:
-                return min(self.max_s, max(self.min_s, _bucket_mid_s(bucket)))
-        return self.max_s
-
-    def merge(self, other: PhaseStats, thread_prefix: str = "") -> None:
-        self.count += other.count
-        self.total_s += other.total_s
-        self.min_s = min(self.min_s, other.min_s)
-        self.max_s = max(self.max_s, other.max_s)
-        for bucket, n in other.buckets.items():
-            self.buckets[bucket] = self.buckets.get(bucket, 0) + n
-        for key, n in other.threads.items():
-            self.threads[thread_prefix + key] = self.threads.get(thread_prefix + key, 0) + n
-        for key, seconds in other.thread_total_s.items():
-            key = thread_prefix + key
-            self.thread_total_s[key] = self.thread_total_s.get(key, 0.0) + seconds
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "count": self.count,
-            "total_s": self.total_s,
-            "min_s": self.min_s if self.count else None,
-            "max_s": self.max_s,
-            "buckets": {str(b): n for b, n in self.buckets.items()},
-            "threads": dict(self.threads),
-            "thread_total_s": dict(self.thread_total_s),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PhaseStats:
-        min_s = data.get("min_s")
-        return cls(
-            count=int(data["count"]),
-            total_s=float(data["total_s"]),
-            min_s=math.inf if min_s is None else float(min_s),
-            max_s=float(data["max_s"]),
-            buckets={int(b): int(n) for b, n in data.get("buckets", {}).items()},
-            threads={str(k): int(n) for k, n in data.get("threads", {}).items()},
-            thread_total_s={str(k): float(v) for k, v in data.get("thread_total_s", {}).items()},
-        )
-
-
-@dataclass
-class StatsSnapshot:
-    """Plain-data copy of the accumulator over a window of `wall_s` seconds."""
-
-    phases: dict[str, PhaseStats]
-    wall_s: float
-    end_time_s: float = field(default_factory=time.time)
-    rank: int | None = None
-    thread_wall_s: dict[str, float] = field(default_factory=dict)
-    """Seconds each thread existed within the window (from its first record, or the
-    window's start); a thread missing here is counted with `wall_s`."""
-
-    def thread_wall(self, thread: str) -> float:
-        return self.thread_wall_s.get(thread, self.wall_s)
-
-    def thread_shares(self, name: str) -> dict[str, float]:
-        """Per thread that recorded `name`: its seconds in `name` / its own wall time."""
-        stats = self.phases.get(name)
-        if stats is None:
-            return {}
-        shares = {}
-        for thread, count in stats.threads.items():
-            wall_s = self.thread_wall(thread)
-            if wall_s > 0:
-                # Figures without per-thread totals (older dicts) split the total by count.
-                seconds = stats.thread_total_s.get(thread, stats.total_s * count / stats.count)
-                shares[thread] = min(1.0, seconds / wall_s)
-        return shares
-
-    def threads_of(self, *names: str) -> set[str]:
-        """The threads that recorded any of `names` (e.g. the phases of one stage)."""
-        threads: set[str] = set()
-        for name in names:
-            stats = self.phases.get(name)
-            if stats is not None:
-                threads.update(stats.threads)
-        return threads
-
-    def share(self, name: str, threads: Iterable[str] | None = None) -> float | None:
-        """Mean over `threads` (default: those that recorded `name`) of each thread's
-        share of its own wall time spent in `name`; a listed thread that never recorded
-        it counts 0. None for cross-thread names or an empty window."""
-        stats = self.phases.get(name)
-        if stats is None or not stats.threads or self.wall_s <= 0:
-            return None
-        per_thread = self.thread_shares(name)
-        over = list(stats.threads if threads is None else threads)
-        if not over:
-            return None
-        return sum(per_thread.get(thread, 0.0) for thread in over) / len(over)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "phases": {name: s.to_dict() for name, s in self.phases.items()},
-            "wall_s": self.wall_s,
-            "end_time_s": self.end_time_s,
-            "rank": self.rank,
-            "thread_wall_s": dict(self.thread_wall_s),
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> StatsSnapshot:
-        return cls(
-            phases={n: PhaseStats.from_dict(s) for n, s in data["phases"].items()},
-            wall_s=float(data["wall_s"]),
-            end_time_s=float(data.get("end_time_s", 0.0)),
-            rank=data.get("rank"),
-            thread_wall_s={str(k): float(v) for k, v in data.get("thread_wall_s", {}).items()},
-        )
-
-    @staticmethod
-    def merge(snapshots: Iterable[StatsSnapshot]) -> StatsSnapshot:
-        """Sum of several snapshots (e.g. one per rank). Threads stay distinct per snapshot."""
-        merged: dict[str, PhaseStats] = {}
-        thread_wall_s: dict[str, float] = {}
-        wall_s = 0.0
-        end_time_s = 0.0
-        for index, snap in enumerate(snapshots):
-            wall_s = max(wall_s, snap.wall_s)
-            end_time_s = max(end_time_s, snap.end_time_s)
-            prefix = f"{snap.rank if snap.rank is not None else index}/"
-            for name, stats in snap.phases.items():
-                merged.setdefault(name, PhaseStats()).merge(stats, thread_prefix=prefix)
-                for thread in stats.threads:
-                    thread_wall_s[prefix + thread] = snap.thread_wall(thread)
-        return StatsSnapshot(
-            phases=merged, wall_s=wall_s, end_time_s=end_time_s, thread_wall_s=thread_wall_s
-        )
 
 
 class _Live:
@@ -248,12 +56,12 @@ class _Live:
         if values[-1] > self.max_s:
             self.max_s = values[-1]
         buckets = self.buckets
-        start = bisect_right(values, _TINY_S)
+        start = bisect_right(values, TINY_S)
         if start:
-            buckets[_MIN_BUCKET] = buckets.get(_MIN_BUCKET, 0) + start
+            buckets[MIN_BUCKET] = buckets.get(MIN_BUCKET, 0) + start
         while start < n:
-            bucket = _bucket(values[start])
-            end = bisect_left(values, _bucket_edge_s(bucket + 1), start)
+            bucket = bucket_of(values[start])
+            end = bisect_left(values, bucket_edge_s(bucket + 1), start)
             buckets[bucket] = buckets.get(bucket, 0) + end - start
             start = end
         if thread is not None:

@@ -25,7 +25,7 @@ def _hf_target(arch: str) -> TargetModel:
     import transformers
 
     from dflash.data import ByteTokenizer
-    from dflash.target import _find_decoder_layers, hf_geometry
+    from dflash.hf_target import _find_decoder_layers, hf_geometry
 
     cfg_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),

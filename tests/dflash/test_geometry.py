@@ -4,14 +4,9 @@ import pytest
 import torch
 
 from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.hf_target import hf_geometry
 from dflash.rope import RopeError, RopeSpec, rope_from_config
-from dflash.target import (
-    TargetError,
-    check_mask_token_unused,
-    hf_geometry,
-    load_target,
-    resolve_mask_token,
-)
+from dflash.target import TargetError, check_mask_token_unused, load_target, resolve_mask_token
 from tests.dflash.hf_fixtures import SPARE_ROWS, llama3_config, qwen3_config, save_hf_target
 
 POSITIONS = torch.tensor([[0, 1, 7, 63, 64, 200, 1000, 4000]])

@@ -44,10 +44,10 @@ def _manual_layer_outputs(model: TinyLM, ids: torch.Tensor) -> list[torch.Tensor
     from dflash.layers import rope_cos_sin
 
     pos = torch.arange(ids.shape[1]).expand_as(ids)
-    cos, sin = rope_cos_sin(pos, model.config.head_dim, model.config.rope_theta)
+    rope = rope_cos_sin(pos, model.config.head_dim, model.config.rope_theta)
     x, outs = model.embed_tokens(ids), []
     for layer in model.layers:
-        x = layer(x, cos, sin)
+        x = layer(x, rope)
         outs.append(x)
     return outs
 

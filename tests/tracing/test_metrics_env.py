@@ -4,11 +4,8 @@ in docs/observability.md), against real OTLP receivers where a request shows it.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Iterator
 
 import pytest
-from receivers import GrpcReceiver, HttpReceiver
 
 import tracing
 from tracing import TracingConfig, TracingConfigError
@@ -16,31 +13,9 @@ from tracing.metrics import MetricsConfig, start_metrics
 from tracing.metrics_config import otlp_metrics_url
 
 
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in list(os.environ):
-        if name.startswith("OTEL_"):
-            monkeypatch.delenv(name)
-    return monkeypatch
-
-
-@pytest.fixture
-def http_receiver() -> Iterator[HttpReceiver]:
-    receiver = HttpReceiver()
-    yield receiver
-    receiver.close()
-
-
-@pytest.fixture
-def grpc_receiver() -> Iterator[GrpcReceiver]:
-    receiver = GrpcReceiver()
-    yield receiver
-    receiver.close()
-
-
 def _export_one(cfg: MetricsConfig, tracing_cfg: TracingConfig) -> None:
     metrics = start_metrics(cfg, tracing_cfg)
-    metrics.observe_gauge("depth", lambda: 3, unit="{item}")
+    metrics.observe("gauge", "depth", lambda: 3, unit="{item}")
     assert metrics.force_flush(timeout_s=5.0)
     report = metrics.shutdown(timeout_s=5.0)
     assert report.exports_failed == 0, report.summary()

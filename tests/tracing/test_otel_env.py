@@ -4,39 +4,13 @@ named in docs/observability.md), against real OTLP receivers where a request sho
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import pytest
-from receivers import GrpcReceiver, HttpReceiver
 
 import tracing
 from tracing import TracingConfig, TracingConfigError
 
 AUTH = "Authorization=Basic%20dXNlcjpwYXNz"
-
-
-@pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    import os
-
-    for name in list(os.environ):
-        if name.startswith("OTEL_"):
-            monkeypatch.delenv(name)
-    return monkeypatch
-
-
-@pytest.fixture
-def http_receiver() -> Iterator[HttpReceiver]:
-    receiver = HttpReceiver()
-    yield receiver
-    receiver.close()
-
-
-@pytest.fixture
-def grpc_receiver() -> Iterator[GrpcReceiver]:
-    receiver = GrpcReceiver()
-    yield receiver
-    receiver.close()
 
 
 def _export_one(cfg: TracingConfig) -> tracing.ShutdownReport:

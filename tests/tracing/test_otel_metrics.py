@@ -46,14 +46,14 @@ def test_instruments_carry_namespace_units_and_values() -> None:
     cfg = MetricsConfig(namespace="app", export_interval_s=3600)
     metrics = start_metrics(cfg, tracing.TracingConfig(run_id="r1"), exporters=[memory])
     tokens = {"a": 10.0, "b": 20.0}
-    metrics.observe_counter(
-        "tokens", lambda: tokens["a"], unit="{token}", attributes={"stage": "a"}
+    metrics.observe(
+        "counter", "tokens", lambda: tokens["a"], unit="{token}", attributes={"stage": "a"}
     )
-    metrics.observe_counter(
-        "tokens", lambda: tokens["b"], unit="{token}", attributes={"stage": "b"}
+    metrics.observe(
+        "counter", "tokens", lambda: tokens["b"], unit="{token}", attributes={"stage": "b"}
     )
-    metrics.observe_gauge("queue.depth", lambda: 1 / 0, unit="{item}", attributes={"queue": "x"})
-    metrics.observe_gauge("queue.depth", lambda: 3, unit="{item}", attributes={"queue": "y"})
+    metrics.observe("gauge", "queue.depth", lambda: 1 / 0, unit="{item}", attributes={"queue": "x"})
+    metrics.observe("gauge", "queue.depth", lambda: 3, unit="{item}", attributes={"queue": "y"})
     metrics.gauge("train.loss", unit="{nat}")
     metrics.record({"train.loss": 2.5, "unknown": 1.0, "train.loss_none": None})
     assert metrics.force_flush()
@@ -80,7 +80,7 @@ def test_otlp_request_holds_instruments_and_stats_histogram() -> None:
     memory = MemoryMetricExporter()
     metrics = start_metrics(MetricsConfig(export_interval_s=3600), tracing.TracingConfig(),
                             exporters=[memory])  # fmt: skip
-    metrics.observe_gauge("depth", lambda: 1, unit="{item}")
+    metrics.observe("gauge", "depth", lambda: 1, unit="{item}")
     stats = tracing.ProfileStats()
     stats.add("p", 0.01)
     metrics.observe_stats(stats)

@@ -179,10 +179,11 @@ def test_bad_interval_is_rejected():
 
 
 def test_chunked_folding_matches_per_value_figures():
-    from tracing.stats import _FOLD_AT, _MIN_BUCKET, _bucket, _bucket_edge_s
+    from tracing.snapshot import MIN_BUCKET, bucket_edge_s, bucket_of
+    from tracing.stats import _FOLD_AT
 
     rng = random.Random(3)
-    edges = [_bucket_edge_s(b) for b in range(-100, 20)]
+    edges = [bucket_edge_s(b) for b in range(-100, 20)]
     values = [rng.lognormvariate(-7, 3) for _ in range(3 * _FOLD_AT)]
     values += edges + [math.nextafter(e, 0.0) for e in edges] + [0.0, -1e-3, 1e-12, 5e-10]
     rng.shuffle(values)
@@ -191,12 +192,12 @@ def test_chunked_folding_matches_per_value_figures():
     first = None
     for index, seconds in enumerate(values):
         stats.add("x", seconds)
-        bucket = _bucket(seconds) if seconds > _bucket_edge_s(_MIN_BUCKET) else _MIN_BUCKET
+        bucket = bucket_of(seconds) if seconds > bucket_edge_s(MIN_BUCKET) else MIN_BUCKET
         expected[bucket] = expected.get(bucket, 0) + 1
         if index == len(values) // 2:
             first = stats.take_interval()  # a read in the middle folds what is pending
     for seconds in edges:  # an edge opens its bucket
-        assert _bucket_edge_s(_bucket(seconds)) == seconds
+        assert bucket_edge_s(bucket_of(seconds)) == seconds
     total = stats.snapshot().phases["x"]
     assert first is not None and first.phases["x"].count == len(values) // 2 + 1
     assert total.count == len(values) and total.buckets == expected
