@@ -171,7 +171,8 @@ def test_sampling_exports_a_tenth_but_counts_every_phase() -> None:
         obs.close(lambda _: None)
         exported[ratio] = sum(s.name == "batch" for s in exporter.get_finished_spans())
     assert counts[0.1] == counts[1.0]
-    assert counts[1.0]["hs_queue.wait"] == 400
+    # One wait per batch, and the drafter's last wait, which ends in end-of-stream.
+    assert counts[1.0]["hs_queue.wait"] == 400 + 1
     assert exported[1.0] == 400
     assert 10 <= exported[0.1] <= 80  # binomial(400, 0.1): mean 40, sd 6
 
