@@ -305,11 +305,13 @@ class DFlashDrafter(nn.Module):
 
         context_hidden[1, T, K*D] with T >= anchor_pos; only positions < anchor_pos are seen.
         """
-        device = context_hidden.device
+        # The target may sit on another device: draft on the drafter's, answer on the target's.
+        device, given = self.fc.weight.device, context_hidden.device
         anchors = torch.tensor([[anchor_pos]], device=device)
         keep = torch.ones(1, 1, dtype=torch.bool, device=device)
         block = self._block(anchor_token, device)
-        return self.forward(context_hidden[:, :anchor_pos], block, anchors, keep)[0, 0, 1:]
+        ctx = context_hidden[:, :anchor_pos].to(device)
+        return self.forward(ctx, block, anchors, keep)[0, 0, 1:].to(given)
 
     @torch.no_grad()
     def draft(self, context_hidden: Tensor, anchor_token: int, anchor_pos: int) -> list[int]:
@@ -325,10 +327,10 @@ class DFlashDrafter(nn.Module):
         new_hidden[1, anchor_pos - cache.seq_len(), K*D]: features of the positions the
         cache lacks. On return the cache holds exactly positions < anchor_pos.
         """
-        device = new_hidden.device
+        device, given = self.fc.weight.device, new_hidden.device  # see draft_logits
         start, bs = cache.seq_len(), self.config.block_size
         assert new_hidden.shape[1] == anchor_pos - start, "features must continue the cache"
-        ctx = self.hidden_norm(self.fc(new_hidden.to(self.fc.weight.dtype)))  # [1, Tn, D]
+        ctx = self.hidden_norm(self.fc(new_hidden.to(device, self.fc.weight.dtype)))  # [1, Tn, D]
         x = self.embed_tokens(self._block(anchor_token, device)[0]).to(ctx.dtype)  # [1, Bs, D]
         q_pos = torch.arange(anchor_pos, anchor_pos + bs, device=device)[None]  # [1, Bs]
         kv_pos = torch.arange(start, anchor_pos + bs, device=device)[None]  # [1, Tn+Bs]
@@ -337,7 +339,7 @@ class DFlashDrafter(nn.Module):
             x = layer.forward_cached(x, ctx, rope, cache, i)
         cache.crop(anchor_pos)  # drop the block's own keys/values
         logits = self.lm_head(self.norm(x).to(self.lm_head.weight.dtype))  # [1, Bs, V]
-        return logits[0, 1:]  # [Bs-1, V]
+        return logits[0, 1:].to(given)  # [Bs-1, V]
 
 
 def save_drafter(drafter: DFlashDrafter, directory: Path | str, **kwargs: Any) -> Path:

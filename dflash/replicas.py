@@ -7,7 +7,6 @@ devices of the run's `Placement`.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from dflash.distributed import sync_initial_weights
 from dflash.drafter import DFlashDrafter
 from dflash.run import Run
 from dflash.step import DrafterTrainer
-from dflash.target import TargetModel, TargetOutput
+from dflash.target import TargetModel, TargetOutput, frozen_parts
 
 
 @dataclass
@@ -30,14 +29,6 @@ class Replica:
     device: torch.device
     drafter: nn.Module
     trainer: DrafterTrainer
-
-
-def frozen_parts(target: TargetModel, device: torch.device) -> tuple[nn.Module, nn.Module]:
-    """The target's frozen embedding and LM head, on `device` (copied when elsewhere)."""
-    embed, head = target.embed_tokens, target.lm_head
-    if embed.weight.device == device:
-        return embed, head
-    return copy.deepcopy(embed).to(device), copy.deepcopy(head).to(device)
 
 
 def build_replicas(run: Run) -> list[Replica]:

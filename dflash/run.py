@@ -45,6 +45,7 @@ from dflash.target import (
     TargetModel,
     check_mask_token_unused,
     default_target_layers,
+    frozen_parts,
     validate_target_layers,
 )
 
@@ -135,9 +136,12 @@ def build_drafter(
         intermediate_size=cfg.drafter.intermediate_size,
         mask_token_id=cfg.drafter.mask_token_id,
     )
+    # The drafter's own copy of the frozen parts when the target sits elsewhere (another
+    # GPU, or the CPU with --hidden-cache): its forward must not cross devices.
+    embed, head = frozen_parts(target, device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.run.seed)
-        drafter = DFlashDrafter(dcfg, target.embed_tokens, target.lm_head)
+        drafter = DFlashDrafter(dcfg, embed, head)
     return drafter.to(device)
 
 
@@ -241,7 +245,11 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
         _check_resume_compatible(cfg, resume.config, resume.path)
     warm = _warm_start(cfg, resuming=resume is not None)
     dtype = torch.bfloat16 if placement.target.type == "cuda" else torch.float32
-    target = target_mod.load_target(cfg.target.spec, placement.target, dtype, log=log)
+    # From a hidden-state cache the target never runs during training: its weights stay
+    # in host memory (the drafter copies the embedding and LM head it shares) until the
+    # final evaluation needs them on the target device.
+    load_on = torch.device("cpu") if cfg.data.hidden_cache else placement.target
+    target = target_mod.load_target(cfg.target.spec, load_on, dtype, log=log)
     check_target_fits(cfg, target)
     target.mask_token(cfg.drafter.mask_token_id)  # no usable mask row: fail before the data
     if warm is not None:
@@ -302,6 +310,8 @@ def complete_run(run: Run, phase: PhaseFn = null_phase) -> tuple[dict[str, Any],
         save_drafter_dir(run, run.output_dir / "drafter")
     eval_start_s = time.perf_counter()
     with phase("eval"):
+        if run.cfg.run.eval_prompts and run.target.device != run.placement.target:
+            run.target.to(run.placement.target)  # kept on the host while training from a cache
         result = evaluate_run(run.target, run.drafter, run.heldout_data, run.cfg.run)
     return eval_figures(result), time.perf_counter() - eval_start_s
 

@@ -7,6 +7,7 @@ forward right after the last needed layer so later layers never run.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -380,3 +381,11 @@ def prepare_target_spec(spec: str, log: Callable[[str], None] = print) -> Path |
     target = load_target(spec, torch.device("cpu"), torch.float32)
     log(f"target {spec}: {target.num_layers} layers, hidden size {target.hidden_size}")
     return spec
+
+
+def frozen_parts(target: TargetModel, device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """The target's frozen embedding and LM head, on `device` (copied when elsewhere)."""
+    embed, head = target.embed_tokens, target.lm_head
+    if embed.weight.device == device:
+        return embed, head
+    return copy.deepcopy(embed).to(device), copy.deepcopy(head).to(device)
