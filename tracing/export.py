@@ -53,7 +53,7 @@ class DeliveryCounts:
 EXPORT_THREAD_NICENESS = 10
 
 
-def _lower_thread_priority() -> None:
+def lower_thread_priority() -> None:
     """Lets the export thread yield the CPU to the program it observes.
 
     Encoding spans is real CPU work; on a machine whose cores are busy with the
@@ -147,7 +147,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             self._wake.set()
 
     def _run(self) -> None:
-        _lower_thread_priority()
+        lower_thread_priority()
         while not self._stop.is_set():
             self._wake.wait(self._schedule_delay_s)
             self._wake.clear()

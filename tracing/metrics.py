@@ -46,6 +46,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from tracing.clock import now_ns
 from tracing.config import TracingConfig
+from tracing.export import lower_thread_priority
 from tracing.exporters import otlp_exporter, quiet_otlp_loggers
 from tracing.metrics_config import METRICS_EXPORTERS, MetricsConfig, otlp_metrics_url
 from tracing.snapshot import BUCKETS_PER_OCTAVE
@@ -101,11 +102,15 @@ class _StatsExporter(MetricExporter):
         self.owner = owner
         self.ok = self.failed = self.points_failed = 0
         self.calls = 0
+        self._niced: set[int] = set()
 
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> MetricExportResult:
         self.calls += 1
+        if threading.get_ident() not in self._niced:  # the reader's thread, as the spans'
+            self._niced.add(threading.get_ident())
+            lower_thread_priority()
         data = self.owner._with_stats(metrics_data)
         try:
             result = self.inner.export(data, timeout_millis=timeout_millis)
