@@ -236,22 +236,35 @@ def test_collector_outage_loses_spans_but_not_training(
         assert process.poll() is None, "training ended during the outage"
         own_jaeger.start()
         back_at_us = time.time_ns() // 1000
-        # Traces cut by the outage may arrive in part; those begun after the return are whole.
-        after = own_jaeger.wait_for(
+        # Traces cut by the outage may arrive in part, and so may the first ones after the
+        # return, while the exporter's channel is still in its reconnect backoff. Once a
+        # whole trace arrives, every trace begun after it must be whole too.
+        first_whole = own_jaeger.wait_for(
             lambda: [
                 t
                 for t in batch_traces(own_jaeger.traces(service))
-                if root_of(t)["startTime"] > back_at_us
+                if root_of(t)["startTime"] > back_at_us and not batch_tree_problems(t)
             ],  # fmt: skip
             bool,
             timeout_s=60,
-            waiting_for="a batch trace begun after Jaeger came back",
+            waiting_for="a whole batch trace begun after Jaeger came back",
         )
+        recovered_at_us = min(root_of(t)["startTime"] for t in first_whole)
         time.sleep(4.0)  # two more interval tables after the return
+        settled_before_us = time.time_ns() // 1000 - 2_000_000  # exported and stored by now
         assert process.poll() is None, "training ended while Jaeger came back"
+        window = own_jaeger.traces(
+            service, limit=5000, start=recovered_at_us, end=settled_before_us
+        )
+        after = [
+            t
+            for t in batch_traces(window)
+            if recovered_at_us <= root_of(t)["startTime"] < settled_before_us
+        ]  # fmt: skip
         process.send_signal(signal.SIGTERM)
     finally:
         output = finish(process, tmp_path, returncode=143)  # kills it if still running
+    assert len(after) >= 2
     for found in after:
         assert batch_tree_problems(found) == []
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
