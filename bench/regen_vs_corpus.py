@@ -25,14 +25,8 @@ from typing import Any
 from train_throughput import parse_overrides
 
 from dflash.config import config_from_options
-from dflash.data import (
-    EMBEDDED,
-    EMBEDDED_CORPUS,
-    build_datasets,
-    embedded_corpus,
-    encode_texts,
-    heldout_prompts,
-)
+from dflash.corpus import EMBEDDED, EMBEDDED_CORPUS, embedded_corpus
+from dflash.data import build_datasets, encode_texts, heldout_prompts
 from dflash.drafter import load_drafter
 from dflash.evaluate import evaluate_tau
 from dflash.reference import train_reference

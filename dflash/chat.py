@@ -23,7 +23,7 @@ class RenderedChat:
 
 def encode_plain(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
     """Token ids of each text, without special tokens (any tokenizer of this package)."""
-    from dflash.data import ByteTokenizer
+    from dflash.corpus import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) for t in texts]

@@ -1,7 +1,6 @@
-"""Corpora, tokenization, packing and loss masks.
+"""Corpora, packing and loss masks: the datasets training and eval read.
 
-The embedded corpus is the Python standard library's own source: every Python
-install has it, so the default run needs no download. Batches are a pure function
+The byte tokenizer and the embedded corpus live in dflash.corpus. Batches are a pure function
 of (seed, batch index), so a run resumes from a stored index and a pipeline can
 hand indices to ranks without coordinating anything else.
 """
@@ -9,20 +8,29 @@ hand indices to ranks without coordinating anything else.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import sys
-import sysconfig
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import cached_property
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from dflash.corpus import (
+    BOS_ID,
+    EMBEDDED,
+    EMBEDDED_CORPUS,
+    EOS_ID,
+    MASK_ID,
+    PAD_ID,
+    ByteTokenizer,
+    Corpus,
+    cache_dir,
+    embedded_corpus,
+    embedded_tokens,
+    is_heldout,
+    special_ids,
+)
 from dflash.packing import (
     PACKING_MODES,
     Document,
@@ -42,89 +50,24 @@ from dflash.sources import (
     read_jsonl,
 )
 
-__all__ = [  # reading lives in dflash.sources; these names are part of this module's face
+__all__ = [  # reading lives in dflash.sources, the byte tokenizer and embedded corpus in
+    # dflash.corpus; these names are part of this module's documented face
+    "BOS_ID",
+    "EOS_ID",
+    "MASK_ID",
+    "PAD_ID",
+    "ByteTokenizer",
     "DataError",
     "DataReport",
     "Document",
+    "cache_dir",
+    "embedded_corpus",
     "encode_chat",
     "encode_texts",
     "iter_jsonl",
     "read_documents",
     "read_jsonl",
 ]
-
-# Byte-level vocabulary: ids 0..255 are raw bytes, then the special tokens.
-PAD_ID, BOS_ID, EOS_ID, MASK_ID = 256, 257, 258, 259
-BYTE_VOCAB_SIZE = 260
-
-# `--data embedded` (the default) trains on the target's own continuations of the
-# corpus' held-in prefixes (dflash.regenerate.embedded_regeneration, cached);
-# `--data embedded-corpus` on the standard library source as it is. Both evaluate on
-# the corpus' held-out files.
-EMBEDDED = "embedded"
-EMBEDDED_CORPUS = "embedded-corpus"
-
-# Bump when the embedded token cache layout or the packing rules change.
-_CACHE_VERSION = 3
-
-
-@dataclass(frozen=True)
-class ByteTokenizer:
-    """UTF-8 bytes plus PAD/BOS/EOS/MASK; the tokenizer of the built-in tiny target."""
-
-    vocab_size: int = BYTE_VOCAB_SIZE
-    pad_token_id: int = PAD_ID
-    bos_token_id: int = BOS_ID
-    eos_token_id: int = EOS_ID
-    mask_token_id: int = MASK_ID
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-def stdlib_source_files() -> list[Path]:
-    """The standard library's top-level-package .py files, sorted for determinism.
-
-    Tests and site-packages are excluded so the corpus is the same on every
-    install of one Python version.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if rel[0] in ("site-packages", "dist-packages", "test", "idlelib", "lib2to3"):
-            continue
-        if any(p in ("tests", "test") for p in rel[:-1]):
-            continue
-        files.append(path)
-    return files
-
-
-def is_heldout(name: str, heldout_fraction: float) -> bool:
-    """Deterministic document-level split: a document's hash decides its side."""
-    digest = hashlib.sha256(name.encode("utf-8")).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < heldout_fraction
-
-
-def embedded_corpus(split: str = "train", heldout_fraction: float = 0.05) -> list[str]:
-    """Texts of the embedded corpus for `split` ('train' or 'heldout')."""
-    if split not in ("train", "heldout"):
-        raise ValueError(f"unknown split {split!r}: expected 'train' or 'heldout'")
-    root = Path(sysconfig.get_paths()["stdlib"])
-    texts = []
-    for path in stdlib_source_files():
-        name = path.relative_to(root).as_posix()
-        if is_heldout(name, heldout_fraction) != (split == "heldout"):
-            continue
-        try:
-            texts.append(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            continue
-    return texts
-
 
 # --------------------------------------------------------------------------- batches
 
@@ -240,101 +183,6 @@ class PackedDataset:
 def pack(ids: np.ndarray, mask: np.ndarray, seq_len: int, pad_id: int):
     """Cut a token stream into [R, seq_len] rows (`concat` packing)."""
     return pack_concat(ids, mask, seq_len, pad_id)
-
-
-@dataclass
-class Corpus:
-    """Framed train and held-out documents (before packing)."""
-
-    train: list[Document]
-    heldout: list[Document]
-    report: DataReport = field(default_factory=DataReport)
-
-    @cached_property
-    def train_stream(self) -> tuple[np.ndarray, np.ndarray]:
-        return stream(self.train)
-
-    @cached_property
-    def heldout_stream(self) -> tuple[np.ndarray, np.ndarray]:
-        return stream(self.heldout)
-
-    @property
-    def train_ids(self) -> np.ndarray:
-        return self.train_stream[0]
-
-    @property
-    def heldout_ids(self) -> np.ndarray:
-        return self.heldout_stream[0]
-
-
-def cache_dir() -> Path:
-    """${DFLASH_CACHE_DIR:-~/.cache/dflash-train}."""
-    return Path(os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash-train")
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """Stable id of a tokenizer's vocabulary, for cache keys."""
-    if isinstance(tokenizer, ByteTokenizer):
-        return f"byte-{tokenizer.vocab_size}"
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    return hashlib.sha256(vocab.encode("utf-8")).hexdigest()[:16]
-
-
-def special_ids(tokenizer: Any) -> tuple[int | None, int | None]:
-    """(EOS, BOS) ids; chat documents rendered by a template already carry their own BOS."""
-    return getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "bos_token_id", None)
-
-
-def embedded_key(tokenizer: Any, heldout_fraction: float) -> str:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    h = hashlib.sha256(f"v{_CACHE_VERSION} {sys.version} {heldout_fraction}".encode())
-    h.update(tokenizer_fingerprint(tokenizer).encode())
-    for path in stdlib_source_files():
-        h.update(f"{path.relative_to(root)} {path.stat().st_size}\n".encode())
-    return h.hexdigest()[:20]
-
-
-def _save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.savez(f, **arrays)
-    os.replace(tmp, path)
-
-
-def _split_stream(ids: np.ndarray, mask: np.ndarray, starts: np.ndarray) -> list[Document]:
-    bounds = list(starts[1:]) if len(starts) else []
-    return [
-        Document("", i, m)
-        for i, m in zip(np.split(ids, bounds), np.split(mask, bounds), strict=True)
-    ]
-
-
-def embedded_tokens(tokenizer: Any, heldout_fraction: float = 0.05) -> Corpus:
-    """The embedded corpus tokenized and framed once per tokenizer, cached under cache_dir()."""
-    path = cache_dir() / "tokens" / f"embedded-{embedded_key(tokenizer, heldout_fraction)}.npz"
-    names = ("train", "h")
-    if path.exists():
-        try:
-            with np.load(path) as z:
-                splits = [
-                    _split_stream(*(z[f"{n}_{k}"] for k in ("ids", "mask", "starts")))
-                    for n in names
-                ]
-            return Corpus(*splits)
-        except (OSError, ValueError, KeyError):
-            pass  # a damaged cache is rebuilt below
-    eos, bos = special_ids(tokenizer)
-    splits, arrays = [], {}
-    for name, split in zip(names, ("train", "heldout"), strict=True):
-        texts = embedded_corpus(split, heldout_fraction)
-        plain = [Document("", i, np.ones(len(i), bool)) for i in encode_texts(tokenizer, texts)]
-        docs = [frame(d, bos, eos) for d in plain if len(d.ids)]
-        splits.append(docs)
-        arrays[f"{name}_ids"], arrays[f"{name}_mask"] = stream(docs)
-        arrays[f"{name}_starts"] = np.cumsum([0] + [len(d.ids) for d in docs[:-1]]).astype(np.int64)
-    _save_npz_atomic(path, arrays)
-    return Corpus(*splits)
 
 
 def load_corpus(source: str, tokenizer: Any, heldout_fraction: float = 0.05) -> Corpus:

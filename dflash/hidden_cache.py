@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dflash.data import Batch, DataError, PackedDataset, tokenizer_fingerprint
+from dflash.corpus import tokenizer_fingerprint
+from dflash.data import Batch, DataError, PackedDataset
 from dflash.target import TargetModel, TargetOutput
 
 FORMAT_VERSION = 1

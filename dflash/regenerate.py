@@ -27,23 +27,18 @@ from typing import Any
 import torch
 
 from dflash.chat import chat_prompt_ids
-from dflash.data import (
+from dflash.corpus import (
     EMBEDDED,
     EMBEDDED_CORPUS,
     Corpus,
-    DataError,
-    DataReport,
     cache_dir,
     embedded_corpus,
     embedded_key,
     embedded_tokens,
-    encode_texts,
-    frame,
     is_heldout,
-    iter_jsonl,
-    read_jsonl,
     special_ids,
 )
+from dflash.data import DataError, DataReport, encode_texts, frame, iter_jsonl, read_jsonl
 from dflash.generation import generate_batch
 from dflash.target import TargetModel
 
@@ -161,7 +156,7 @@ def expand_items(tokenizer: Any, items: list[dict], settings: RegenerateSettings
 
 
 def _decode(tokenizer: Any, ids: list[int]) -> str:
-    from dflash.data import ByteTokenizer
+    from dflash.corpus import ByteTokenizer
 
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.decode(ids)

@@ -27,7 +27,8 @@ from dflash.checkpoint import (
     save_checkpoint,
 )
 from dflash.config import ConfigError, TrainConfig
-from dflash.data import EMBEDDED, PackedDataset, build_datasets, datasets_from_corpus
+from dflash.corpus import EMBEDDED
+from dflash.data import PackedDataset, build_datasets, datasets_from_corpus
 from dflash.devices import Placement
 from dflash.drafter import DFlashDrafter, DrafterConfig, DrafterError
 from dflash.drafter_io import (

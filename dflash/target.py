@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dflash.data import ByteTokenizer
+from dflash.corpus import ByteTokenizer
 from dflash.documents import document_positions
 from dflash.errors import DFlashError
 from dflash.kvcache import KVCache, crop_hf_cache

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash.data import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, embedded_corpus
-from dflash.data import cache_dir as cache_dir_default
+from dflash.corpus import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID, embedded_corpus
+from dflash.corpus import cache_dir as cache_dir_default
 from dflash.documents import document_causal_mask, document_positions
 from dflash.kvcache import KVCache
 from dflash.layers import RMSNorm, SwiGLU, apply_rope, merge_heads, rope_cos_sin, split_heads

@@ -1,4 +1,4 @@
-from dflash.data import ByteTokenizer, embedded_corpus, is_heldout
+from dflash.corpus import ByteTokenizer, embedded_corpus, is_heldout
 
 
 def test_byte_tokenizer_round_trip() -> None:

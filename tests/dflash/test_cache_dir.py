@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from app_fixtures import SMALL_LM
 
-from dflash import data, tiny
+from dflash import corpus, tiny
 
 
 @pytest.mark.parametrize("value", [None, ""])
@@ -17,7 +17,7 @@ def test_unset_or_empty_means_the_default_everywhere(tmp_path, monkeypatch, valu
     else:
         monkeypatch.setenv("DFLASH_CACHE_DIR", value)
     default = tmp_path / ".cache" / "dflash-train"
-    assert data.cache_dir() == default
+    assert corpus.cache_dir() == default
     # The tiny target goes to the same folder (trained here by a stand-in: seconds).
     monkeypatch.setattr(tiny, "train_tiny_lm", lambda cfg, recipe, seed, log: tiny.TinyLM(cfg))
     monkeypatch.setattr(tiny, "heldout_loss", lambda model, recipe, seed: 1.0)
@@ -29,6 +29,6 @@ def test_a_set_folder_is_used_by_both(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "c"))
     monkeypatch.setattr(tiny, "train_tiny_lm", lambda cfg, recipe, seed, log: tiny.TinyLM(cfg))
     monkeypatch.setattr(tiny, "heldout_loss", lambda model, recipe, seed: 1.0)
-    assert data.cache_dir() == tmp_path / "c"
+    assert corpus.cache_dir() == tmp_path / "c"
     prepared = tiny.prepare_builtin_target(cfg=SMALL_LM, log=lambda _: None)
     assert prepared.parent == tmp_path / "c" / "targets"

@@ -3,17 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from dflash.data import (
-    EOS_ID,
-    ByteTokenizer,
-    DataError,
-    PackedDataset,
-    build_datasets,
-    embedded_tokens,
-    encode_chat,
-    heldout_prompts,
-    pack,
-)
+from dflash.corpus import EOS_ID, ByteTokenizer, embedded_tokens
+from dflash.data import DataError, PackedDataset, build_datasets, encode_chat, heldout_prompts, pack
 
 
 def _dataset(num_rows: int = 10, seq_len: int = 4, batch_size: int = 3, seed: int = 1):
@@ -139,7 +130,7 @@ def test_embedded_tokens_are_cached(tmp_path, monkeypatch) -> None:
     first = embedded_tokens(ByteTokenizer())
     files = list((tmp_path / "tokens").glob("*.npz"))
     assert len(files) == 1 and len(first.train_ids) > 5 * len(first.heldout_ids) > 0
-    monkeypatch.setattr("dflash.data.embedded_corpus", lambda *a: pytest.fail("not cached"))
+    monkeypatch.setattr("dflash.corpus.embedded_corpus", lambda *a: pytest.fail("not cached"))
     second = embedded_tokens(ByteTokenizer())
     assert np.array_equal(first.train_ids, second.train_ids)
 

@@ -24,7 +24,7 @@ def tiny() -> TargetModel:
 def _hf_target(arch: str) -> TargetModel:
     import transformers
 
-    from dflash.data import ByteTokenizer
+    from dflash.corpus import ByteTokenizer
     from dflash.hf_target import _find_decoder_layers, hf_geometry
 
     cfg_cls, model_cls = {

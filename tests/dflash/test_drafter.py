@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from dflash.data import MASK_ID
+from dflash.corpus import MASK_ID
 from dflash.drafter import (
     DFlashDrafter,
     DrafterConfig,

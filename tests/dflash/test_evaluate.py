@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.evaluate import evaluate_tau, greedy_generate, speculative_generate
+from dflash.evaluate import evaluate_tau, greedy_generate
 from dflash.generation import GenerationError, generate
 from dflash.kvcache import KVCache
 from dflash.objective import LossConfig, block_labels, build_blocks, dflash_loss, select_anchors
 from dflash.prompts import PromptError, load_chat_prompts
+from dflash.speculative import speculative_generate
 from dflash.target import TargetModel, wrap_tiny
 from dflash.tiny import TinyLM, TinyLMConfig
 
@@ -85,7 +86,8 @@ def test_acceptance_counts_follow_the_drafts(target: TargetModel, use_cache: boo
 
 
 def test_tau_is_the_mean_of_per_prompt_means() -> None:
-    from dflash.evaluate import SpecStats, _summarize
+    from dflash.evaluate import _summarize
+    from dflash.speculative import SpecStats
 
     stats = [SpecStats([3, 3, 3, 3], 5, 16), SpecStats([0, 0], 3, 3)]
     figures = _summarize(stats, BS)
@@ -224,7 +226,7 @@ def test_sampling_keeps_the_targets_output_distribution() -> None:
 
 
 def test_chat_prompts_cut_at_the_last_user_turn(tmp_path) -> None:
-    from dflash.data import BOS_ID, ByteTokenizer
+    from dflash.corpus import BOS_ID, ByteTokenizer
 
     rows = [
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},

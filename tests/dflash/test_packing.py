@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.data import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, DataError, build_datasets
+from dflash.corpus import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
+from dflash.data import DataError, build_datasets
 from dflash.documents import (
     anchor_context_start,
     document_causal_mask,

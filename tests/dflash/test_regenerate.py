@@ -209,7 +209,7 @@ def test_the_embedded_default_is_regenerated_once_per_target_and_recipe(
 
     from dflash import regenerate as regen_mod
     from dflash.config import config_from_options
-    from dflash.data import EMBEDDED_CORPUS, ByteTokenizer, embedded_corpus
+    from dflash.corpus import EMBEDDED_CORPUS, ByteTokenizer, embedded_corpus
     from dflash.run import run_datasets
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.data import MASK_ID
+from dflash.corpus import MASK_ID
 from dflash.target import (
     TargetError,
     TargetModel,

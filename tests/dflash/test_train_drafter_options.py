@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from dflash import cli as cli_mod
 from dflash import target as target_mod
-from dflash.data import BOS_ID, EOS_ID, MASK_ID, Batch, ByteTokenizer
+from dflash.corpus import BOS_ID, EOS_ID, MASK_ID, ByteTokenizer
+from dflash.data import Batch
 from dflash.documents import document_positions
 from dflash.drafter import DFlashDrafter, DrafterConfig
 from dflash.drafter_io import read_drafter_config, save_drafter
