@@ -1,4 +1,4 @@
-"""Speculative decoding with the drafter, the acceptance length tau and the speedup.
+"""Speculative decoding with the drafter: draft, verify, accept, per-prompt stats.
 
 Each cycle: the drafter proposes Bs-1 tokens after the anchor (the last token the
 target produced); one target forward verifies them. At temperature 0 the longest
