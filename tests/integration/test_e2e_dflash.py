@@ -237,8 +237,9 @@ def test_collector_outage_loses_spans_but_not_training(
         own_jaeger.start()
         back_at_us = time.time_ns() // 1000
         # Traces cut by the outage may arrive in part, and so may the first ones after the
-        # return, while the exporter's channel is still in its reconnect backoff. Once a
-        # whole trace arrives, every trace begun after it must be whole too.
+        # return: the exporter's channel may still be in its reconnect backoff, and while
+        # the spans queued during the outage drain, a full queue drops new ones. Once a
+        # whole trace has arrived and the backlog had time to drain, every trace is whole.
         first_whole = own_jaeger.wait_for(
             lambda: [
                 t
@@ -249,8 +250,9 @@ def test_collector_outage_loses_spans_but_not_training(
             timeout_s=60,
             waiting_for="a whole batch trace begun after Jaeger came back",
         )
-        recovered_at_us = min(root_of(t)["startTime"] for t in first_whole)
-        time.sleep(4.0)  # two more interval tables after the return
+        drained_s = 2.0  # the queued spans (at most the queue's 8192) are sent by then
+        recovered_at_us = min(root_of(t)["startTime"] for t in first_whole) + int(drained_s * 1e6)
+        time.sleep(6.0)  # interval tables after the return, and a window of whole traces
         settled_before_us = time.time_ns() // 1000 - 2_000_000  # exported and stored by now
         assert process.poll() is None, "training ended while Jaeger came back"
         window = own_jaeger.traces(
