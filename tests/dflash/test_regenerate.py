@@ -1,4 +1,6 @@
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,7 +60,8 @@ def _write_chats(path, conversations=CONVERSATIONS, extra_lines=()):
     return path
 
 
-SETTINGS = RegenerateSettings(max_new_tokens=6, batch_size=4, chunk_lines=2, heldout_fraction=0.01)
+# No held-out documents: the split hashes the file path, which changes with tmp_path.
+SETTINGS = RegenerateSettings(max_new_tokens=6, batch_size=4, chunk_lines=2, heldout_fraction=0.0)
 
 
 def _reference_reply(target, messages, settings) -> str:
@@ -101,7 +104,7 @@ def test_text_continuations_are_greedy_generate(hf_dir, tmp_path) -> None:
     data = tmp_path / "texts.jsonl"
     texts = ["hello how are you fine thanks what is the weather", "tell me more and more"]
     data.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
-    settings = RegenerateSettings(max_new_tokens=4, prefix_tokens=3, heldout_fraction=0.01)
+    settings = RegenerateSettings(max_new_tokens=4, prefix_tokens=3, heldout_fraction=0.0)
     regenerate(target, str(data), tmp_path / "out.jsonl", settings=settings)
     written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     tok = target.tokenizer
@@ -145,7 +148,7 @@ def test_an_interrupted_regeneration_continues_and_a_foreign_output_is_refused(
     report = regenerate(target, str(data), part, settings=SETTINGS)
     assert report.resumed_from_line == 2 and part.read_text() == full.read_text()
     assert regenerate(target, str(data), part, settings=SETTINGS).new_tokens == 0  # complete
-    other = RegenerateSettings(max_new_tokens=3, batch_size=4, chunk_lines=2, heldout_fraction=0.01)
+    other = RegenerateSettings(max_new_tokens=3, batch_size=4, chunk_lines=2, heldout_fraction=0.0)
     with pytest.raises(RegenerateError, match="not a resumable file of this run"):
         regenerate(target, str(data), part, settings=other)
     stranger = tmp_path / "notes.jsonl"
@@ -170,11 +173,15 @@ def _one_error_line(result) -> str:
     return errors[0]
 
 
-def test_regenerate_command_writes_resumes_and_refuses(hf_dir, tmp_path) -> None:
+def test_regenerate_command_writes_resumes_and_refuses(hf_dir, tmp_path, monkeypatch) -> None:
     target = load_target(str(hf_dir))
-    data = _write_chats(tmp_path / "chats.jsonl", extra_lines=["[1]", '{"messages": "x"}'])
+    # A relative data path: the held-out split hashes it, so it must not change per run.
+    monkeypatch.chdir(tmp_path)
+    _write_chats(tmp_path / "chats.jsonl", extra_lines=["[1]", '{"messages": "x"}'])
+    data = Path("chats.jsonl")
     reference = tmp_path / "reference.jsonl"
-    regenerate(target, str(data), reference, settings=SETTINGS)
+    settings = dataclasses.replace(SETTINGS, heldout_fraction=0.01)  # as the command's flag
+    regenerate(target, str(data), reference, settings=settings)
     out = tmp_path / "regen.jsonl"
     flags = ["--target", hf_dir, "--data", data, "--max-new-tokens", 6, "--batch-size", 4,
              "--chunk-lines", 2, "--heldout-fraction", 0.01, "--device", "cpu"]  # fmt: skip
@@ -205,8 +212,6 @@ def test_regenerate_command_writes_resumes_and_refuses(hf_dir, tmp_path) -> None
 def test_the_embedded_default_is_regenerated_once_per_target_and_recipe(
     tmp_path, monkeypatch
 ) -> None:
-    import dataclasses
-
     from dflash import regenerate as regen_mod
     from dflash.config import config_from_options
     from dflash.corpus import EMBEDDED_CORPUS, ByteTokenizer, embedded_corpus
