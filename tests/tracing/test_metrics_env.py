@@ -3,9 +3,8 @@ in docs/observability.md), against real OTLP receivers where a request shows it.
 
 from __future__ import annotations
 
-import logging
-
 import pytest
+from helpers import read_warns_once
 
 import tracing
 from tracing import TracingConfig, TracingConfigError
@@ -137,13 +136,8 @@ def test_malformed_metrics_variables_warn_once_and_fall_back(
     base = None
     if variable == "OTEL_SDK_DISABLED":
         base = TracingConfig(otlp_endpoint="http://collector:4317")
-    with caplog.at_level(logging.WARNING, logger="tracing"):
-        cfg = MetricsConfig.from_env(base)
-        MetricsConfig.from_env(base)
+    cfg = read_warns_once(caplog, variable, value, lambda: MetricsConfig.from_env(base))
     assert getattr(cfg, field) == default
-    warnings = [r.getMessage() for r in caplog.records if variable in r.getMessage()]
-    assert len(warnings) == 1, warnings
-    assert repr(value) in warnings[0]
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,8 @@ named in docs/observability.md), against real OTLP receivers where a request sho
 
 from __future__ import annotations
 
-import logging
-
 import pytest
+from helpers import read_warns_once
 
 import tracing
 from tracing import TracingConfig, TracingConfigError
@@ -168,13 +167,8 @@ def test_malformed_variables_warn_once_and_fall_back(
     clean_env.setenv(variable, value)
     if variable == "OTEL_TRACES_SAMPLER_ARG":
         clean_env.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
-    with caplog.at_level(logging.WARNING, logger="tracing"):
-        cfg = TracingConfig.from_env()
-        TracingConfig.from_env()
+    cfg = read_warns_once(caplog, variable, value, TracingConfig.from_env)
     assert getattr(cfg, field) == default
-    warnings = [r.getMessage() for r in caplog.records if variable in r.getMessage()]
-    assert len(warnings) == 1, warnings
-    assert repr(value) in warnings[0]
 
 
 @pytest.mark.parametrize(
