@@ -173,7 +173,10 @@ class BoundedBatchSpanProcessor(SpanProcessor):
     def _export_batch(self, batch: list[ReadableSpan | SpanHandle]) -> None:
         self._in_flight = len(batch)
         try:
-            spans = [s if isinstance(s, ReadableSpan) else to_readable(s) for s in batch]
+            if getattr(self.exporter, "takes_records", False):
+                spans = batch  # it encodes the handles itself (tracing.export_process)
+            else:
+                spans = [s if isinstance(s, ReadableSpan) else to_readable(s) for s in batch]
             ok = self.exporter.export(spans) == SpanExportResult.SUCCESS
         except Exception:  # telemetry never crashes the host program
             logger.exception("tracing: exporter %s raised", type(self.exporter).__name__)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -104,24 +105,62 @@ def trace_file_path(path: str, rank: int) -> str:
     return path if rank == 0 else f"{path}.rank{rank}"
 
 
-def build_exporters(cfg: TracingConfig, *, pid_suffix: bool = False) -> list[SpanExporter]:
-    """The exporters named in `cfg.exporter`; imports each SDK exporter only when used.
+ExporterSpec = tuple[Any, ...]
+"""What builds one exporter, in plain values (it crosses to the export process):
+("otlp", protocol, url, headers, timeout_s), ("file", path) or ("console",)."""
+
+
+def exporter_specs(cfg: TracingConfig, *, pid_suffix: bool = False) -> list[ExporterSpec]:
+    """The exporters named in `cfg.exporter`, as specs (`make_exporter` builds one).
 
     `pid_suffix`: a forked child's trace file gets `.pidN` after the rank's name."""
-    exporters: list[SpanExporter] = []
+    specs: list[ExporterSpec] = []
     for name in cfg.exporter:
         if name == "otlp":
-            exporters.append(_otlp_exporter(cfg))
+            url = otlp_traces_url(cfg)
+            specs.append(("otlp", cfg.otlp_protocol, url, dict(cfg.otlp_headers),
+                          cfg.export_timeout_s))  # fmt: skip
         elif name == "console":
-            from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
-            exporters.append(ConsoleSpanExporter())
+            specs.append(("console",))
         elif name == "file":
             assert cfg.trace_file is not None  # checked by TracingConfig
             path = trace_file_path(cfg.trace_file, cfg.rank)
             if pid_suffix:
                 path = f"{path}.pid{os.getpid()}"
-            exporters.append(OtlpJsonFileExporter(path))
+            specs.append(("file", path))
+    return specs
+
+
+def make_exporter(spec: ExporterSpec) -> SpanExporter:
+    """The exporter of one spec; imports each SDK exporter only when used."""
+    kind = spec[0]
+    if kind == "otlp":
+        _, protocol, url, headers, timeout_s = spec
+        quiet_otlp_loggers()
+        return otlp_exporter("trace", protocol, url, headers, timeout_s)
+    if kind == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    if kind == "file":
+        return OtlpJsonFileExporter(spec[1])
+    raise ValueError(f"unknown exporter spec {spec!r}")
+
+
+def build_exporters(
+    cfg: TracingConfig, *, pid_suffix: bool = False, resource: Resource | None = None
+) -> list[SpanExporter]:
+    """The exporters named in `cfg.exporter`. With `resource` and `cfg.export_process`,
+    OTLP and file exporters run in an export process (`tracing.export_process`), which
+    starts now, or at its first export in a forked child (`pid_suffix`)."""
+    exporters: list[SpanExporter] = []
+    for spec in exporter_specs(cfg, pid_suffix=pid_suffix):
+        if resource is not None and cfg.export_process and spec[0] != "console":
+            from tracing.export_process import ProcessExporter
+
+            exporters.append(ProcessExporter(spec, resource, start=not pid_suffix))
+        else:
+            exporters.append(make_exporter(spec))
     return exporters
 
 
@@ -133,12 +172,6 @@ def otlp_traces_url(cfg: TracingConfig) -> str:
         return cfg.otlp_endpoint
     endpoint = cfg.otlp_endpoint.rstrip("/")
     return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
-
-
-def _otlp_exporter(cfg: TracingConfig) -> SpanExporter:
-    quiet_otlp_loggers()
-    url = otlp_traces_url(cfg)
-    return otlp_exporter("trace", cfg.otlp_protocol, url, cfg.otlp_headers, cfg.export_timeout_s)
 
 
 def otlp_exporter(

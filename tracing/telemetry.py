@@ -173,7 +173,9 @@ class Telemetry:
         self._shutdown_lock = threading.Lock()
         if self._report is not None:
             return
-        fresh = build_exporters(self.cfg, pid_suffix=True)
+        recorder = spans.runtime().recorder
+        resource = recorder.resource if recorder is not None else None
+        fresh = build_exporters(self.cfg, pid_suffix=True, resource=resource)
         for index, processor in enumerate(self.processors):
             processor.reinit_after_fork(fresh[index] if index < self._built_exporters else None)
         self.resolver = None
@@ -272,16 +274,18 @@ def setup(
     if previous is not None:
         previous.shutdown(timeout_s=1.0)
     stats = stats if stats is not None else ProfileStats(rank=cfg.rank)
-    built = build_exporters(cfg)
+    tracing_on = cfg.level != "off"
+    resource = build_resource(cfg) if tracing_on else None
+    built = build_exporters(cfg, resource=resource) if tracing_on else []
     all_exporters = [*built, *exporters]
     provider = None
     recorder = None
     processors: list[BoundedBatchSpanProcessor] = []
-    if cfg.level != "off" and (all_exporters or span_processors):
+    if tracing_on and (all_exporters or span_processors):
         # The provider serves other tracers (install_global_provider) and flush/shutdown;
         # phases record through `recorder`, with the same resource, sampling and processors.
         provider = TracerProvider(
-            resource=build_resource(cfg),
+            resource=resource,
             sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
             shutdown_on_exit=False,  # its atexit hook would wait the SDK's 30 s default
         )
