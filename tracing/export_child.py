@@ -1,8 +1,8 @@
 """The export process's main loop (started by `tracing.export_process.ProcessExporter`).
 
 Reads frames from stdin: first ("setup", spec, resource attributes, schema url), then
-("spans", seq, batch) until the input ends. Each batch becomes SDK spans
-(`tracing.wire.SpanBuilder`) handed to the SDK exporter of the spec; the answer
+("spans", seq, batch) until the input ends. Each batch becomes the OTLP request
+(`tracing.wire.RequestBuilder`) that the SDK exporter of the spec sends; the answer
 (seq, ok) goes back on the file descriptor given as the first argument. At the end of
 input it closes the exporter and exits.
 """
@@ -54,8 +54,8 @@ def main(argv: list[str]) -> None:
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace.export import SpanExportResult
 
-    from tracing.exporters import make_exporter
-    from tracing.wire import SpanBuilder
+    from tracing.exporters import OtlpJsonFileExporter, make_exporter
+    from tracing.wire import RequestBuilder, install_encoded_batches
 
     frames = _frames(sys.stdin.buffer)
     setup = next(frames, None)
@@ -63,7 +63,12 @@ def main(argv: list[str]) -> None:
         return
     _, spec, attributes, schema_url = setup
     exporter = make_exporter(tuple(spec))
-    builder = SpanBuilder(Resource(attributes, schema_url))
+    builder = RequestBuilder(Resource(attributes, schema_url))
+    # The request is encoded here from the records; the exporter only sends it.
+    encoded = isinstance(exporter, OtlpJsonFileExporter) or install_encoded_batches(
+        sys.modules[type(exporter).__module__]
+    )
+    build = builder.request if encoded else builder.build
     os.write(ack_fd, ACK.pack(0, 1))
     log = logging.getLogger("tracing")
     try:
@@ -72,7 +77,7 @@ def main(argv: list[str]) -> None:
                 continue
             _, seq, payload = frame
             try:
-                ok = exporter.export(builder.build(payload)) == SpanExportResult.SUCCESS
+                ok = exporter.export(build(payload)) == SpanExportResult.SUCCESS
             except Exception:
                 log.exception("tracing: export process: exporter %s raised", spec[0])
                 ok = False

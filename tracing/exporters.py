@@ -35,7 +35,10 @@ class OtlpJsonFileExporter(SpanExporter):
         from google.protobuf.json_format import MessageToDict
         from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-        message = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+        from tracing.wire import EncodedBatch
+
+        request = spans.request if isinstance(spans, EncodedBatch) else encode_spans(spans)
+        message = MessageToDict(request, use_integers_for_enums=True)
         _ids_to_hex(message)
         with self._lock:
             if self._file.closed:

@@ -25,7 +25,7 @@ from opentelemetry.trace.span import TraceState
 import tracing
 from tracing import wire
 from tracing.export_process import ProcessExporter
-from tracing.exporters import build_exporters
+from tracing.exporters import build_exporters, make_exporter
 from tracing.record import SCOPE_NAME, SCOPE_VERSION, to_readable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,14 +96,23 @@ def test_records_rebuild_the_same_otlp_request() -> None:
     rebuilt = wire.SpanBuilder(Resource(dict(resource.attributes), resource.schema_url))
     expected = encode_spans(readable).SerializeToString()
     assert encode_spans(rebuilt.build(payload)).SerializeToString() == expected
+    fast = wire.RequestBuilder(Resource(dict(resource.attributes), resource.schema_url))
+    assert fast.request(payload).request.SerializeToString() == expected
+    step = next(s for s in spans if getattr(s, "name", "") == "drafter.step")
+    assert fast._fast(wire.handle_record(step, 0)) is not None  # phases take the fast path
     loss = next(s for s in rebuilt.build(payload) if s.name == "drafter.loss")
     # What is not an attribute value is cleaned as the SDK cleans it (its str, here).
     assert dict(loss.attributes) == {"bad": "unmarshallable", "ok": 1.5}
 
 
-def test_spans_reach_a_real_receiver_through_the_export_process(grpc_receiver) -> None:
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_spans_reach_a_real_receiver_through_the_export_process(request, protocol) -> None:
+    receiver = request.getfixturevalue(f"{protocol}_receiver")
     cfg = tracing.TracingConfig(
-        exporter="otlp", otlp_endpoint=grpc_receiver.endpoint, service_name="via-child"
+        exporter="otlp",
+        otlp_endpoint=receiver.endpoint,
+        otlp_protocol=protocol,
+        service_name="via-child",
     )
     telemetry = tracing.setup(cfg)
     exporter = telemetry.processors[0].exporter
@@ -114,9 +123,9 @@ def test_spans_reach_a_real_receiver_through_the_export_process(grpc_receiver) -
             pass
     report = telemetry.shutdown(timeout_s=10.0)
     assert report.spans_exported == 50 and report.clean
-    names = [name for request in grpc_receiver.requests for name in request.span_names]
+    names = [name for received in receiver.requests for name in received.span_names]
     assert names == ["work"] * 50
-    assert grpc_receiver.requests[0].resource["service.name"] == 'string_value: "via-child"'
+    assert receiver.requests[0].resource["service.name"] == 'string_value: "via-child"'
     assert child_pid != os.getpid()
     assert _gone(child_pid, 5.0), "the export process outlived its shutdown"
 
@@ -231,3 +240,19 @@ def _gone(pid: int, within_s: float) -> bool:
             pass
         time.sleep(0.05)
     return False
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_the_sdk_exporters_send_requests_encoded_from_records(request, protocol) -> None:
+    """The seam the export process uses: the SDK exporter sends our request as it is."""
+    receiver = request.getfixturevalue(f"{protocol}_receiver")
+    url = receiver.endpoint + ("" if protocol == "grpc" else "/v1/traces")
+    exporter = make_exporter(("otlp", protocol, url, {}, 5.0))
+    try:
+        assert wire.install_encoded_batches(sys.modules[type(exporter).__module__])
+        payload = wire.encode_batch(_spans("a", "b"), (SCOPE_NAME, SCOPE_VERSION, None))
+        batch = wire.RequestBuilder(Resource({"service.name": "seam"})).request(payload)
+        assert exporter.export(batch) == SpanExportResult.SUCCESS
+    finally:
+        exporter.shutdown()
+    assert [name for received in receiver.requests for name in received.span_names] == ["a", "b"]

@@ -4,7 +4,7 @@ named in docs/observability.md), against real OTLP receivers where a request sho
 from __future__ import annotations
 
 import pytest
-from helpers import read_warns_once
+from env_checks import read_warns_once
 
 import tracing
 from tracing import TracingConfig, TracingConfigError
