@@ -6,6 +6,7 @@ import torch
 from dflash.config import config_from_options
 from dflash.devices import decide_placement
 from dflash.run import Run, build_run
+from dflash.step import DrafterTrainer
 from dflash.tiny import TinyLM, TinyLMConfig
 
 SMALL_LM = TinyLMConfig(hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64)
@@ -49,3 +50,17 @@ def cpu_run(cfg) -> Run:
 def small_cfg(tmp_path, output_dir=None, **overrides):
     """A seconds-long config; the corpus lives in tmp_path, outputs in output_dir."""
     return config_from_options({**small_options(tmp_path, output_dir), **overrides})
+
+
+def record_losses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
+    """(batch id, loss) of every DrafterTrainer.step, in call order."""
+    seen: list[tuple[int, float]] = []
+    real_step = DrafterTrainer.step
+
+    def step(self, batch, target_out, phase=None, **kw):
+        result = real_step(self, batch, target_out, **({"phase": phase} if phase else {}))
+        seen.append((batch.batch_id, float(result.loss)))
+        return result
+
+    monkeypatch.setattr(DrafterTrainer, "step", step)
+    return seen

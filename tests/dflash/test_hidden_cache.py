@@ -2,7 +2,13 @@ import json
 
 import pytest
 import torch
-from app_fixtures import SMALL_LM, small_cfg, tiny_target, write_corpus  # noqa: F401 - fixture
+from app_fixtures import (  # noqa: F401 - fixture
+    SMALL_LM,
+    record_losses,
+    small_cfg,
+    tiny_target,
+    write_corpus,
+)
 from click.testing import CliRunner
 
 from dflash import names, pipeline
@@ -139,19 +145,6 @@ def _traced(run):
     return summary, {s.name for s in exporter.get_finished_spans()}
 
 
-def _record_losses(monkeypatch) -> list[tuple[int, float]]:
-    seen: list[tuple[int, float]] = []
-    real_step = DrafterTrainer.step
-
-    def step(self, batch, target_out, phase=None, **kw):
-        result = real_step(self, batch, target_out, **({"phase": phase} if phase else {}))
-        seen.append((batch.batch_id, float(result.loss)))
-        return result
-
-    monkeypatch.setattr(DrafterTrainer, "step", step)
-    return seen
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("tiny_target")
 @pytest.mark.parametrize("soft", [False, True])
@@ -163,7 +156,7 @@ def test_train_from_the_cache_gives_the_online_losses_through_the_pipeline(
     result = _cache_cli(tmp_path, cache, "--batches-per-shard", 4, *flags)
     assert result.exit_code == 0, result.output
     assert "cache-hidden: 6 batches (384 tokens" in result.output
-    seen = _record_losses(monkeypatch)
+    seen = record_losses(monkeypatch)
     opts = {"steps": 6, "use_soft_labels": soft, "log_every": 1}
     online, online_spans = _traced(lambda: pipeline.run_pipeline(
         small_cfg(tmp_path, tmp_path / "online", **opts), log=lambda _: None))  # fmt: skip

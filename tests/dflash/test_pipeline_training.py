@@ -18,7 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from app_fixtures import SMALL_LM, cpu_run, small_cfg, tiny_target  # noqa: F401 - fixture
+from app_fixtures import (  # noqa: F401 - fixture
+    SMALL_LM,
+    cpu_run,
+    record_losses,
+    small_cfg,
+    tiny_target,
+)
 
 from dflash import pipeline
 from dflash.checkpoint import load_checkpoint, resolve_checkpoint
@@ -26,20 +32,6 @@ from dflash.devices import DeviceError
 from dflash.queues import PipelineError
 from dflash.reference import train_reference
 from dflash.step import DrafterTrainer
-
-
-def record_losses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
-    """(batch id, loss) of every DrafterTrainer.step, in call order."""
-    seen: list[tuple[int, float]] = []
-    real_step = DrafterTrainer.step
-
-    def step(self, batch, target_out, phase=None, **kw):
-        result = real_step(self, batch, target_out, **({"phase": phase} if phase else {}))
-        seen.append((batch.batch_id, float(result.loss)))
-        return result
-
-    monkeypatch.setattr(DrafterTrainer, "step", step)
-    return seen
 
 
 def capture_replicas(monkeypatch: pytest.MonkeyPatch) -> list:
