@@ -12,7 +12,10 @@ run, more than the effect measured; the CPU seconds per training token (every th
 of the process, from summary.json) move far less, so the script prints their ratio
 too: the share of the machine that tracing costs.
 
-Usage: python bench/trace_overhead.py [--pairs 4] [--steps 300]
+With --control each pair also runs all-off a second time: the off/off ratios show how far
+this machine moves between two identical runs, measured alongside.
+
+Usage: python bench/trace_overhead.py [--pairs 4] [--steps 300] [--control]
 """
 
 from __future__ import annotations
@@ -47,33 +50,47 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=4, help="interleaved off/phase pairs")
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
+    parser.add_argument("--control", action="store_true",
+                        help="run all-off twice in each pair and print the off/off ratios: "
+                             "the noise floor of this machine, measured alongside")  # fmt: skip
     args = parser.parse_args(argv)
     sink = OtlpSink()
     traced = ["--trace-level", "phase", "--otlp-endpoint", sink.endpoint, "--otlp-protocol", "grpc"]
-    ratios, cpu_ratios = [], []
+    off_args = ["--trace-level", "off", "--timeline", "off"]
+    ratios, cpu_ratios, control = [], [], []
     try:
         with tempfile.TemporaryDirectory() as tmp:
             train(Path(tmp) / "warmup", 20, [], {})  # target prepared, caches warm
             for i in range(args.pairs):
                 # Alternate which goes first so drift in machine load cancels out.
-                order = [("off", ["--trace-level", "off", "--timeline", "off"], OFF_ENV),
-                         ("phase", traced, ON_ENV)]  # fmt: skip
+                order = [("off", off_args, OFF_ENV), ("phase", traced, ON_ENV)]
+                if args.control:
+                    order.insert(1, ("off again", off_args, OFF_ENV))
                 if i % 2:
                     order.reverse()
-                figures = {name: train(Path(tmp) / f"{name}{i}", args.steps, extra, env)
-                           for name, extra, env in order}  # fmt: skip
+                figures = {name: train(Path(tmp) / f"{name}{i}".replace(" ", "_"), args.steps,
+                                       extra, env) for name, extra, env in order}  # fmt: skip
                 (off, off_cpu), (phase, phase_cpu) = figures["off"], figures["phase"]
                 ratios.append(phase / off)
                 cpu_ratios.append(off_cpu / phase_cpu)
-                print(f"pair {i}: off {off:,.0f} tok/s {off_cpu:.3f} cpu-s/1k tok, traces+metrics "
-                      f"{phase:,.0f} tok/s {phase_cpu:.3f} cpu-s/1k tok; ratios: tokens/s "
-                      f"{ratios[-1]:.3f}, cpu {cpu_ratios[-1]:.3f}", flush=True)  # fmt: skip
+                line = (f"pair {i}: off {off:,.0f} tok/s {off_cpu:.3f} cpu-s/1k tok, "
+                        f"traces+metrics {phase:,.0f} tok/s {phase_cpu:.3f} cpu-s/1k tok; "
+                        f"ratios: tokens/s {ratios[-1]:.3f}, cpu {cpu_ratios[-1]:.3f}")  # fmt: skip
+                if args.control:
+                    again = figures["off again"][0]
+                    control.append(again / off)
+                    line += f"; off again {again:,.0f} (off/off {control[-1]:.3f})"
+                print(line, flush=True)
         spans = sink.spans()
     finally:
         sink.close()
-    print(f"median ratio on/off: tokens/s {statistics.median(ratios):.3f} (goal >= 0.99), "
-          f"CPU per token off/traced {statistics.median(cpu_ratios):.3f}, over {args.pairs} "
-          f"pairs; the receiver got {spans:,} spans")  # fmt: skip
+    print(f"median ratio on/off: tokens/s {statistics.median(ratios):.3f} (goal >= 0.99; pairs "
+          f"{min(ratios):.3f}-{max(ratios):.3f}), CPU per token off/traced "
+          f"{statistics.median(cpu_ratios):.3f}, over {args.pairs} pairs; the receiver got "
+          f"{spans:,} spans")  # fmt: skip
+    if control:
+        print(f"noise floor: median off/off {statistics.median(control):.3f} (pairs "
+              f"{min(control):.3f}-{max(control):.3f})")  # fmt: skip
     return 0
 
 
