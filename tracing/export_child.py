@@ -13,11 +13,7 @@ import logging
 import marshal
 import os
 import signal
-import struct
 import sys
-
-FRAME = struct.Struct("<I")
-ACK = struct.Struct("<IB")
 
 
 def _read_exact(stream: object, size: int) -> bytes | None:
@@ -32,6 +28,8 @@ def _read_exact(stream: object, size: int) -> bytes | None:
 
 
 def _frames(stream: object):  # noqa: ANN202 - a generator of decoded frames
+    from tracing.wire import FRAME
+
     while True:
         head = _read_exact(stream, FRAME.size)
         if head is None:
@@ -55,7 +53,7 @@ def main(argv: list[str]) -> None:
     from opentelemetry.sdk.trace.export import SpanExportResult
 
     from tracing.exporters import OtlpJsonFileExporter, make_exporter
-    from tracing.wire import RequestBuilder, install_encoded_batches
+    from tracing.wire import ACK, RequestBuilder, install_encoded_batches
 
     frames = _frames(sys.stdin.buffer)
     setup = next(frames, None)

@@ -1,11 +1,10 @@
 """Span export from a child process, so OTLP encoding never holds the traced program's GIL.
 
-Building SDK spans, encoding OTLP and driving gRPC cost 20-30 us of Python per span. On
-an export thread that time holds the GIL, and every training thread that comes back
-from a kernel waits for it: exporting ~600 spans/s cost a 2-core CPU run about 5% of
-its tokens/s, although the export thread itself used barely 1% of a core. Here the
-export thread only marshals plain records (`tracing.wire`, a few us per span, in C) to
-a child process, which rebuilds the spans and runs the SDK's own exporter
+Building SDK spans, encoding OTLP and driving gRPC cost 20-30 us of Python per span; on
+an export thread all of it holds the GIL, which every training thread coming back from
+a kernel then waits for. Here the export thread only marshals plain records
+(`tracing.wire`, under 2 us per span, in C) to a child process, which encodes the OTLP
+request from them and sends it with the SDK's own exporter
 (`tracing.exporters.make_exporter`). One batch goes at a time and the child answers
 each with success or failure, so the processor's delivery counts stay exact.
 
@@ -19,9 +18,9 @@ process from then on: telemetry costs more, but nothing is lost.
 from __future__ import annotations
 
 import logging
+import marshal
 import os
 import select
-import struct
 import subprocess
 import sys
 import threading
@@ -36,14 +35,14 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from tracing import wire
 from tracing.exporters import ExporterSpec, make_exporter
+from tracing.record import SCOPE_NAME, SCOPE_VERSION, to_readable
+from tracing.wire import ACK, FRAME
 
 if TYPE_CHECKING:
     from tracing.handle import SpanHandle
 
 logger = logging.getLogger("tracing")
 
-FRAME = struct.Struct("<I")  # length of the marshalled payload that follows
-ACK = struct.Struct("<IB")  # (batch sequence number, 1 exported / 0 failed); seq 0: ready
 CHILD_NICENESS = 10
 STARTUP_TIMEOUT_S = 60.0
 """How long the first export waits for the child to import the SDK and build its exporter."""
@@ -67,7 +66,7 @@ class ProcessExporter(SpanExporter):
         self.spec = spec
         self.resource = resource
         self._timeout_s = float(spec[4]) + 5.0 if spec[0] == "otlp" else 10.0
-        self._own_scope: wire.Scope = _own_scope()
+        self._own_scope: wire.Scope = (SCOPE_NAME, SCOPE_VERSION, None)
         self._proc: subprocess.Popen[bytes] | None = None
         self._in_fd = -1  # our end of the child's stdin
         self._ack_fd = -1  # our end of the child's answers
@@ -114,7 +113,7 @@ class ProcessExporter(SpanExporter):
             dict(self.resource.attributes),
             self.resource.schema_url,
         )
-        if not self._send(_marshal(header)):
+        if not self._send(marshal.dumps(header)):
             self._fall_back("exited at start-up")
 
     def _fall_back(self, why: str) -> None:
@@ -167,13 +166,9 @@ class ProcessExporter(SpanExporter):
         payload = wire.encode_batch(spans, self._own_scope)
         self._seq += 1
         seq = self._seq
-        if not self._send(_marshal(("spans", seq, payload))):
-            if self._closed:
-                return SpanExportResult.FAILURE
-            self._fall_back(f"exited (status {self._exit_status()})")
-            return self._export_here(spans)
-        answer = self._await_ack(seq)
-        if answer is None:
+        sent = self._send(marshal.dumps(("spans", seq, payload)))
+        answer = self._await_ack(seq) if sent else None
+        if answer is None:  # the child is gone (or we were closed meanwhile)
             if self._closed:
                 return SpanExportResult.FAILURE
             self._fall_back(f"exited (status {self._exit_status()})")
@@ -181,8 +176,6 @@ class ProcessExporter(SpanExporter):
         return SpanExportResult.SUCCESS if answer else SpanExportResult.FAILURE
 
     def _export_here(self, spans: Sequence[ReadableSpan | SpanHandle]) -> SpanExportResult:
-        from tracing.record import to_readable
-
         if self._local is None:
             return SpanExportResult.FAILURE
         readable = [s if isinstance(s, ReadableSpan) else to_readable(s) for s in spans]
@@ -274,18 +267,6 @@ class ProcessExporter(SpanExporter):
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True  # every export waits for the child's answer: nothing is held here
-
-
-def _marshal(value: object) -> bytes:
-    import marshal
-
-    return marshal.dumps(value)
-
-
-def _own_scope() -> wire.Scope:
-    from tracing.record import SCOPE_NAME, SCOPE_VERSION
-
-    return (SCOPE_NAME, SCOPE_VERSION, None)
 
 
 def _after_fork_in_child() -> None:

@@ -201,6 +201,16 @@ def error_status(exc: BaseException) -> Status:
     return Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
 
 
+def span_start_ns(handle: SpanHandle) -> int:
+    """The exported start of a handle's span. A wait begun before its parent existed
+    starts with its parent (a child outside its parent confuses trace views); the
+    statistics keep all of it."""
+    link = handle._parent_link
+    if link is not None and not isinstance(link, SpanContext):
+        return max(handle.start_time_ns, link.start_time_ns)
+    return handle.start_time_ns
+
+
 def to_readable(handle: SpanHandle) -> ReadableSpan:
     """The SDK span of an ended handle (runs on the export thread; cached per handle)."""
     readable = handle._readable
@@ -213,12 +223,6 @@ def to_readable(handle: SpanHandle) -> ReadableSpan:
         parent = span_context(parent)
     # dict(...) copies in one step under the GIL: a late set_attribute cannot break it.
     values = handle._attributes
-    start_ns = handle.start_time_ns
-    link = handle._parent_link
-    if link is not None and not isinstance(link, SpanContext) and link.start_time_ns > start_ns:
-        # A wait begun before its parent existed: the span starts with its parent (a
-        # child outside its parent confuses trace views); the statistics keep it all.
-        start_ns = link.start_time_ns
     readable = ReadableSpan(
         name=handle.name,
         context=span_context(handle),
@@ -228,7 +232,7 @@ def to_readable(handle: SpanHandle) -> ReadableSpan:
         events=tuple(handle._events) if handle._events else _NO_EVENTS,
         kind=SpanKind.INTERNAL,
         status=handle._status or _UNSET,
-        start_time=start_ns,
+        start_time=span_start_ns(handle),
         end_time=handle.end_time_ns,
         instrumentation_scope=recorder.scope,
     )

@@ -173,13 +173,12 @@ class Telemetry:
         self._shutdown_lock = threading.Lock()
         if self._report is not None:
             return
-        recorder = spans.runtime().recorder
-        resource = recorder.resource if recorder is not None else None
+        runtime = spans.runtime()
+        resource = runtime.recorder.resource if runtime.recorder is not None else None
         fresh = build_exporters(self.cfg, pid_suffix=True, resource=resource)
         for index, processor in enumerate(self.processors):
             processor.reinit_after_fork(fresh[index] if index < self._built_exporters else None)
         self.resolver = None
-        runtime = spans.runtime()
         spans.install(
             spans.Runtime(
                 self.stats,

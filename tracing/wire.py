@@ -1,20 +1,25 @@
 """Span records that cross a pipe: plain tuples that `marshal` writes in C.
 
 The export process (`tracing.export_process`) receives ended spans as these records and
-rebuilds the SDK's ReadableSpans from them (`from_record`), so the program being traced
-spends no GIL time on OTLP encoding. A record holds what the OTLP encoder reads:
+encodes the OTLP request from them (`RequestBuilder`; `SpanBuilder` rebuilds the SDK's
+ReadableSpans where that is needed), so the program being traced spends no GIL time on
+OTLP encoding. A record holds what the OTLP encoder reads:
 
     (name, trace_id, span_id, trace_flags, trace_state, parent_span_id, parent_is_remote,
      attributes, events, links, kind, status_code, status_description, start_ns, end_ns,
      scope_index)
 
 `scope_index` points into the batch's list of (name, version, schema_url) scopes. A
-record of a SpanHandle carries the same start-time clipping as `record.to_readable`.
+record of a SpanHandle starts where `record.to_readable` starts its span.
+
+On the pipe, each marshalled frame follows its length (FRAME); the child answers each
+batch with (sequence number, 1 exported / 0 failed) (ACK), sequence number 0 meaning ready.
 """
 
 from __future__ import annotations
 
 import marshal
+import struct
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +30,13 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import TraceState
 
+from tracing.record import span_start_ns
+
 if TYPE_CHECKING:
     from tracing.handle import SpanHandle
 
+FRAME = struct.Struct("<I")
+ACK = struct.Struct("<IB")
 Record = tuple[Any, ...]
 Scope = tuple[str, str | None, str | None]
 _INTERNAL = SpanKind.INTERNAL.value
@@ -49,18 +58,13 @@ def _events(events: Sequence[Event] | None) -> tuple[Any, ...] | None:
 
 def handle_record(handle: SpanHandle, scope_index: int) -> Record:
     """The record of an ended, sampled SpanHandle (runs on the export thread)."""
-    from tracing.handle import SpanHandle
-
     parent = handle._parent_link
-    start_ns = handle.start_time_ns
     if parent is None:
         parent_id, remote = 0, False
-    elif isinstance(parent, SpanHandle):
-        parent_id, remote = parent.span_id, False
-        # As record.to_readable: a child never starts before its parent.
-        start_ns = max(start_ns, parent.start_time_ns)
-    else:
+    elif isinstance(parent, SpanContext):
         parent_id, remote = parent.span_id, parent.is_remote
+    else:  # a SpanHandle
+        parent_id, remote = parent.span_id, False
     status = handle._status
     values = handle._attributes
     return (
@@ -69,7 +73,7 @@ def handle_record(handle: SpanHandle, scope_index: int) -> Record:
         _events(handle._events), None, _INTERNAL,
         status.status_code.value if status is not None else 0,
         status.description if status is not None else None,
-        start_ns, handle.end_time_ns, scope_index,
+        span_start_ns(handle), handle.end_time_ns, scope_index,
     )  # fmt: skip
 
 

@@ -220,8 +220,8 @@ def test_export_process_off_exports_in_this_process(tmp_path: Path) -> None:
     (exporter,) = build_exporters(cfg, resource=resource)
     assert not isinstance(exporter, ProcessExporter)
     exporter.shutdown()
-    (child,) = build_exporters(cfg.__class__(exporter="file", trace_file=cfg.trace_file),
-                               resource=resource)  # fmt: skip
+    in_child = tracing.TracingConfig(exporter="file", trace_file=cfg.trace_file)
+    (child,) = build_exporters(in_child, resource=resource)
     assert isinstance(child, ProcessExporter)
     child.shutdown()
 
