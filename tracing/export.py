@@ -25,7 +25,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from tracing.record import to_readable
+from tracing.record import readable_spans
 
 logger = logging.getLogger("tracing")
 
@@ -176,7 +176,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             if getattr(self.exporter, "takes_records", False):
                 spans = batch  # it encodes the handles itself (tracing.export_process)
             else:
-                spans = [s if isinstance(s, ReadableSpan) else to_readable(s) for s in batch]
+                spans = readable_spans(batch)
             ok = self.exporter.export(spans) == SpanExportResult.SUCCESS
         except Exception:  # telemetry never crashes the host program
             logger.exception("tracing: exporter %s raised", type(self.exporter).__name__)

@@ -35,7 +35,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from tracing import wire
 from tracing.exporters import ExporterSpec, make_exporter
-from tracing.record import SCOPE_NAME, SCOPE_VERSION, to_readable
+from tracing.record import SCOPE_NAME, SCOPE_VERSION, readable_spans
 from tracing.wire import ACK, FRAME
 
 if TYPE_CHECKING:
@@ -178,8 +178,7 @@ class ProcessExporter(SpanExporter):
     def _export_here(self, spans: Sequence[ReadableSpan | SpanHandle]) -> SpanExportResult:
         if self._local is None:
             return SpanExportResult.FAILURE
-        readable = [s if isinstance(s, ReadableSpan) else to_readable(s) for s in spans]
-        return self._local.export(readable)
+        return self._local.export(readable_spans(spans))
 
     def _exit_status(self) -> str:
         proc = self._proc

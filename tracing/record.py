@@ -211,6 +211,11 @@ def span_start_ns(handle: SpanHandle) -> int:
     return handle.start_time_ns
 
 
+def readable_spans(spans: Sequence[ReadableSpan | SpanHandle]) -> list[ReadableSpan]:
+    """The SDK spans of a batch that mixes SDK spans and ended handles."""
+    return [s if isinstance(s, ReadableSpan) else to_readable(s) for s in spans]
+
+
 def to_readable(handle: SpanHandle) -> ReadableSpan:
     """The SDK span of an ended handle (runs on the export thread; cached per handle)."""
     readable = handle._readable

@@ -26,7 +26,7 @@ import tracing
 from tracing import wire
 from tracing.export_process import ProcessExporter
 from tracing.exporters import build_exporters, make_exporter
-from tracing.record import SCOPE_NAME, SCOPE_VERSION, to_readable
+from tracing.record import SCOPE_NAME, SCOPE_VERSION, readable_spans
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -90,7 +90,7 @@ def _record_a_trace() -> list[object]:
 def test_records_rebuild_the_same_otlp_request() -> None:
     spans = _record_a_trace()
     assert len(spans) == 7
-    readable = [s if not hasattr(s, "_rec") else to_readable(s) for s in spans]
+    readable = readable_spans(spans)
     resource = readable[0].resource
     payload = wire.encode_batch(spans, (SCOPE_NAME, SCOPE_VERSION, None))
     rebuilt = wire.SpanBuilder(Resource(dict(resource.attributes), resource.schema_url))
