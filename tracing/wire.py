@@ -127,7 +127,7 @@ def _cleaned(record: Record) -> Record:
     attributes = record[7]
     if attributes:
         cleaned = BoundedAttributes(
-            limits.max_span_attributes, attributes, max_value_len=limits.max_attribute_length
+            limits.max_span_attributes, attributes, max_value_len=limits.max_span_attribute_length
         )
         attributes = {k: v for k, v in cleaned.items() if _marshals(v)}
     events = record[8]

@@ -256,3 +256,17 @@ def test_the_sdk_exporters_send_requests_encoded_from_records(request, protocol)
     finally:
         exporter.shutdown()
     assert [name for received in receiver.requests for name in received.span_names] == ["a", "b"]
+
+
+def test_cleaned_records_keep_the_span_attribute_length_limit(monkeypatch) -> None:
+    """A batch with a value marshal cannot write is cleaned with the limit the SDK's span
+    uses for its attributes: the span-specific length limit, not the general one."""
+    monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "2")
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "5")
+    spans = _record_a_trace()
+    readable = {s.name: s for s in readable_spans(spans)}
+    resource = Resource(dict(readable["batch"].resource.attributes))
+    payload = wire.encode_batch(spans, (SCOPE_NAME, SCOPE_VERSION, None))
+    rebuilt = {s.name: s for s in wire.SpanBuilder(resource).build(payload)}
+    assert dict(rebuilt["drafter.step"].attributes) == {"thread.name": "d-0"}
+    assert dict(readable["drafter.step"].attributes) == {"thread.name": "d-0"}
