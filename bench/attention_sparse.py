@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from dflash.attention import BlockLayout, block_sparse_attention
-from dflash.objective import select_anchors
+from dflash.drafter.attention import BlockLayout, block_sparse_attention
+from dflash.objective.blocks import select_anchors
 
 
 def make_inputs(args: argparse.Namespace) -> tuple[torch.Tensor, ...]:

@@ -19,12 +19,12 @@ from pathlib import Path
 
 from train_throughput import parse_overrides
 
-from dflash.config import config_from_options
-from dflash.data import build_datasets, heldout_prompts
-from dflash.drafter import load_drafter
-from dflash.evaluate import evaluate_tau
-from dflash.prompts import load_chat_prompts
-from dflash.reference import train_reference
+from dflash.config.settings import config_from_options
+from dflash.data.datasets import build_datasets, heldout_prompts
+from dflash.drafter.io import load_drafter
+from dflash.eval.evaluate import evaluate_tau
+from dflash.eval.prompts import load_chat_prompts
+from dflash.run.reference import train_reference
 
 
 def _prompts(args: argparse.Namespace, cfg, target) -> list[list[int]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import resource
 import time
 from collections.abc import Iterator
@@ -26,13 +27,20 @@ from dataclasses import dataclass
 import torch
 
 import tracing
-from dflash.config import config_from_options
-from dflash.data import Batch
-from dflash.drafter import DFlashDrafter, DrafterConfig
-from dflash.estimate import estimate_for_config, geometry_of
-from dflash.replicas import capture_fn
-from dflash.step import DrafterTrainer
-from dflash.synthetic import QWEN3_8B, TINY_QWEN3, Qwen3Shape, random_qwen3_target
+from dflash.config.settings import config_from_options
+from dflash.data.datasets import Batch
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.run.estimate import estimate_for_config
+from dflash.run.replicas import capture_fn
+from dflash.target.geometry import TargetGeometry
+from dflash.target.load import target_dtype
+from dflash.target.synthetic import (
+    QWEN3_8B,
+    QWEN3_8B_MASK_TOKEN_ID,
+    TINY_QWEN3,
+    random_qwen3_target,
+)
+from dflash.train.step import DrafterTrainer
 
 MODES = ("off", "sync", "events")
 PHASES = ("target.forward", "drafter.block_prediction", "drafter.loss", "drafter.backward",
@@ -41,7 +49,8 @@ PHASES = ("target.forward", "drafter.block_prediction", "drafter.loss", "drafter
 
 @dataclass(frozen=True)
 class Recipe:
-    shape: Qwen3Shape
+    shape: TargetGeometry
+    mask_token_id: int
     seq_len: int
     num_anchors: int
     batch_size: int
@@ -52,8 +61,8 @@ class Recipe:
     gamma: float = 7.0
 
 
-PAPER = Recipe(QWEN3_8B, seq_len=3072, num_anchors=512, batch_size=2)
-SMALL = Recipe(TINY_QWEN3.scaled(vocab_size=4096, mask_token_id=4095, num_hidden_layers=6),
+PAPER = Recipe(QWEN3_8B, QWEN3_8B_MASK_TOKEN_ID, seq_len=3072, num_anchors=512, batch_size=2)
+SMALL = Recipe(dataclasses.replace(TINY_QWEN3, vocab_size=4096, num_layers=6), 4095,
                seq_len=256, num_anchors=32, batch_size=1, drafter_layers=2)  # fmt: skip
 
 
@@ -62,8 +71,7 @@ class Step:
 
     def __init__(self, recipe: Recipe, device: torch.device) -> None:
         self.recipe, self.device = recipe, device
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        self.target = random_qwen3_target(recipe.shape, device, dtype)
+        self.target = random_qwen3_target(recipe.shape, device, target_dtype(device))
         self.cfg = config_from_options({
             "seq_len": recipe.seq_len, "batch_size": recipe.batch_size,
             "num_anchors": recipe.num_anchors, "block_size": recipe.block_size,
@@ -72,7 +80,7 @@ class Step:
         })  # fmt: skip
         dcfg = DrafterConfig.for_target(
             self.target, num_layers=recipe.drafter_layers, block_size=recipe.block_size,
-            mask_token_id=recipe.shape.mask_token_id,
+            mask_token_id=recipe.mask_token_id,
         )  # fmt: skip
         drafter = DFlashDrafter(dcfg, self.target.embed_tokens, self.target.lm_head).to(device)
         self.trainer = DrafterTrainer(drafter, self.cfg, device)  # fp32 master weights
@@ -82,7 +90,7 @@ class Step:
 
     def __call__(self) -> None:
         r, dev = self.recipe, self.device
-        ids = torch.randint(0, r.shape.mask_token_id, (r.batch_size, r.seq_len), generator=self.gen)
+        ids = torch.randint(0, r.mask_token_id, (r.batch_size, r.seq_len), generator=self.gen)
         batch = Batch(self.steps, ids, torch.ones_like(ids, dtype=torch.bool))
         with tracing.phase("target.forward", device=dev):
             target_out = self.forward(batch)
@@ -165,10 +173,10 @@ def main() -> None:
     results = {mode: run_mode(step, mode, steps) for mode in MODES}
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     r = recipe
-    print(f"device {name}; target {r.shape.hidden_size}x{r.shape.num_hidden_layers} "
+    print(f"device {name}; target {r.shape.hidden_size}x{r.shape.num_layers} "
           f"V={r.shape.vocab_size}; {r.batch_size} rows x {r.seq_len} tokens, "
           f"{r.num_anchors} anchors, block {r.block_size}; {steps} steps per mode")  # fmt: skip
-    print("\n".join(estimate_for_config(step.cfg, geometry_of(step.target), device)))
+    print("\n".join(estimate_for_config(step.cfg, step.target.geometry, device)))
     off = results["off"]["tok_s"]
     for mode, res in results.items():
         cost = (off / res["tok_s"] - 1) * 100

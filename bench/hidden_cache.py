@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from train_throughput import parse_overrides
 
-from dflash.config import config_from_options
-from dflash.devices import decide_placement
-from dflash.hidden_cache import open_hidden_cache, write_hidden_cache
-from dflash.run import build_drafter, build_run
-from dflash.step import DrafterTrainer
+from dflash.config.devices import decide_placement
+from dflash.config.settings import config_from_options
+from dflash.offline.hidden_cache import open_hidden_cache, write_hidden_cache
+from dflash.run.lifecycle import build_drafter, build_run
+from dflash.train.step import DrafterTrainer
 
 
 def _timed_steps(cfg, target, layer_ids, source, steps: int) -> float:

@@ -1,7 +1,7 @@
 """Peak memory of one training step: dense logits + dense mask vs chunked loss + sparse attention.
 
 The target is a Qwen3-shaped model with random weights and a 32,768-row vocabulary
-(`dflash.synthetic.TINY_QWEN3`), seq 1,024, one row, block size 16, one drafter
+(`dflash.target.synthetic.TINY_QWEN3`), seq 1,024, one row, block size 16, one drafter
 layer; 16 vs 256 anchors, hard labels (CE) and soft labels. Each case runs in its own
 subprocess and reports its peak RSS (ru_maxrss), so cases do not share an allocator.
 
@@ -29,21 +29,21 @@ CASES = [(m, s, n) for s in (False, True) for m in ("dense", "chunked") for n in
 def run_case(mode: str, soft: bool, anchors: int) -> dict[str, float]:
     import torch
 
-    from dflash.chunked_loss import chunked_dflash_loss, gather_target_hidden
-    from dflash.drafter import DFlashDrafter, DrafterConfig
-    from dflash.objective import (
-        LossConfig,
+    from dflash.config.settings import LossConfig
+    from dflash.drafter.model import DFlashDrafter, DrafterConfig
+    from dflash.objective.blocks import (
         block_labels,
         build_blocks,
-        dflash_loss,
         gather_target_logits,
         select_anchors,
     )
-    from dflash.synthetic import TINY_QWEN3, random_qwen3_target
+    from dflash.objective.loss import chunked_dflash_loss, gather_target_hidden
+    from dflash.objective.reference import dflash_loss
+    from dflash.target.synthetic import TINY_QWEN3, random_qwen3_target
 
     target = random_qwen3_target(TINY_QWEN3)
     cfg = DrafterConfig.for_target(target, num_layers=DRAFTER_LAYERS, block_size=BLOCK_SIZE,
-                                   mask_token_id=TINY_QWEN3.mask_token_id)  # fmt: skip
+                                   mask_token_id=TINY_QWEN3.vocab_size - 1)  # fmt: skip
     drafter = DFlashDrafter(cfg, target.embed_tokens, target.lm_head)
     drafter.attention_backend = "dense" if mode == "dense" else "grouped"
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)

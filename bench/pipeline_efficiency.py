@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.stages import Pipeline
+from dflash.pipeline.stages import Pipeline
 
 BAR = 0.95
 

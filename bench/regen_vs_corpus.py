@@ -9,7 +9,7 @@ held-out prompts of the embedded corpus:
   windows       the windows the regeneration recipe cuts (prefix + continuation),
                 with the corpus' own continuation
   regenerated   `--data embedded` (the default): the same prefixes continued by the
-                target's greedy decoding (dflash.regenerate.EMBEDDED_RECIPE, cached)
+                target's greedy decoding (dflash.offline.regenerate.EMBEDDED_RECIPE, cached)
 OUTPUT_DIR (default runs/bench-regen) keeps the window file and the drafters.
 """
 
@@ -24,14 +24,15 @@ from typing import Any
 
 from train_throughput import parse_overrides
 
-from dflash.config import config_from_options
-from dflash.corpus import EMBEDDED, EMBEDDED_CORPUS, embedded_corpus
-from dflash.data import build_datasets, encode_texts, heldout_prompts
-from dflash.drafter import load_drafter
-from dflash.evaluate import evaluate_tau
-from dflash.reference import train_reference
-from dflash.regenerate import EMBEDDED_RECIPE, RegenerateSettings, window_starts
-from dflash.target import load_target
+from dflash.config.settings import config_from_options
+from dflash.data.corpus import EMBEDDED, EMBEDDED_CORPUS, embedded_corpus
+from dflash.data.datasets import build_datasets, heldout_prompts
+from dflash.data.tokenizer import encode_texts
+from dflash.drafter.io import load_drafter
+from dflash.eval.evaluate import evaluate_tau
+from dflash.offline.regenerate import EMBEDDED_RECIPE, RegenerateSettings, window_starts
+from dflash.run.reference import train_reference
+from dflash.target.load import load_target
 
 
 def train_drafter(options: dict[str, Any]) -> tuple[Path, float]:

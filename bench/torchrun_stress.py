@@ -1,7 +1,7 @@
 """Runs the 2-rank torchrun training test many times under CPU load; prints the pass count.
 
 A test that aborts once in a hundred runs blocks a landing sooner or later, so this
-repeats `tests/dflash/test_pipeline_training.py::test_torchrun_two_ranks_train_identical_weights`
+repeats `tests/dflash/run/test_pipelined.py::test_torchrun_two_ranks_train_identical_weights`
 (2 gloo ranks, the real pipeline, checkpoints) while busy processes load every core.
 
     python bench/torchrun_stress.py                # 20 runs, one busy process per core
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST = "tests/dflash/test_pipeline_training.py::test_torchrun_two_ranks_train_identical_weights"
+TEST = "tests/dflash/run/test_pipelined.py::test_torchrun_two_ranks_train_identical_weights"
 
 
 def _busy(stop: mp.synchronize.Event) -> None:

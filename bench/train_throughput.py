@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from dflash.config import TrainConfig, config_from_options, option_default
-from dflash.devices import decide_placement
-from dflash.run import build_run
+from dflash.config.devices import decide_placement
+from dflash.config.settings import TrainConfig, config_from_options, option_default
+from dflash.run.lifecycle import build_run
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""Span and attribute names of a training run, in one place (DESIGN.md §5).
+"""Span and attribute names of a training run, in one place (docs/design.md §5).
 
 The code, the tests and the dashboard's test read them from here. Attribute keys are
 namespaced `dflash.*`, except the registered OpenTelemetry conventions (`thread.*`).
@@ -28,6 +28,10 @@ SPANS = (BATCH, DATA_BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, TARGET_READ, HS_QU
 
 # --- statistics without a span ---------------------------------------------------------
 HS_QUEUE_PUT = "hs_queue.put"  # target threads blocked on a full hs_queue
+
+# --- what a stage thread is doing when it fails or stalls (no span, no statistics) ------
+BATCH_QUEUE_PUT = "batch_queue.put"
+DRAFTER_BOOKKEEPING = "drafter.bookkeeping"  # progress, logged figures, checkpoints
 
 # --- attribute keys --------------------------------------------------------------------
 STEP = "dflash.step"

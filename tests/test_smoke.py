@@ -1,4 +1,5 @@
-from dflash.corpus import ByteTokenizer, embedded_corpus, is_heldout
+from dflash.data.corpus import embedded_corpus, is_heldout
+from dflash.data.tokenizer import ByteTokenizer
 
 
 def test_byte_tokenizer_round_trip() -> None:

@@ -444,7 +444,7 @@ def emitted_metrics(stack: Stack) -> tuple[set[str], set[str]]:
 
     Mirrors the spanmetrics connector (contrib v0.140): `<namespace>.calls` (monotonic
     sum) and `<namespace>.duration` (histogram in `histogram.unit`); the trainer's own
-    metrics (dflash.run_metrics.METRICS) when a metrics pipeline takes OTLP into the
+    metrics (dflash.observe.metrics.METRICS) when a metrics pipeline takes OTLP into the
     prometheus exporter; and that exporter's name translation.
     """
     connector = spanmetrics_config(stack)
@@ -473,9 +473,9 @@ APP_RESOURCE_LABELS = {"service_name", "service_instance_id", "dflash_run_id", "
 
 
 def app_metrics(stack: Stack) -> tuple[set[str], set[str]]:
-    """Prometheus names and labels of dflash.run_metrics.METRICS, when the collector has
+    """Prometheus names and labels of dflash.observe.metrics.METRICS, when the collector has
     a pipeline from the OTLP receiver into the prometheus exporter."""
-    from dflash.run_metrics import METRICS, NAMESPACE
+    from dflash.observe.metrics import METRICS, NAMESPACE
 
     pipelines = stack["collector"]["service"]["pipelines"].values()
     if not any(
@@ -893,7 +893,7 @@ def test_dashboard_shows_the_run_metrics_with_a_run_selector(stack: Stack) -> No
 
 
 def test_bottleneck_panel_follows_the_verdict_rule(stack: Stack) -> None:
-    from dflash.bottleneck import DEFAULT_THRESHOLD, WaitShares, verdict
+    from dflash.observe.bottleneck import DEFAULT_THRESHOLD, WaitShares, verdict
 
     panel = dashboard_panel(stack, "Bottleneck")
     (target,) = panel["targets"]

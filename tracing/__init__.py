@@ -75,8 +75,8 @@ Device clocks
 from tracing.clock import now_ns
 from tracing.config import TracingConfig, TracingConfigError
 from tracing.device import CudaClock, DeviceClock, EventResolver, HostClock
-from tracing.export import BoundedBatchSpanProcessor, DeliveryCounts
-from tracing.exporters import OtlpJsonFileExporter
+from tracing.export.exporters import OtlpJsonFileExporter
+from tracing.export.processor import BoundedBatchSpanProcessor, DeliveryCounts
 from tracing.format import DEVICE_SUFFIX, format_compact, format_duration, format_table
 from tracing.reporter import Reporter
 from tracing.snapshot import PhaseStats, StatsSnapshot

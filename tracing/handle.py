@@ -2,19 +2,19 @@
 
 With tracing off a handle only measures its duration for ProfileStats. With a span
 (`_rec` set) it holds exactly what the span needs (ids, times, name, parent,
-attributes, status); the export thread builds the SDK span from it (`tracing.record`).
+attributes, status); the export thread builds the SDK span from it (`to_readable`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.trace import SpanContext, Status
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanProcessor
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from tracing import record
 from tracing.clock import now_ns
@@ -25,6 +25,10 @@ logger = logging.getLogger("tracing")
 _EMPTY_CONTEXT = Context()
 _time_ns = now_ns
 _new_span_id = record.new_span_id
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+_UNSET = Status(StatusCode.UNSET)
+_NO_EVENTS: tuple[Event, ...] = ()
 
 
 class SpanHandle:
@@ -103,18 +107,18 @@ class SpanHandle:
             return None
         context = self._context
         if context is None:
-            span = trace.NonRecordingSpan(record.span_context(self))
+            span = trace.NonRecordingSpan(span_context(self))
             context = self._context = trace.set_span_in_context(span, _EMPTY_CONTEXT)
         return context
 
     @property
     def span_context(self) -> SpanContext | None:
-        return None if self._rec is None else record.span_context(self)
+        return None if self._rec is None else span_context(self)
 
     @property
     def span(self) -> trace.Span | None:
         """A read-only OTel view of the span (change it through this handle's methods)."""
-        return None if self._rec is None else trace.NonRecordingSpan(record.span_context(self))
+        return None if self._rec is None else trace.NonRecordingSpan(span_context(self))
 
     @property
     def recording(self) -> bool:
@@ -151,6 +155,8 @@ class SpanHandle:
         recorder = self._rec
         if recorder is not None and self.sampled:
             recorder.finish(self)
+            if recorder.sync_processors:
+                _deliver_now(self, recorder.sync_processors)
 
 
 def resolve_parent(parent: object) -> SpanHandle | SpanContext | None:
@@ -168,3 +174,74 @@ def resolve_parent(parent: object) -> SpanHandle | SpanContext | None:
         "parent", f"parent must be an OTel Context or a SpanHandle, got {type(parent).__name__}"
     )
     return record.foreign_parent(None)
+
+
+def _deliver_now(handle: SpanHandle, processors: Sequence[SpanProcessor]) -> None:
+    """`on_end` of each synchronous processor, on the ending thread (tests). Never raises."""
+    try:
+        span = to_readable(handle)
+    except Exception:  # telemetry never crashes the host program
+        logger.exception("tracing: could not build span %s", handle.name)
+        return
+    for processor in processors:
+        try:
+            processor.on_end(span)
+        except Exception:
+            logger.exception("tracing: span processor %s raised", type(processor).__name__)
+
+
+# --- the SDK span of a handle (export threads) -------------------------------------
+
+
+def span_context(handle: SpanHandle) -> SpanContext:
+    """The SpanContext of a handle that has a span (built once, then cached)."""
+    cached = handle._span_context
+    if cached is None:
+        flags = _SAMPLED if handle.sampled else _NOT_SAMPLED
+        cached = SpanContext(handle.trace_id, handle.span_id, False, flags, handle._trace_state)
+        handle._span_context = cached
+    return cached
+
+
+def span_start_ns(handle: SpanHandle) -> int:
+    """The exported start of a handle's span. A wait begun before its parent existed
+    starts with its parent (a child outside its parent confuses trace views); the
+    statistics keep all of it."""
+    link = handle._parent_link
+    if link is not None and not isinstance(link, SpanContext):
+        return max(handle.start_time_ns, link.start_time_ns)
+    return handle.start_time_ns
+
+
+def readable_spans(spans: Sequence[ReadableSpan | SpanHandle]) -> list[ReadableSpan]:
+    """The SDK spans of a batch that mixes SDK spans and ended handles."""
+    return [s if isinstance(s, ReadableSpan) else to_readable(s) for s in spans]
+
+
+def to_readable(handle: SpanHandle) -> ReadableSpan:
+    """The SDK span of an ended handle (runs on the export thread; cached per handle)."""
+    readable = handle._readable
+    if readable is not None:
+        return readable
+    recorder = handle._rec
+    assert recorder is not None  # only handles with a span reach the processors
+    parent = handle._parent_link
+    if parent is not None and not isinstance(parent, SpanContext):
+        parent = span_context(parent)
+    # dict(...) copies in one step under the GIL: a late set_attribute cannot break it.
+    values = handle._attributes
+    readable = ReadableSpan(
+        name=handle.name,
+        context=span_context(handle),
+        parent=parent,
+        resource=recorder.resource,
+        attributes=recorder.attributes(dict(values) if values else None),
+        events=tuple(handle._events) if handle._events else _NO_EVENTS,
+        kind=SpanKind.INTERNAL,
+        status=handle._status or _UNSET,
+        start_time=span_start_ns(handle),
+        end_time=handle.end_time_ns,
+        instrumentation_scope=recorder.scope,
+    )
+    handle._readable = readable
+    return readable

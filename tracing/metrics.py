@@ -46,8 +46,8 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from tracing.clock import now_ns
 from tracing.config import TracingConfig
-from tracing.export import lower_thread_priority
-from tracing.exporters import otlp_exporter, quiet_otlp_loggers
+from tracing.export.exporters import otlp_exporter, quiet_otlp_loggers
+from tracing.export.processor import lower_thread_priority
 from tracing.metrics_config import METRICS_EXPORTERS, MetricsConfig, otlp_metrics_url
 from tracing.snapshot import BUCKETS_PER_OCTAVE
 from tracing.stats import ProfileStats

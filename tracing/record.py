@@ -3,9 +3,10 @@
 The SDK's `Tracer.start_span` + `Span.end` cost 15-30 us per span on a small machine
 (sampler objects, locks, attribute validation, processor fan-out). A phase only needs
 its ids, times, name, parent, attributes and status, so the hot path keeps exactly that
-on the phase's own handle (a `SpanHandle`) and hands the handle to the processors. The
-export thread turns it into the SDK's `ReadableSpan` (`to_readable`), with the
-provider's Resource and our instrumentation scope, and calls the real exporters.
+on the phase's own handle (a `tracing.handle.SpanHandle`) and hands the handle to the
+processors. The export thread turns it into the SDK's `ReadableSpan`
+(`tracing.handle.to_readable`), with the provider's Resource and the instrumentation
+scope kept here, and calls the real exporters.
 
 Sampling is the SDK's ParentBased(TraceIdRatioBased(ratio)), computed inline: a root
 is sampled when the low 64 bits of its trace id are below round(ratio * 2**64); a child
@@ -19,19 +20,16 @@ import os
 import random
 import traceback
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor
+from opentelemetry.sdk.trace import Event, SpanLimits, SpanProcessor
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
-
-if TYPE_CHECKING:
-    from tracing.handle import SpanHandle
+from opentelemetry.trace import SpanContext, Status, StatusCode
 
 logger = logging.getLogger("tracing")
 
@@ -51,10 +49,6 @@ def _scope_version() -> str:
 SCOPE_NAME = "tracing"
 SCOPE_VERSION = _scope_version()
 _TRACE_ID_LOW_MASK = TraceIdRatioBased.TRACE_ID_LIMIT  # the bits TraceIdRatioBased reads
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
-_UNSET = Status(StatusCode.UNSET)
-_NO_EVENTS: tuple[Event, ...] = ()
 
 
 _warned: set[str] = set()
@@ -114,16 +108,17 @@ class Recorder:
     """What recording spans needs, built once by `setup`; never mutated afterwards.
 
     Thread contract: `finish` runs on the thread that ends a span and never blocks;
-    `to_readable` runs on an export thread (or on the ending thread for `sync_processors`).
+    the handle's `to_readable` runs on an export thread (or on the ending thread for
+    `sync_processors`).
     """
 
-    __slots__ = ("bound", "resource", "scope", "limits", "_appends", "_sync_processors")
+    __slots__ = ("bound", "resource", "scope", "limits", "sync_processors", "_appends")
 
     def __init__(
         self,
         sample_ratio: float,
         resource: Resource,
-        appends: Sequence[Callable[[SpanHandle], None]] = (),
+        appends: Sequence[Callable[[Any], None]] = (),
         sync_processors: Sequence[SpanProcessor] = (),
     ) -> None:
         """`appends` take ended sampled handles (a bounded processor's `on_end_record`);
@@ -133,29 +128,16 @@ class Recorder:
         self.scope = InstrumentationScope(SCOPE_NAME, SCOPE_VERSION)
         self.limits = SpanLimits()
         self._appends = tuple(appends)
-        self._sync_processors = tuple(sync_processors)
+        self.sync_processors = tuple(sync_processors)
 
     def root_sampled(self, trace_id: int) -> bool:
         return (trace_id & _TRACE_ID_LOW_MASK) < self.bound
 
-    def finish(self, handle: SpanHandle) -> None:
-        """Hands an ended, sampled span to every processor. Never raises."""
+    def finish(self, handle: Any) -> None:
+        """Hands an ended, sampled span (a SpanHandle) to every bounded processor.
+        Never raises; the handle delivers itself to `sync_processors`."""
         for append in self._appends:
             append(handle)
-        if self._sync_processors:
-            self._finish_sync(handle)
-
-    def _finish_sync(self, handle: SpanHandle) -> None:
-        try:
-            span = to_readable(handle)
-        except Exception:  # telemetry never crashes the host program
-            logger.exception("tracing: could not build span %s", handle.name)
-            return
-        for processor in self._sync_processors:
-            try:
-                processor.on_end(span)
-            except Exception:
-                logger.exception("tracing: span processor %s raised", type(processor).__name__)
 
     def attributes(self, values: dict[str, Any] | None) -> BoundedAttributes:
         limits = self.limits
@@ -187,59 +169,5 @@ class Recorder:
         return Event("exception", attributes, timestamp_ns)
 
 
-def span_context(handle: SpanHandle) -> SpanContext:
-    """The SpanContext of a handle that has a span (built once, then cached)."""
-    cached = handle._span_context
-    if cached is None:
-        flags = _SAMPLED if handle.sampled else _NOT_SAMPLED
-        cached = SpanContext(handle.trace_id, handle.span_id, False, flags, handle._trace_state)
-        handle._span_context = cached
-    return cached
-
-
 def error_status(exc: BaseException) -> Status:
     return Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
-
-
-def span_start_ns(handle: SpanHandle) -> int:
-    """The exported start of a handle's span. A wait begun before its parent existed
-    starts with its parent (a child outside its parent confuses trace views); the
-    statistics keep all of it."""
-    link = handle._parent_link
-    if link is not None and not isinstance(link, SpanContext):
-        return max(handle.start_time_ns, link.start_time_ns)
-    return handle.start_time_ns
-
-
-def readable_spans(spans: Sequence[ReadableSpan | SpanHandle]) -> list[ReadableSpan]:
-    """The SDK spans of a batch that mixes SDK spans and ended handles."""
-    return [s if isinstance(s, ReadableSpan) else to_readable(s) for s in spans]
-
-
-def to_readable(handle: SpanHandle) -> ReadableSpan:
-    """The SDK span of an ended handle (runs on the export thread; cached per handle)."""
-    readable = handle._readable
-    if readable is not None:
-        return readable
-    recorder = handle._rec
-    assert recorder is not None  # only handles with a span reach the processors
-    parent = handle._parent_link
-    if parent is not None and not isinstance(parent, SpanContext):
-        parent = span_context(parent)
-    # dict(...) copies in one step under the GIL: a late set_attribute cannot break it.
-    values = handle._attributes
-    readable = ReadableSpan(
-        name=handle.name,
-        context=span_context(handle),
-        parent=parent,
-        resource=recorder.resource,
-        attributes=recorder.attributes(dict(values) if values else None),
-        events=tuple(handle._events) if handle._events else _NO_EVENTS,
-        kind=SpanKind.INTERNAL,
-        status=handle._status or _UNSET,
-        start_time=span_start_ns(handle),
-        end_time=handle.end_time_ns,
-        instrumentation_scope=recorder.scope,
-    )
-    handle._readable = readable
-    return readable

@@ -18,6 +18,7 @@ from bisect import bisect_left, bisect_right
 from threading import get_ident
 from typing import Any
 
+from tracing.format import format_compact, format_table
 from tracing.snapshot import MIN_BUCKET, TINY_S, PhaseStats, StatsSnapshot, bucket_edge_s, bucket_of
 
 _FOLD_AT = 1024
@@ -230,13 +231,9 @@ class ProfileStats:
             return name in self._live or name in self._done
 
     def format_compact(self) -> str:
-        from tracing.format import format_compact
-
         return format_compact(self.snapshot())
 
     def format_table(self) -> str:
-        from tracing.format import format_table
-
         return format_table(self.snapshot())
 
     def __str__(self) -> str:

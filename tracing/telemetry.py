@@ -22,8 +22,8 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from tracing import spans
 from tracing.config import TracingConfig
 from tracing.device import DeviceClock, EventResolver, cuda_clock_or_none
-from tracing.export import BoundedBatchSpanProcessor, DeliveryCounts
-from tracing.exporters import build_exporters
+from tracing.export.process import build_exporters
+from tracing.export.processor import BoundedBatchSpanProcessor, DeliveryCounts
 from tracing.record import Recorder
 from tracing.stats import ProfileStats
 

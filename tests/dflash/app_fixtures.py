@@ -1,30 +1,59 @@
-"""Shared helpers of the app tests: a small untrained target and a seconds-long config."""
+"""Shared helpers of the app tests: a small untrained target, a seconds-long config, and
+test files run as torchrun workers."""
+
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
-from dflash.config import config_from_options
-from dflash.devices import decide_placement
-from dflash.run import Run, build_run
-from dflash.step import DrafterTrainer
-from dflash.tiny import TinyLM, TinyLMConfig
+from dflash.config.devices import decide_placement
+from dflash.config.settings import config_from_options
+from dflash.run.lifecycle import Run, build_run
+from dflash.target import load as target_load
+from dflash.target.tiny import TinyLM, TinyLMConfig
+from dflash.train.step import DrafterTrainer
 
 SMALL_LM = TinyLMConfig(hidden_size=32, num_layers=4, num_heads=2, intermediate_size=64)
 
 
-@pytest.fixture
-def tiny_target(monkeypatch):
-    """load_target returns an untrained small tiny LM: no minutes-long preparation."""
-    from dflash import target as target_mod
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _small_target_loader(real_load):
+    """A load_target whose builtin targets are an untrained small tiny LM."""
 
     def load(spec, device="cpu", dtype=None, log=print):
         if not spec.startswith("builtin:"):
             return real_load(spec, device, dtype, log)
         torch.manual_seed(123)
-        return target_mod.wrap_tiny(TinyLM(SMALL_LM), spec=spec).to(device=device, dtype=dtype)
+        return target_load.wrap_tiny(TinyLM(SMALL_LM), spec=spec).to(device=device, dtype=dtype)
 
-    real_load = target_mod.load_target
-    monkeypatch.setattr(target_mod, "load_target", load)
+    return load
+
+
+@pytest.fixture
+def tiny_target(monkeypatch):
+    """load_target returns an untrained small tiny LM: no minutes-long preparation."""
+    monkeypatch.setattr(target_load, "load_target", _small_target_loader(target_load.load_target))
+
+
+def small_target_everywhere() -> None:
+    """What the tiny_target fixture does, for a test file run as a script."""
+    target_load.load_target = _small_target_loader(target_load.load_target)
+
+
+def torchrun_command(nproc: int) -> list[str]:
+    """torchrun on this host with a rendezvous port the OS picks when it binds (choosing a
+    free port first and passing it on races other processes that bind ports meanwhile)."""
+    return ["torchrun", "--standalone", "--nproc-per-node", str(nproc)]
+
+
+def script_env(**extra: str) -> dict[str, str]:
+    """The environment of a test file run as a script (a torchrun worker): the checkout
+    first on the path, as pytest has it, so `tests.dflash...` imports resolve."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
 def write_corpus(directory):
@@ -64,3 +93,25 @@ def record_losses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
 
     monkeypatch.setattr(DrafterTrainer, "step", step)
     return seen
+
+
+# A value of every option that is not its default (config round trips, the CLI's flags).
+NON_DEFAULT = {
+    "data": "corpus.txt", "seq_len": 64, "batch_size": 3, "heldout_fraction": 0.1,
+    "packing": "concat", "drafter_intermediate_size": 96, "mask_token_id": 7,
+    "noise_schedule": "linear:0.5:1", "init_from": "runs/old/drafter",
+    "hidden_cache": "cache/",
+    "target": "builtin:other", "target_layers": (1, 3), "drafter_layers": 2,
+    "block_size": 6, "num_anchors": 5, "loss_decay_gamma": 2.5, "use_soft_labels": True,
+    "kl_temperature": 2.0, "kl_weight": 0.25, "streak_alpha": 0.5, "loss_chunk_size": 4, "lr": 1e-3,
+    "warmup_steps": 3, "grad_clip": 0.5, "weight_decay": 0.01, "min_lr_ratio": 0.2,
+    "grad_accum": 2, "activation_checkpointing": True, "max_bad_steps": 3,
+    "steps": 7, "seed": 11, "output_dir": "runs/x", "resume": "latest", "save_every": 2,
+    "keep_checkpoints": 4, "log_every": 3, "eval_prompts": 2, "eval_new_tokens": 9,
+    "eval_prompt_tokens": 10, "debug": True, "dry_run": True, "target_devices": ("cpu", "cpu"),
+    "drafter_devices": ("cpu",), "batch_queue_size": 5, "hs_queue_size": 3,
+    "otlp_endpoint": "http://localhost:4317", "otlp_protocol": "http", "trace_level": "step",
+    "trace_sample_ratio": 0.5, "trace_file": "spans.jsonl", "cuda_timing": "events",
+    "profile_interval": 5.0, "service_name": "svc", "timeline": "tl.json", "nvtx": True,
+    "torch_profile": "2:4",
+}  # fmt: skip

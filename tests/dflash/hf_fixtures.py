@@ -65,3 +65,33 @@ def save_hf_target(directory: Path, arch: str = "qwen3", spare_rows: int = SPARE
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
+
+
+def save_tiny_hf_model(directory) -> None:
+    """A 4-layer Llama with a byte-level BPE tokenizer and a chat template, built here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    raw.train_from_iterator(["def f(x):\n    return x + 1\n" * 20, "hello there"], trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    tok.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    )
+    tok.save_pretrained(directory)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok) + 8, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(directory)

@@ -1,4 +1,4 @@
-"""A short metrics run through the real library: dflash.run_metrics over OTLP.
+"""A short metrics run through the real library: dflash.observe.metrics over OTLP.
 
 A module of its own (not conftest.py), shared by the collector and Prometheus tests.
 The stage threads' phase durations follow given wait shares, so the bottleneck rule
@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import tracing
-from dflash.bottleneck import WaitShares
-from dflash.run_metrics import NAMESPACE, record_step, start_run_metrics
+from dflash.observe.bottleneck import WaitShares
+from dflash.observe.metrics import NAMESPACE, record_step, start_run_metrics
 
 TICK_S = 0.1
 

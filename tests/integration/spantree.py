@@ -1,4 +1,4 @@
-"""The dflash-train span tree (DESIGN.md §5) and checks on traces as Jaeger returns them.
+"""The dflash-train span tree (docs/design.md §5) and checks on traces as Jaeger returns them.
 
 Jaeger's query API (and its /api/transform endpoint) answers in the UI's JSON: a trace
 is {"traceID", "spans": [...], "processes": {...}}, a span has "spanID",

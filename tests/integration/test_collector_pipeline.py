@@ -31,7 +31,7 @@ from run_metrics_sender import metrics_run
 from spantree import PHASES, batch_tree_problems
 from test_jaeger_otlp import NUM_BATCHES, emit_batches, provider_for, unique_service
 
-from dflash.bottleneck import WaitShares
+from dflash.observe.bottleneck import WaitShares
 
 COLLECTOR_CONFIG = REPO_ROOT / "docker" / "otel-collector" / "config.yaml"
 

@@ -3,7 +3,7 @@
 Each run trains a few steps of the embedded default on the CPU, exporting over OTLP
 gRPC or HTTP (and writing a --trace-file), then reads Jaeger's query API: the service
 is listed, the operations include every phase, and each batch trace is the whole tree
-of DESIGN.md §5 with its attributes. The last test stops Jaeger mid-run, waits and
+of docs/design.md §5 with its attributes. The last test stops Jaeger mid-run, waits and
 restarts it: training goes on, spans after the return arrive, and the final summary
 counts what was lost.
 """

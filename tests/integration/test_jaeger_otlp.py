@@ -59,7 +59,7 @@ def provider_for(service: str, exporter: SpanExporter, batch: bool = True) -> Tr
 
 
 def emit_batch(tracer: trace.Tracer, step: int) -> None:
-    """One batch trace shaped like dflash-train's (DESIGN.md §5), wait spans included."""
+    """One batch trace shaped like dflash-train's (docs/design.md §5), wait spans included."""
     waited_since_ns = time.time_ns()
     with tracer.start_as_current_span(
         "batch", attributes={"step": step, "batch.id": 100 + step, "tokens": 512}

@@ -28,7 +28,7 @@ from test_collector_pipeline import collector as collector  # the fixture, re-ex
 from test_e2e_dflash import finish, train
 from test_jaeger_otlp import unique_service
 
-from dflash.bottleneck import DEFAULT_THRESHOLD, WaitShares, verdict
+from dflash.observe.bottleneck import DEFAULT_THRESHOLD, WaitShares, verdict
 
 PROMETHEUS_CONFIG = REPO_ROOT / "docker" / "prometheus" / "prometheus.yml"
 BUILD_SCRIPT = REPO_ROOT / "tools" / "prometheus" / "build.sh"

@@ -23,10 +23,11 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.span import TraceState
 
 import tracing
-from tracing import wire
-from tracing.export_process import ProcessExporter
-from tracing.exporters import build_exporters, make_exporter
-from tracing.record import SCOPE_NAME, SCOPE_VERSION, readable_spans
+from tracing.export import wire
+from tracing.export.exporters import make_exporter
+from tracing.export.process import ProcessExporter, build_exporters
+from tracing.handle import readable_spans
+from tracing.record import SCOPE_NAME, SCOPE_VERSION
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -196,7 +197,7 @@ def test_the_export_process_ends_when_the_program_is_killed(tmp_path: Path) -> N
         import os, sys, time
         sys.path.insert(0, {str(REPO)!r})
         from opentelemetry.sdk.resources import Resource
-        from tracing.export_process import ProcessExporter
+        from tracing.export.process import ProcessExporter
         exporter = ProcessExporter(("file", {str(tmp_path / "t.jsonl")!r}), Resource({{}}))
         print(exporter._proc.pid, flush=True)
         time.sleep(60)

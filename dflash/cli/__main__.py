@@ -1,0 +1,7 @@
+"""`python -m dflash.cli` (and `torchrun -m dflash.cli`) is `dflash-train`."""
+
+import sys
+
+from dflash.cli.app import main
+
+sys.exit(main())

@@ -1,0 +1,40 @@
+"""The `dflash-train` command group and `main`.
+
+The group only registers the commands; each command module builds the config from its
+options and calls one entry point of the library.
+"""
+
+from __future__ import annotations
+
+import click
+
+from dflash.cli import data, results, train
+
+
+class _DefaultGroup(click.Group):
+    """`dflash-train` alone (or with only train flags) means `dflash-train train`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or (args[0].startswith("-") and args[0] not in ("--help", "-h", "--version")):
+            args = ["train", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dflash-train")
+def cli() -> None:
+    """Train DFlash block-diffusion drafters; every pipeline phase is traced.
+
+    Without a command, runs `train` on the embedded default (a built-in tiny target
+    on the Python standard library's source; CPU, no downloads).
+    """
+
+
+for command in (train.train, results.eval_command, results.export_command,
+                train.prepare_target, results.report_command, data.regenerate_command,
+                data.cache_hidden_command):  # fmt: skip
+    cli.add_command(command)
+
+
+def main() -> None:
+    cli(prog_name="dflash-train")

@@ -1,0 +1,180 @@
+"""The data subcommands of `dflash-train`: `regenerate` and `cache-hidden`."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from dflash.cli.options import (
+    CommaList,
+    FiniteFloat,
+    build_config,
+    debug_option,
+    device_option,
+    echo_err,
+    report_errors,
+    schema_option,
+)
+from dflash.config.settings import DataConfig, config_from_options
+from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateSettings
+
+_REGEN = RegenerateSettings()  # the defaults of the regenerate options
+
+
+class _RegenBar:
+    """Lines done and tokens/s: a bar on a terminal, a line per tenth of the run elsewhere."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+        self.done = 0
+        self.next_line = 0.0
+
+    def __call__(self, p: Any) -> None:
+        rate = f"{p.tokens_per_s:,.0f} tokens/s"
+        if sys.stderr.isatty():
+            if self.bar is None:
+                self.bar = click.progressbar(length=p.lines_total, label="regenerate",
+                                             file=sys.stderr, show_pos=True)  # fmt: skip
+                self.bar.__enter__()
+                self.bar.update(self.done)
+            self.bar.label = f"regenerate ({rate})"
+            self.bar.update(p.lines_done - self.done)
+        elif p.lines_done >= self.next_line or p.lines_done == p.lines_total:
+            echo_err(f"regenerate: {p.lines_done}/{p.lines_total} lines, {rate}")
+            self.next_line = p.lines_done + p.lines_total / 10
+        self.done = p.lines_done
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+
+
+@click.command("regenerate")
+@schema_option("target", "Target whose own replies replace the data's.")
+@click.option(
+    "--data", "source", default=DataConfig.source, show_default=True,
+    help="Chat JSONL ({'messages': [...]}: every assistant turn is regenerated given the "
+    "conversation so far), or plain text (`embedded`, a file, a folder, JSONL with 'text'): "
+    "windows whose first --prefix-tokens tokens are kept and whose continuation is "
+    "regenerated. Held-out documents (same split as train) are left out.",
+)  # fmt: skip
+@click.option(
+    "--output", required=True, type=click.Path(dir_okay=False),
+    help="JSONL written in the input's shape, one line per conversation or window. An "
+    "interrupted run continues it; a file of another run is refused, never overwritten.",
+)  # fmt: skip
+@click.option("--max-new-tokens", default=_REGEN.max_new_tokens, show_default=True, type=int,
+              help="Tokens generated at most per assistant turn or text window.")  # fmt: skip
+@click.option("--temperature", default=_REGEN.temperature, show_default=True,
+              type=FiniteFloat(), help="Sampling temperature; 0 decodes greedily.")  # fmt: skip
+@click.option(
+    "--stop-token-ids", default=None, type=CommaList(int),
+    help="Comma-separated token ids that end a reply; unset: the target's EOS ids.",
+)  # fmt: skip
+@click.option("--prefix-tokens", default=_REGEN.prefix_tokens, show_default=True, type=int,
+              help="Plain text: tokens of corpus text kept as each window's prompt.")  # fmt: skip
+@click.option(
+    "--windows-per-document", default=None, type=click.IntRange(min=1),
+    help="Plain text: at most this many windows per document, spread evenly; unset: all.",
+)  # fmt: skip
+@click.option("--batch-size", default=_REGEN.batch_size, show_default=True, type=int,
+              help="Prompts of one length decoded together (one KV cache).")  # fmt: skip
+@click.option("--chunk-lines", default=_REGEN.chunk_lines, show_default=True, type=int,
+              help="Lines regenerated and written together: the resume granularity.")  # fmt: skip
+@schema_option("seed", "Seed of sampling when --temperature is above 0.")
+@schema_option("heldout_fraction", "Share of documents held out (as in train): not regenerated.")
+@device_option("the target")
+@debug_option
+def regenerate_command(
+    target: str | None, source: str, output: str, device: str, debug: bool, **given: Any
+) -> None:
+    """Regenerate training data with the target's own replies (the recommended recipe)."""
+    from dflash.run.offline import regenerate_data  # deferred: torch, so --help answers at once
+
+    bar = _RegenBar()
+
+    def go() -> Any:
+        stops = given.pop("stop_token_ids") or ()
+        picked = {"seed": given.pop("seed"), "heldout_fraction": given.pop("heldout_fraction")}
+        known = config_from_options(picked)
+        settings = RegenerateSettings(
+            **given, stop_token_ids=tuple(stops), seed=known.run.seed,
+            heldout_fraction=known.data.heldout_fraction,
+        )  # fmt: skip
+        spec = config_from_options({"target": target}).target.spec
+        try:
+            return regenerate_data(spec, device, source, output, settings, progress=bar,
+                                   log=echo_err)  # fmt: skip
+        finally:
+            bar.close()
+
+    report = report_errors(debug, go)
+    for line in report.skipped.lines(0):
+        echo_err(line)
+    resumed = f", continued after line {report.resumed_from_line}" * bool(report.resumed_from_line)
+    rate = report.new_tokens / report.wall_s if report.wall_s > 0 else 0.0
+    echo_err(
+        f"regenerate: {report.lines} lines in {report.output}{resumed}; {report.new_tokens:,} "
+        f"new tokens in {report.wall_s:.1f} s ({rate:,.0f} tokens/s)"
+    )
+    click.echo(str(report.output))
+
+
+# The train options that decide what the target computes for batch i.
+_CACHE_OPTIONS = (
+    "target", "target_layers", "drafter_layers", "data", "packing", "seq_len", "batch_size",
+    "seed", "heldout_fraction", "use_soft_labels", "steps", "target_devices",
+)  # fmt: skip
+
+
+def _cache_options(func: Callable) -> Callable:
+    for name in reversed(_CACHE_OPTIONS):
+        func = schema_option(name)(func)
+    return func
+
+
+@click.command("cache-hidden")
+@click.option(
+    "--config", "config_file", type=click.Path(dir_okay=False),
+    help="The config file of the `train` run that will read the cache (its other keys are "
+    "not used here).",
+)  # fmt: skip
+@click.option(
+    "--output", required=True, type=click.Path(file_okay=False),
+    help="Cache directory (sharded safetensors + index.json); an interrupted cache continues.",
+)  # fmt: skip
+@click.option(
+    "--num-batches", default=None, type=click.IntRange(min=1),
+    help="Batches to cache; unset: --steps (one drafter device on one rank; N devices or "
+    "ranks read N times as many).",
+)  # fmt: skip
+@click.option("--batches-per-shard", default=BATCHES_PER_SHARD, show_default=True,
+              type=click.IntRange(min=1),
+              help="Batches per shard file (the resume granularity).")  # fmt: skip
+@_cache_options
+@debug_option
+def cache_hidden_command(
+    config_file: str | None,
+    output: str,
+    num_batches: int | None,
+    batches_per_shard: int,
+    debug: bool,
+    **given: Any,
+) -> None:
+    """Run the target once over the training batches and write their hidden states, for
+    `train --hidden-cache DIR` with the same target, layer and data options."""
+    from dflash.run.offline import write_run_cache  # deferred: torch
+
+    def go() -> Any:
+        cfg = build_config(config_file, given)
+        return write_run_cache(cfg, output, num_batches=num_batches,
+                               batches_per_shard=batches_per_shard, log=echo_err)  # fmt: skip
+
+    reader = report_errors(debug, go)
+    tokens = reader.num_batches * reader.dataset.batch_size * reader.dataset.seq_len
+    echo_err(f"cache-hidden: {reader.num_batches} batches ({tokens:,} tokens, "
+              f"{reader.total_bytes / 2**20:,.1f} MiB) in {output}")  # fmt: skip
+    click.echo(output)

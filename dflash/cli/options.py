@@ -1,0 +1,166 @@
+"""Option types, options derived from the config tree, and the one-line errors.
+
+Every train option comes from the config tree (dflash.config.settings): flag, type,
+range, default, help and environment variable. Precedence: command-line flag >
+environment variable `DFLASH_<OPTION>` > `--config` file > built-in default. Every bad
+value ends as one `Error:` line and exit code 2; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from dflash.config.schema import Option
+from dflash.config.settings import (
+    TrainConfig,
+    config_from_options,
+    option_map,
+    options,
+    values_from_mapping,
+)
+from dflash.errors import DFlashError, first_line
+
+
+class InputError(click.ClickException):
+    """Bad user input found after parsing: one `Error:` line, exit code 2."""
+
+    exit_code = 2
+
+
+class FiniteFloat(click.ParamType):
+    """A float that is a real number: `inf` and `nan` would train on NaN losses."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+class CommaList(click.ParamType):
+    """`1,2,3` (or a list) -> a tuple of `item` values."""
+
+    def __init__(self, item: type) -> None:
+        self.item = item
+        self.name = "list"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None):
+        parts = value if isinstance(value, (list, tuple)) else str(value).split(",")
+        parts = [str(p).strip() for p in parts if str(p).strip()]
+        try:
+            return tuple(self.item(p) for p in parts)
+        except ValueError:
+            kind = "integers" if self.item is int else "values"
+            self.fail(f"{value!r} is not a comma-separated list of {kind}", param, ctx)
+
+
+def _click_type(opt: Option) -> Any:
+    if opt.choices is not None:
+        return click.Choice(list(opt.choices))
+    if opt.kind is tuple:
+        return CommaList(opt.item or str)
+    return {int: click.INT, float: FiniteFloat(), str: click.STRING}[opt.kind]
+
+
+def schema_option(name: str, help_: str | None = None) -> Callable:
+    """The click option of config option `name`, with its DFLASH_* variable.
+
+    Its click default is None ("not given"), so a --config file's value is only
+    overridden by a flag or variable that was really set; help shows the schema default.
+    """
+    opt = option_map()[name]
+    default = opt.default
+    shown = "unset" if default is None else (
+        ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+    )  # fmt: skip
+    text = f"{help_ or opt.spec.help} (default: {shown})"
+    common: dict[str, Any] = dict(envvar=opt.envvar, show_envvar=True, help=text, default=None)
+    if opt.kind is bool:
+        return click.option(f"{opt.flag}/--no-{opt.flag[2:]}", name, **common)
+    return click.option(opt.flag, name, type=_click_type(opt), **common)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Raw mapping of a YAML, TOML or JSON config file (by suffix; YAML otherwise)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"--config {str(path)!r}: cannot read ({exc.strerror})") from None
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            raw = tomllib.loads(text)
+        elif path.suffix == ".json":
+            raw = json.loads(text)
+        else:
+            import yaml
+
+            raw = yaml.safe_load(text) or {}
+    except Exception as exc:  # noqa: BLE001 - any parser error becomes one line
+        raise InputError(f"--config {str(path)!r}: cannot parse ({first_line(exc)})") from None
+    if not isinstance(raw, dict):
+        raise InputError(f"--config {str(path)!r}: expected a mapping of option names to values")
+    return raw
+
+
+def build_config(config_file: str | None, given: dict[str, Any]) -> TrainConfig:
+    """The run's config: file values, then the flags and variables that were set."""
+    values: dict[str, Any] = {}
+    if config_file is not None:
+        raw = read_config_file(Path(config_file))
+        values = values_from_mapping(raw, f"config file {config_file}")
+    values.update({k: v for k, v in given.items() if v is not None})
+    return config_from_options(values)
+
+
+def report_errors(debug: bool, run: Callable[[], Any]) -> Any:
+    """User errors (DFlashError) become one `Error:` line (exit 2) unless --debug."""
+    try:
+        return run()
+    except DFlashError as exc:
+        if debug:
+            raise
+        raise InputError(first_line(exc)) from None
+
+
+def train_options(func: Callable) -> Callable:
+    """Every option of the config tree, in declaration order."""
+    for opt in reversed(options()):
+        func = schema_option(opt.name)(func)
+    return func
+
+
+DEBUG_HELP = "Show full tracebacks instead of one-line errors."
+debug_option = click.option("--debug/--no-debug", default=False, show_default=True, help=DEBUG_HELP)
+
+
+def device_option(what: str) -> Callable:
+    """`--device` of the commands that run one model on one device (not `train`)."""
+    return click.option(
+        "--device", default="auto", show_default=True, envvar="DFLASH_DEVICE", show_envvar=True,
+        help=f"Device for {what} (cpu, cuda:0, ...); auto picks cuda:0 when present.",
+    )  # fmt: skip
+
+
+def echo_err(line: str) -> None:
+    click.echo(line, err=True)
+
+
+def write_json(json_path: str | None, figures: dict[str, Any]) -> None:
+    """Figures as JSON to `json_path` (`-`: standard output; None: nowhere)."""
+    if json_path == "-":
+        click.echo(json.dumps(figures, indent=2))
+    elif json_path:
+        Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")

@@ -1,0 +1,102 @@
+"""Value checks of config fields: `setting(..., check=f)` calls f(value).
+
+Each returns None for a good value, else the reason it is bad; the section names the
+flag in the ConfigError. Range and type checks need none: `setting` declares them.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tracing.config import TracingConfigError, parse_endpoint
+from tracing.profiler import parse_steps
+
+__all__ = [
+    "device_list",
+    "endpoint",
+    "layer_ids",
+    "noise_ratios",
+    "noise_spec",
+    "not_blank",
+    "split_device_name",
+    "step_range",
+]
+
+
+def not_blank(value: str) -> str | None:
+    return "must not be empty" if not value.strip() else None
+
+
+def noise_ratios(spec: str) -> tuple[float, float]:
+    """(first, last) masked share of a --noise-schedule: `all` is (1, 1), `linear:START:END`
+    is (START, END), each in (0, 1]. ValueError saying what is wrong otherwise."""
+    if spec == "all":
+        return 1.0, 1.0
+    parts = spec.split(":")
+    if len(parts) != 3 or parts[0] != "linear":
+        raise ValueError("expected 'all' or 'linear:START:END'")
+    try:
+        start, end = float(parts[1]), float(parts[2])
+    except ValueError:
+        raise ValueError("START and END are numbers") from None
+    for value in (start, end):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{value} is outside (0, 1]")
+    return start, end
+
+
+def noise_spec(value: str) -> str | None:
+    try:
+        noise_ratios(value)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def endpoint(value: str) -> str | None:
+    try:
+        parse_endpoint(value, "grpc")  # the same URL rule for both protocols
+    except TracingConfigError:
+        return "expected a URL http(s)://host[:port][/path], e.g. http://localhost:4317"
+    return None
+
+
+def step_range(value: str) -> str | None:
+    try:
+        parse_steps(value)
+    except TracingConfigError as exc:
+        return str(exc).split(", got ")[0]
+    return None
+
+
+_DEVICE_NAME = re.compile(r"^(cpu|cuda|mps)(?::(\d+))?$")
+
+
+def split_device_name(name: str) -> tuple[str, int | None] | None:
+    """`cuda:1` -> ('cuda', 1), `cpu` -> ('cpu', None); None when it is no device name."""
+    match = _DEVICE_NAME.match(name.strip().lower())
+    if match is None:
+        return None
+    index = match.group(2)
+    return match.group(1), None if index is None else int(index)
+
+
+def device_list(names: tuple[str, ...]) -> str | None:
+    if names == ("auto",):
+        return None
+    if not names:
+        return "name at least one device"
+    for name in names:
+        if split_device_name(name) is None:
+            return f"{name!r} is not a device: expected auto, cpu, mps, cuda or cuda:N"
+    return None
+
+
+def layer_ids(ids: tuple[int, ...] | None) -> str | None:
+    if ids is None:
+        return None
+    if not ids:
+        return "give at least one layer id"
+    if any(i < 0 for i in ids):
+        return "ids must be >= 0"
+    return "ids repeat" if len(set(ids)) != len(ids) else None

@@ -1,0 +1,464 @@
+"""One typed settings tree for a training run, and everything derived from it.
+
+Every setting is declared once, as a field of a section dataclass:
+
+    seq_len: int = setting(128, "Tokens per packed row.", min=8)
+
+Its type (`Literal` for choices, `| None` when it may stay unset), default, range and
+help line are all that the command line (`--seq-len`), the environment
+(`DFLASH_SEQ_LEN`), `--config` files (flat `seq_len:` / `seq-len:` or sectioned
+`data: {seq_len: ...}`) and the saved OUTPUT_DIR/config.json need: `options()` derives
+them. Each section validates itself in `__post_init__` and names the flag to change,
+so the Python API and the command line reject the same values with the same line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, Literal
+
+from dflash.config import checks
+from dflash.config.schema import ConfigError, Option, Section, field_options, setting
+
+# Bump when a saved config.json can no longer be read as it was written.
+SCHEMA_VERSION = 1
+
+
+# (block size, γ) points from the DFlash paper; other sizes interpolate linearly.
+_GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay γ by block size: 4 for 8, 5 for 10, 7 for 16, linear in between.
+
+    Outside [8, 16] the nearest segment's slope is extended (floored at 1).
+    """
+    pts = _GAMMA_POINTS
+    (x0, y0), (x1, y1) = (pts[0], pts[1]) if block_size <= pts[1][0] else (pts[1], pts[2])
+    return max(1.0, y0 + (block_size - x0) * (y1 - y0) / (x1 - x0))
+
+
+# ----------------------------------------------------------------- the sections
+
+
+@dataclass(frozen=True)
+class DataConfig(Section):
+    """Where training text comes from and how it is cut into rows."""
+
+    source: str = setting(
+        "embedded",
+        "Training text: `embedded` (the target's own continuations of prefixes of the Python "
+        "standard library source, generated once and cached), `embedded-corpus` (that source "
+        "as it is), a text file, a folder, or JSONL with a `text` field or chat `messages` "
+        "(loss on assistant turns only).",
+        option="data", check=checks.not_blank,
+    )  # fmt: skip
+    seq_len: int = setting(128, "Tokens per packed row.", min=8)
+    batch_size: int = setting(4, "Packed rows per training batch.", min=1)
+    heldout_fraction: float = setting(
+        0.05, "Share of documents kept out of training for evaluation.", gt=0.0, lt=1.0
+    )
+    packing: Literal["docs", "concat"] = setting(
+        "docs",
+        "How documents fill rows: `docs` keeps each document to itself (the target, the "
+        "anchors and every block's context stay inside it; chats are cut at turn ends), "
+        "`concat` cuts rows from the concatenated stream.",
+    )
+    hidden_cache: str | None = setting(
+        None,
+        "Train from this offline hidden-state cache (written by `dflash-train cache-hidden` "
+        "with the same target, layers and data options) instead of running the target "
+        "forward; the target stage then reads from disk.",
+        check=checks.not_blank,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TargetConfig(Section):
+    """The frozen target model and which of its layers feed the drafter."""
+
+    spec: str = setting(
+        "builtin:tiny",
+        "Target model: `builtin:tiny`, a local Hugging Face directory or a hub id.",
+        option="target", check=checks.not_blank,
+    )  # fmt: skip
+    layer_ids: tuple[int, ...] | None = setting(
+        None,
+        "Comma-separated 0-based target layer ids to capture; unset spreads as many as "
+        "--drafter-layers evenly from layer 1 to L-3.",
+        option="target_layers", check=checks.layer_ids,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DrafterSettings(Section):
+    """Shape of the drafter that is trained."""
+
+    num_layers: int = setting(
+        1, "Number of drafter decoder layers.", option="drafter_layers", min=1
+    )
+    block_size: int = setting(
+        8, "Tokens per drafted block (the anchor plus BLOCK_SIZE-1 predictions).", min=2
+    )
+    intermediate_size: int | None = setting(
+        None,
+        "Width of the drafter's MLP; unset uses the target's intermediate size.",
+        option="drafter_intermediate_size", min=1,
+    )  # fmt: skip
+    mask_token_id: int | None = setting(
+        None,
+        "Embedding row of the target used for masked block positions; unset takes the "
+        "tokenizer's mask token, else the first embedding row past the tokenizer's vocabulary. "
+        "Must be a token the data never uses.",
+        min=0,
+    )
+
+
+@dataclass(frozen=True)
+class LossConfig(Section):
+    """Anchors and the weighted loss (docs/design.md §4); dflash.objective reads it."""
+
+    num_anchors: int = setting(16, "Anchors (blocks) sampled per sequence in each step.", min=1)
+    gamma: float | None = setting(
+        None,
+        "γ of the position weight exp(-(k-1)/γ); unset picks it from the block size "
+        "(4 for 8, 5 for 10, 7 for 16), or turns the decay off when --streak-alpha is set.",
+        option="loss_decay_gamma", gt=0.0,
+    )  # fmt: skip
+    use_soft_labels: bool = setting(
+        False,
+        "Also distill from the target's distribution (KL), not only hard labels; the "
+        "target sends its final-norm states and the frozen LM head makes the logits.",
+    )
+    kl_temperature: float = setting(1.0, "Softmax temperature of the distillation KL.", gt=0.0)
+    kl_weight: float = setting(
+        0.5, "Share of the KL term in the loss when soft labels are on.", min=0.0, max=1.0
+    )
+    streak_alpha: float | None = setting(
+        None, "Streak-aware weighting strength α; unset turns it off.", min=0.0, max=1.0
+    )
+    noise_schedule: str = setting(
+        "all",
+        "Which non-anchor block positions are masked: `all` (the paper's choice), or "
+        "`linear:START:END`, the masked share going from START to END (in (0, 1]) over the "
+        "run's --steps; only masked positions are scored.",
+        check=checks.noise_spec,
+    )
+    loss_chunk_size: int = setting(
+        64,
+        "Blocks per chunk of the LM head and loss. With more blocks in a micro-batch, each "
+        "chunk is recomputed in the backward, so the loss's memory stays at LOSS_CHUNK_SIZE x "
+        "block size x vocabulary fp32 logits whatever the anchor count.",
+        min=1,
+    )
+
+    def decay_gamma(self, block_size: int) -> float | None:
+        """The γ of the exp decay in force: the one set; else None when streak weights
+        replace the decay (they already decay over block positions, as in the reference
+        trainers); else the paper's value for the block size."""
+        if self.gamma is not None:
+            return self.gamma
+        return None if self.streak_alpha is not None else default_gamma(block_size)
+
+
+@dataclass(frozen=True)
+class OptimConfig(Section):
+    """AdamW with a cosine schedule after a linear warmup, and how one step is computed."""
+
+    lr: float = setting(2e-3, "Peak learning rate of AdamW, reached after the warmup.", gt=0.0)
+    warmup_steps: int = setting(
+        20, "Steps of linear learning-rate warmup before the cosine decay.", min=0
+    )
+    grad_clip: float = setting(
+        1.0, "Clip the global gradient norm to this value; 0 disables clipping.", min=0.0
+    )
+    weight_decay: float = setting(0.0, "AdamW decoupled weight decay.", min=0.0)
+    min_lr_ratio: float = setting(
+        0.1, "The cosine ends at MIN_LR_RATIO times the peak learning rate.", min=0.0, max=1.0
+    )
+    grad_accum: int = setting(
+        1,
+        "Micro-batches per optimizer step: each batch holds GRAD_ACCUM x --batch-size rows, "
+        "the drafter trains on --batch-size rows at a time and steps once (exact: the same "
+        "loss and update as one batch of all rows).",
+        min=1,
+    )
+    activation_checkpointing: bool = setting(
+        False,
+        "Recompute each drafter layer in the backward instead of keeping its activations "
+        "(about a third more drafter compute, far less memory); works with every other option.",
+    )
+    max_bad_steps: int = setting(
+        10,
+        "Steps whose loss or gradient norm is not finite are skipped (no update) and counted; "
+        "after this many in a row the run stops, keeping its last good checkpoint. Checked "
+        "on logged steps (--log-every) and before every checkpoint.",
+        min=1,
+    )
+
+
+@dataclass(frozen=True)
+class RunConfig(Section):
+    """Length, seed, outputs, logging and evaluation of one run."""
+
+    steps: int = setting(
+        600, "Number of optimizer steps to train, counted from step 0 (also when resuming).", min=1
+    )
+    seed: int = setting(0, "Seed of the data order, anchor sampling and drafter initialization.")
+    output_dir: str = setting(
+        "runs/default",
+        "Directory for the final drafter (drafter/), checkpoints (checkpoints/), config.json, "
+        "metrics.jsonl and summary.json.",
+        check=checks.not_blank,
+    )
+    resume: str | None = setting(
+        None,
+        "Continue from a checkpoint directory, or `latest` for the newest one under "
+        "OUTPUT_DIR/checkpoints.",
+    )
+    init_from: str | None = setting(
+        None,
+        "Start the drafter from the weights of a DFlash drafter directory (a published "
+        "drafter, OUTPUT_DIR/drafter of an earlier run, or a checkpoint's drafter/); its "
+        "geometry must fit this run. With --resume the checkpoint's weights win.",
+        check=checks.not_blank,
+    )
+    save_every: int = setting(
+        0, "Write a checkpoint every this many steps (0: only at the end).", min=0
+    )
+    keep_checkpoints: int = setting(3, "Newest checkpoints kept; older ones are deleted.", min=1)
+    log_every: int = setting(
+        10,
+        "Read the step metrics (loss, accuracy per position, τ estimate, gradient norm) from "
+        "the device every this many steps: progress line, span attributes, metrics.jsonl.",
+        min=1,
+    )
+    eval_prompts: int = setting(
+        8, "Held-out prompts on which τ is measured at the end (0 skips evaluation).", min=0
+    )
+    eval_new_tokens: int = setting(64, "Tokens generated per evaluation prompt.", min=1)
+    eval_prompt_tokens: int = setting(64, "Length of each evaluation prompt, in tokens.", min=1)
+    debug: bool = setting(False, "Show full tracebacks instead of one-line errors.")
+    dry_run: bool = setting(
+        False,
+        "Print the estimated peak memory and FLOPs of one optimizer step and exit, "
+        "without loading any weights (a hub target's config.json may be fetched).",
+    )
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether the loop writes a checkpoint after `step` (1-based): every --save-every
+        steps, except the last step, whose checkpoint the end of the run writes."""
+        every = self.save_every
+        return bool(every) and step % every == 0 and step < self.steps
+
+
+@dataclass(frozen=True)
+class PipelineConfig(Section):
+    """Devices and queue sizes of the producer-consumer pipeline (docs/design.md §3)."""
+
+    target_devices: tuple[str, ...] = setting(
+        ("auto",),
+        "Comma-separated devices running the target (cpu, cuda:0, ...); `auto`: cpu without "
+        "GPUs, else the first half of this rank's GPUs (one GPU serves both sides).",
+        check=checks.device_list,
+    )
+    drafter_devices: tuple[str, ...] = setting(
+        ("auto",),
+        "Comma-separated devices training drafter replicas; `auto`: cpu without GPUs, else "
+        "the second half of this rank's GPUs.",
+        check=checks.device_list,
+    )
+    batch_queue_size: int = setting(4, "Batches prefetched ahead of the target threads.", min=1)
+    hs_queue_size: int = setting(
+        2, "Hidden-state batches buffered between target and drafter threads.", min=1
+    )
+
+
+@dataclass(frozen=True)
+class TelemetryConfig(Section):
+    """Tracing and interval tables (docs/design.md §5–§8); dflash.observe reads it."""
+
+    otlp_endpoint: str | None = setting(
+        None,
+        "OTLP collector URL, http(s)://host[:port] (e.g. http://localhost:4317); unset uses "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else sends nothing over the network.",
+        check=checks.endpoint,
+    )
+    otlp_protocol: Literal["grpc", "http"] | None = setting(
+        None,
+        "OTLP transport: grpc (port 4317) or http/protobuf (port 4318); unset uses "
+        "OTEL_EXPORTER_OTLP_PROTOCOL, else grpc.",
+    )
+    trace_level: Literal["off", "step", "phase"] = setting(
+        "phase", "Spans exported: none, one per batch and drafter step, or every phase."
+    )
+    trace_sample_ratio: float | None = setting(
+        None,
+        "Share of batch traces exported; interval tables always count every phase. "
+        "Unset uses OTEL_TRACES_SAMPLER[_ARG], else 1.0.",
+        min=0.0, max=1.0,
+    )  # fmt: skip
+    trace_file: str | None = setting(
+        None, "Also write spans to this file as OTLP JSON, one request per line (Jaeger loads it)."
+    )
+    cuda_timing: Literal["off", "sync", "events"] = setting(
+        "off",
+        "Device timing of phases: host wall time, synchronize at phase ends, or CUDA events.",
+    )
+    profile_interval_s: float = setting(
+        30.0, "Seconds between interval tables in the log.", option="profile_interval", gt=0.0
+    )
+    service_name: str | None = setting(
+        None, "OpenTelemetry service.name; unset uses OTEL_SERVICE_NAME, else dflash-train."
+    )
+    timeline: str | None = setting(
+        None,
+        "Chrome/Perfetto trace-event timeline of every phase (open in ui.perfetto.dev); rank N "
+        "writes FILE.rankN. Unset: OUTPUT_DIR/timeline.json with the run's first "
+        "events (what report.html shows); `off`: none.",
+        check=checks.not_blank,
+    )
+    nvtx: bool = setting(
+        False, "NVTX range on every phase, for Nsight Systems (CUDA only; elsewhere a note)."
+    )
+    torch_profile: str | None = setting(
+        None,
+        "Record torch.profiler for steps START:STOP (0-based, STOP excluded, e.g. 200:205) "
+        "into OUTPUT_DIR/profile/; the steps' spans carry the file's path.",
+        check=checks.step_range,
+    )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The whole run: one section per component; `to_dict` is OUTPUT_DIR/config.json."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterSettings = field(default_factory=DrafterSettings)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+    def __post_init__(self) -> None:
+        block, seq = self.drafter.block_size, self.data.seq_len
+        if block > seq:
+            raise ConfigError(
+                f"--block-size {block} is invalid: longer than a row (--seq-len {seq})"
+            )
+
+    @property
+    def gamma(self) -> float | None:
+        """The loss decay γ actually used (None: streak weights replace the decay)."""
+        return self.loss.decay_gamma(self.drafter.block_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (tuples become lists); `from_dict` reads it back."""
+        out: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
+        for opt in options():
+            value = getattr(getattr(self, opt.section), opt.field)
+            out.setdefault(opt.section, {})[opt.field] = (
+                list(value) if isinstance(value, tuple) else value
+            )
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], source: str = "config") -> TrainConfig:
+        """Inverse of `to_dict`; also reads flat option names (see `values_from_mapping`)."""
+        return config_from_options(values_from_mapping(raw, source))
+
+
+SECTIONS: dict[str, type[Section]] = {
+    f.name: f.default_factory  # type: ignore[misc]
+    for f in dataclasses.fields(TrainConfig)
+}
+
+
+@cache
+def section_options(cls: type[Section]) -> tuple[Option, ...]:
+    section = next(name for name, c in SECTIONS.items() if c is cls)
+    return tuple(dataclasses.replace(o, section=section) for o in field_options(cls))
+
+
+@cache
+def options() -> tuple[Option, ...]:
+    """Every setting, section by section, in declaration order."""
+    return tuple(opt for cls in SECTIONS.values() for opt in section_options(cls))
+
+
+@cache
+def option_map() -> dict[str, Option]:
+    found: dict[str, Option] = {}
+    for opt in options():
+        assert opt.name not in found, f"option name {opt.name} is declared twice"
+        found[opt.name] = opt
+    return found
+
+
+def option_default(name: str) -> Any:
+    """Built-in default of a command-line option (lists joined by commas)."""
+    value = option_map()[name].default
+    return ",".join(map(str, value)) if isinstance(value, tuple) else value
+
+
+def config_from_options(
+    options_: Mapping[str, Any], base: TrainConfig | None = None
+) -> TrainConfig:
+    """A validated config from flat option values (None keeps the base value)."""
+    known = option_map()
+    sections: dict[str, dict[str, Any]] = {}
+    for name, value in options_.items():
+        if value is None:
+            continue
+        if name not in known:
+            raise ConfigError(f"unknown option {name!r}")
+        opt = known[name]
+        sections.setdefault(opt.section, {})[opt.field] = (
+            tuple(value) if isinstance(value, list) else value
+        )
+    base = base or TrainConfig()
+    updates = {
+        sec: dataclasses.replace(getattr(base, sec), **vals) for sec, vals in sections.items()
+    }
+    return dataclasses.replace(base, **updates)
+
+
+def _items(raw: Mapping[str, Any], source: str) -> Iterator[tuple[str, Option, Any]]:
+    """(key as written, option, value) of a flat or sectioned mapping."""
+    known = option_map()
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name == "schema_version":
+            continue
+        if name in SECTIONS and isinstance(value, Mapping):
+            by_field = {o.field: o for o in section_options(SECTIONS[name])}
+            for sub, item in value.items():
+                opt = by_field.get(str(sub).replace("-", "_"))
+                if opt is None:
+                    raise ConfigError(f"{source}: unknown key {name}.{sub!s} in section {name!r}")
+                yield f"{name}.{sub}", opt, item
+        elif name in known:
+            yield str(key), known[name], value
+        else:
+            what = "section" if isinstance(value, Mapping) else "key"
+            raise ConfigError(f"{source}: unknown {what} {key!s}")
+
+
+def values_from_mapping(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """Flat option values of a config file's mapping; unknown sections or keys, a wrong
+    type or an incompatible `schema_version` are one ConfigError naming key and file."""
+    version = raw.get("schema_version", SCHEMA_VERSION)
+    if version != SCHEMA_VERSION:
+        raise ConfigError(
+            f"{source}: key 'schema_version' is {version!r}; this dflash-train reads "
+            f"version {SCHEMA_VERSION}"
+        )
+    values: dict[str, Any] = {}
+    for _, opt, value in _items(raw, source):
+        values[opt.name] = opt.from_file(value, source)
+    return values

@@ -1,0 +1,139 @@
+"""Reading corpora: text files, folders and JSONL (plain text or conversations).
+
+An unusable JSONL line (not an object, no `text`/`messages`, an unknown role, bad
+JSON) is skipped and counted; the caller decides whether anything usable is left.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash.data.chat import KNOWN_ROLES, render_chat
+from dflash.data.packing import Document, PackReport
+from dflash.data.tokenizer import encode_texts
+from dflash.errors import DFlashError
+
+
+class DataError(DFlashError):
+    """The corpus cannot be used; the message is one line naming file (and line)."""
+
+
+@dataclass
+class DataReport:
+    """Lines skipped while reading and what packing did; printed once at startup."""
+
+    skipped_lines: int = 0
+    first_bad_line: str | None = None  # "file:line: reason" of the first skipped line
+    pack: PackReport = field(default_factory=PackReport)
+
+    def skip(self, where: str, reason: str) -> None:
+        self.skipped_lines += 1
+        if self.first_bad_line is None:
+            self.first_bad_line = f"{where}: {reason}"
+
+    def lines(self, seq_len: int) -> list[str]:
+        out = []
+        if self.skipped_lines:
+            out.append(
+                f"data: skipped {self.skipped_lines} unusable JSONL lines "
+                f"(first: {self.first_bad_line})"
+            )
+        return out + self.pack.lines(seq_len)
+
+
+def _record_problem(obj: Any) -> str | None:
+    """Why a parsed JSONL line is unusable, or None."""
+    if not isinstance(obj, dict):
+        return f"expected an object, got {type(obj).__name__}"
+    if isinstance(obj.get("text"), str):
+        return None
+    messages = obj.get("messages")
+    if messages is None:
+        return "expected an object with a 'text' string or 'messages'"
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list"
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+            return "each message needs string 'role' and 'content'"
+        if not isinstance(m.get("content"), str):
+            return "each message needs string 'role' and 'content'"
+        if m["role"] not in KNOWN_ROLES:
+            return f"unknown role {m['role']!r} (expected one of {', '.join(sorted(KNOWN_ROLES))})"
+    return None
+
+
+def iter_jsonl(path: Path, report: DataReport) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of every usable line; the others are counted in `report`."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read {path}: {exc}") from exc
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            report.skip(f"{path}:{lineno}", f"malformed JSON ({exc.msg})")
+            continue
+        problem = _record_problem(obj)
+        if problem is not None:
+            report.skip(f"{path}:{lineno}", problem)
+            continue
+        yield lineno, obj
+
+
+def read_jsonl(path: Path, tokenizer: Any, report: DataReport | None = None) -> list[Document]:
+    """Documents of a JSONL file: one object per line with `text` or `messages`."""
+    report = report if report is not None else DataReport()
+    docs: list[Document] = []
+    templated = bool(getattr(tokenizer, "chat_template", None))
+    for lineno, obj in iter_jsonl(path, report):
+        where = f"{path}:{lineno}"
+        if isinstance(obj.get("text"), str):
+            (ids,) = encode_texts(tokenizer, [obj["text"]])
+            docs.append(Document(where, ids, np.ones(len(ids), bool)))
+            continue
+        chat = render_chat(tokenizer, obj["messages"])
+        docs.append(Document(where, chat.ids, chat.mask, templated, chat.turn_ends))
+    return docs
+
+
+def _read_text_file(path: Path, tokenizer: Any, name: str) -> list[Document]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read {path} as UTF-8 text: {exc}") from exc
+    (ids,) = encode_texts(tokenizer, [text])
+    return [Document(name, ids, np.ones(len(ids), bool))]
+
+
+def read_documents(source: str, tokenizer: Any, report: DataReport | None = None) -> list[Document]:
+    """Documents of a text file, a JSONL file or a folder of them."""
+    report = report if report is not None else DataReport()
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise DataError(f"--data {source!r}: no such file or folder")
+    if path.is_file():
+        if path.suffix == ".jsonl":
+            return read_jsonl(path, tokenizer, report)
+        return _read_text_file(path, tokenizer, path.name)
+    docs: list[Document] = []
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = file.relative_to(path)
+        if any(part.startswith(".") for part in rel.parts):
+            continue
+        if file.suffix == ".jsonl":
+            docs += read_jsonl(file, tokenizer, report)
+            continue
+        try:
+            docs += _read_text_file(file, tokenizer, rel.as_posix())
+        except DataError:
+            continue  # binary files in a folder are skipped, not fatal
+    return docs

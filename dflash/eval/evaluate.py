@@ -1,0 +1,237 @@
+"""The drafter's acceptance length tau and speedup, and the eval entry points.
+
+Decoding itself (draft, verify, accept) lives in dflash.eval.speculative; this module
+runs it over prompts, times it against plain decoding and reports the figures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.config.devices import resolve_device
+from dflash.config.settings import RunConfig
+from dflash.data.datasets import PackedDataset, build_datasets, heldout_prompts
+from dflash.data.sources import DataReport
+from dflash.drafter.io import load_drafter
+from dflash.drafter.model import DFlashDrafter
+from dflash.eval.prompts import read_conversations, render_prompt
+from dflash.eval.settings import EvalSettings
+from dflash.eval.speculative import SpecStats, speculative_generate
+from dflash.target import load as target_mod  # by module: tests swap load_target
+from dflash.target.decoding import check_decoding
+from dflash.target.generation import generate
+from dflash.target.model import TargetModel
+
+
+@dataclass
+class EvalResult:
+    tau: float  # mean over prompts of each prompt's mean (accepted + 1): the authors' figure
+    tau_pooled: float  # mean over all cycles of all prompts
+    acceptance_per_position: list[float]  # [Bs-1]: share of cycles accepting draft k
+    tokens_per_target_forward: float
+    num_cycles: int
+    num_prompts: int
+    new_tokens: int
+    wall_s: float
+    speculative_s: float  # decoding time of speculative decoding alone
+    baseline_s: float | None = None  # plain decoding with the same target and cache mode
+    speedup: float | None = None  # baseline_s / speculative_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _summarize(all_stats: list[SpecStats], block_size: int) -> dict[str, Any]:
+    accepted = [a for s in all_stats for a in s.accepted_per_cycle]
+    per_prompt = [s.tau for s in all_stats if s.tau is not None]
+    cycles = max(1, len(accepted))
+    forwards = sum(s.target_forwards for s in all_stats)
+    new_tokens = sum(s.new_tokens for s in all_stats)
+    return {
+        "tau": sum(per_prompt) / len(per_prompt) if per_prompt else 1.0,
+        "tau_pooled": sum(a + 1 for a in accepted) / cycles if accepted else 1.0,
+        "acceptance_per_position": [
+            sum(a >= k for a in accepted) / cycles for k in range(1, block_size)
+        ],
+        "tokens_per_target_forward": new_tokens / max(1, forwards),
+        "num_cycles": len(accepted),
+        "new_tokens": new_tokens,
+    }
+
+
+def evaluate_tau(
+    target: TargetModel,
+    drafter: DFlashDrafter,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    stop_token_ids: Iterable[int] | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    use_cache: bool = True,
+    compare_baseline: bool = False,
+    timing_repeats: int = 1,
+) -> EvalResult:
+    """Speculative decoding over the prompts: tau (per-prompt mean and pooled), acceptance
+    per block position and, with compare_baseline, the wall-clock speedup against plain
+    decoding with the same target and cache mode (run prompt by prompt, interleaved).
+
+    stop_token_ids None -> the target's stop tokens. timing_repeats > 1 decodes each
+    prompt that often (both ways, interleaved) and keeps the fastest time of each: on a
+    shared machine the minimum is the figure least disturbed by other work.
+    """
+    check_decoding(max_new_tokens, temperature)
+    stops = tuple(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
+    start_s = time.perf_counter()
+    was_training = drafter.training
+    drafter.eval()
+    all_stats: list[SpecStats] = []
+    spec_s, base_s = 0.0, 0.0
+    gen = torch.Generator().manual_seed(seed)
+    opts = {"stop_token_ids": stops, "temperature": temperature, "use_cache": use_cache}
+    try:
+        for prompt in prompts:
+            prompt_base_s, prompt_spec_s = [], []
+            for repeat in range(max(1, timing_repeats) if compare_baseline else 1):
+                if compare_baseline:
+                    t0 = time.perf_counter()
+                    generate(target, prompt, max_new_tokens, generator=gen, **opts)
+                    prompt_base_s.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                _, stats = speculative_generate(
+                    target, drafter, prompt, max_new_tokens, generator=gen, **opts
+                )
+                prompt_spec_s.append(time.perf_counter() - t0)
+                if repeat == 0:
+                    all_stats.append(stats)
+            spec_s += min(prompt_spec_s)
+            base_s += min(prompt_base_s, default=0.0)
+    finally:
+        drafter.train(was_training)
+    return EvalResult(
+        **_summarize(all_stats, drafter.config.block_size),
+        num_prompts=len(prompts),
+        wall_s=time.perf_counter() - start_s,
+        speculative_s=spec_s,
+        baseline_s=base_s if compare_baseline else None,
+        speedup=base_s / spec_s if compare_baseline and spec_s > 0 else None,
+    )
+
+
+# --------------------------------------------------------------- entry points
+
+
+def evaluate_run(
+    target: TargetModel, drafter: DFlashDrafter, heldout: PackedDataset, run_cfg: RunConfig
+) -> EvalResult | None:
+    """τ and the speedup against greedy decoding of a run's drafter on its held-out
+    prompts (None when --eval-prompts is 0)."""
+    if run_cfg.eval_prompts == 0:
+        return None
+    prompts = heldout_prompts(heldout, run_cfg.eval_prompts, run_cfg.eval_prompt_tokens)
+    return evaluate_tau(target, drafter, prompts, run_cfg.eval_new_tokens, compare_baseline=True)
+
+
+def _float_or_none(value: float | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def eval_figures(result: EvalResult | None) -> dict[str, Any]:
+    """summary.json fields of an EvalResult (tau None when not evaluated)."""
+    if result is None:
+        return {"tau": None}
+    return {
+        "tau": float(result.tau),
+        "tau_pooled": float(result.tau_pooled),
+        "acceptance_per_position": [float(a) for a in result.acceptance_per_position],
+        "tokens_per_target_forward": float(result.tokens_per_target_forward),
+        "speedup": _float_or_none(result.speedup),
+        "speculative_s": float(result.speculative_s),
+        "greedy_s": _float_or_none(result.baseline_s),
+    }
+
+
+def format_eval(figures: dict[str, Any], where: str) -> list[str]:
+    """The log lines of an evaluation: τ both ways, speedup, acceptance per position."""
+    rates = " ".join(f"{r:.2f}" for r in figures["acceptance_per_position"])
+    speedup = figures.get("speedup")
+    against = (
+        f"; speedup {speedup:.2f}x vs greedy decoding with the same KV-cached target "
+        f"({figures['greedy_s']:.2f} s -> {figures['speculative_s']:.2f} s)"
+        if speedup is not None
+        else ""
+    )
+    return [
+        f"eval: τ {figures['tau']:.3f} (mean of per-prompt means), pooled "
+        f"{figures['tau_pooled']:.3f}, on {where}{against}",
+        f"eval: acceptance per block position {rates}; tokens per target forward "
+        f"{figures['tokens_per_target_forward']:.2f}",
+    ]
+
+
+class _PromptSource:
+    """Where `dflash-train eval` takes its prompts; chat files are read (and refused)
+    before the models load, rendered once the tokenizer is known."""
+
+    def __init__(self, settings: EvalSettings, log: Callable[[str], None]) -> None:
+        self.settings = settings
+        self.conversations: list[list[dict[str, str]]] | None = None
+        if settings.eval_data is not None:
+            report = DataReport()
+            self.conversations = read_conversations(
+                settings.eval_data, settings.num_prompts, report
+            )
+            for line in report.lines(0):
+                log(line.replace("data:", "eval:", 1))
+
+    def prompts(self, tokenizer: Any) -> tuple[list[list[int]], str]:
+        """(prompts, a phrase saying where they come from)."""
+        settings = self.settings
+        if self.conversations is not None:
+            prompts = [render_prompt(tokenizer, m) for m in self.conversations]
+            return prompts, f"{len(prompts)} conversations of {settings.eval_data}"
+        # The unpacked held-out stream gives the prompts: seq_len and seed do not matter.
+        tokens = settings.prompt_tokens
+        _, heldout = build_datasets(settings.data, tokenizer, max(tokens, 8), 1, 0)
+        prompts = heldout_prompts(heldout, settings.num_prompts or 8, tokens)
+        return prompts, f"{len(prompts)} held-out prompts"
+
+
+def evaluate_drafter_dir(
+    drafter_dir: Path,
+    target_spec: str | None,
+    settings: EvalSettings,
+    device: str = "auto",
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """`dflash-train eval`: τ of a saved drafter, and its speedup against greedy decoding."""
+    dev = resolve_device(device, "--device")
+    source = _PromptSource(settings, log)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    target = target_mod.load_target(target_spec, dev, dtype, log=log) if target_spec else None
+    drafter, target = load_drafter(drafter_dir, target=target, device=dev)
+    prompts, where = source.prompts(target.tokenizer)
+    start_s = time.perf_counter()
+    result = evaluate_tau(
+        target, drafter, prompts, settings.max_new_tokens, temperature=settings.temperature,
+        seed=settings.seed, compare_baseline=True, timing_repeats=settings.timing_repeats,
+    )  # fmt: skip
+    figures = {
+        **eval_figures(result),
+        "prompts": len(prompts),
+        "new_tokens": result.new_tokens,
+        "max_new_tokens": settings.max_new_tokens,
+        "temperature": settings.temperature,
+        "block_size": drafter.config.block_size,
+        "target": target.spec,
+        "eval_s": time.perf_counter() - start_s,
+    }
+    for line in format_eval(figures, where):
+        log(line)
+    return figures

@@ -1,0 +1,109 @@
+"""Evaluation prompts from chat JSONL, rendered as the target would see them in serving.
+
+One object per line: `{"messages": [{"role", "content"}, ...]}` (the conversation is
+cut after its last user turn), `{"conversations": [...]}` with the same messages or
+ShareGPT's `from`/`value`, or the authors' benchmark layout `{"turns": [str, ...]}`
+(its first turn is the prompt). A tokenizer with a chat template renders it with the
+generation prompt; others (the byte tokenizer) get the plain turn format the
+training data uses: `<|role|>\\n` + content + `\\n`, then `<|assistant|>\\n`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dflash.data.sources import DataReport
+from dflash.errors import DFlashError
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                   "system": "system"}  # fmt: skip
+
+
+_NO_TURNS = "no chat turns (expected 'messages' with a user turn, 'conversations' or 'turns')"
+
+
+class PromptError(DFlashError):
+    """Evaluation data that cannot be used; the message names the file and line."""
+
+
+def _message(raw: Any) -> dict[str, str] | None:
+    if not isinstance(raw, dict):
+        return None
+    role, content = raw.get("role", raw.get("from")), raw.get("content", raw.get("value"))
+    if not isinstance(role, str) or not isinstance(content, str):
+        return None
+    return {"role": _SHAREGPT_ROLES.get(role, role), "content": content}
+
+
+def conversation_to_prompt(obj: Any) -> list[dict[str, str]] | None:
+    """The messages up to and including the last user turn; None when there is none."""
+    if not isinstance(obj, dict):
+        return None
+    turns = obj.get("turns")
+    if isinstance(turns, list) and turns and isinstance(turns[0], str):
+        return [{"role": "user", "content": turns[0]}]
+    raw = obj.get("messages", obj.get("conversations"))
+    if not isinstance(raw, list):
+        return None
+    messages = [m for m in map(_message, raw) if m is not None]
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    return None if last_user is None else messages[: last_user + 1]
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` followed by the assistant's generation prompt."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, return_dict=False
+        )
+        return [int(i) for i in ids]
+    text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ([bos] if isinstance(bos, int) else []) + list(tokenizer.encode(text))
+
+
+def read_conversations(
+    path: Path | str, limit: int | None = None, report: DataReport | None = None
+) -> list[list[dict[str, str]]]:
+    """Each line's messages up to its last user turn. Lines without one (or not JSON)
+    are skipped and counted in `report`; none usable at all is a PromptError."""
+    source = Path(path)
+    report = report if report is not None else DataReport()
+    try:
+        lines = source.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise PromptError(f"--eval-data {path}: cannot read it ({err})") from err
+    conversations: list[list[dict[str, str]]] = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            messages = conversation_to_prompt(json.loads(line))
+        except json.JSONDecodeError as err:
+            report.skip(f"{source}:{lineno}", f"malformed JSON ({err.msg})")
+            continue
+        if messages is None:
+            report.skip(f"{source}:{lineno}", _NO_TURNS)
+            continue
+        conversations.append(messages)
+        if limit is not None and len(conversations) >= limit:
+            break
+    if not conversations:
+        skipped = f" (skipped {report.skipped_lines} lines; first: {report.first_bad_line})"
+        raise PromptError(
+            f"--eval-data {source}: no chat turns in the file"
+            + (skipped if report.skipped_lines else "")
+        )
+    return conversations
+
+
+def load_chat_prompts(
+    path: Path | str,
+    tokenizer: Any,
+    limit: int | None = None,
+    report: DataReport | None = None,
+) -> list[list[int]]:
+    """Rendered prompts of a chat JSONL file (see `read_conversations`)."""
+    return [render_prompt(tokenizer, m) for m in read_conversations(path, limit, report)]

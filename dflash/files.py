@@ -1,0 +1,55 @@
+"""Files every part writes or checks: the cache folder, atomic replacement, hashes.
+
+A file another process may read (a config, a summary, a cache shard, a drafter's
+weights) is written to a hidden temporary sibling and renamed over its final name, so
+a reader sees the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+
+def cache_dir() -> Path:
+    """${DFLASH_CACHE_DIR:-~/.cache/dflash-train} (an empty variable means the default)."""
+    return Path(os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash-train")
+
+
+@contextmanager
+def replacing(path: Path | str) -> Iterator[Path]:
+    """Yields a temporary sibling of `path` to write; renamed over `path` when the block
+    ends normally, removed when it raises. The parent folder is created."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path | str, text: str) -> None:
+    """`path` holds `text` (UTF-8), replaced atomically."""
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json_atomic(path: Path | str, payload: Any) -> None:
+    """`path` holds `payload` as indented JSON, replaced atomically."""
+    write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
+
+
+def sha256_file(path: Path | str) -> str:
+    """Hex SHA-256 of a file's bytes, read in 4 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,166 @@
+"""What a run records besides spans and tables: the Perfetto timeline, NVTX ranges, the
+torch.profiler window, per-interval peak device memory, and the model FLOPs behind
+TFLOP/s and MFU.
+
+`build_instruments` constructs them from cfg.telemetry before any training, so a path
+that cannot be written is one line (ObserveError) before work starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.errors import DFlashError
+from dflash.observe.flops import drafter_flops_of, linear_params, target_flops_per_token
+from tracing import TracingConfigError
+from tracing.hooks import NvtxRanges, nvtx_ranges
+from tracing.profiler import ProfileWindow
+from tracing.throughput import device_peak_tflops, peak_memory_reader
+from tracing.timeline import Timeline
+
+TIMELINE_OFF = "off"
+DEFAULT_TIMELINE = "timeline.json"
+# The default timeline keeps the run's first events: enough batches for report.html,
+# and a bounded file for long runs (an explicit --timeline keeps the library's bound).
+DEFAULT_TIMELINE_EVENTS = 100_000
+TIMELINE_SAMPLE_S = 0.5
+PROFILE_DIR = "profile"
+
+
+class ObserveError(DFlashError):
+    """A telemetry setting that tracing rejects (one line naming the flag)."""
+
+
+class _LineHandler(logging.Handler):
+    """Hands the library's one-line notes to the run's log."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        super().__init__()
+        self._log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._log(record.getMessage())
+
+
+@dataclass
+class Instruments:
+    timeline: Timeline | None = None
+    profile: ProfileWindow | None = None
+    nvtx: NvtxRanges | None = None
+
+    @property
+    def hooks(self) -> list[object]:
+        """The phase hooks `tracing.setup` installs."""
+        return [h for h in (self.timeline, self.nvtx) if h is not None]
+
+    def close(self) -> dict[str, str]:
+        """Writes the timeline and stops the profiler (idempotent); the files written."""
+        files = {}
+        if self.timeline is not None and (path := self.timeline.close()) is not None:
+            files["timeline"] = str(path)
+        if self.profile is not None and (path := self.profile.close()) is not None:
+            files["profile"] = str(path)
+        return files
+
+
+def timeline_file(tel: Any, output_dir: Path) -> tuple[Path | None, int | None]:
+    """(path, max events) of the timeline cfg.telemetry asks for; (None, None) when off."""
+    if tel.timeline == TIMELINE_OFF:
+        return None, None
+    if tel.timeline is None:
+        return output_dir / DEFAULT_TIMELINE, DEFAULT_TIMELINE_EVENTS
+    return Path(tel.timeline), None
+
+
+def build_instruments(
+    tel: Any, output_dir: Path, rank: int, log: Callable[[str], None]
+) -> Instruments:
+    """Timeline, profiler window and NVTX hook of cfg.telemetry (`tel`) for `rank`."""
+    out = Instruments()
+    path, max_events = timeline_file(tel, output_dir)
+    try:
+        if path is not None:
+            limit = {} if max_events is None else {"max_events": max_events}
+            out.timeline = Timeline(path, rank=rank, **limit)
+    except TracingConfigError as exc:
+        raise ObserveError(f"--timeline {str(path)!r} is invalid: {exc}") from None
+    try:
+        if tel.torch_profile is not None:
+            out.profile = ProfileWindow(tel.torch_profile, output_dir / PROFILE_DIR, rank=rank)
+    except TracingConfigError as exc:
+        raise ObserveError(f"--torch-profile {tel.torch_profile!r} is invalid: {exc}") from None
+    if tel.nvtx:
+        note = logging.Logger("dflash.nvtx")
+        note.addHandler(_LineHandler(log if rank == 0 else (lambda _: None)))
+        out.nvtx = nvtx_ranges(note)
+    return out
+
+
+@dataclass(frozen=True)
+class FlopsFigures:
+    """Model FLOPs per trained token of each stage, and the devices' peaks."""
+
+    target_per_token: float
+    drafter_per_token: float
+    """Training FLOPs of one drafter step over the tokens of its batch."""
+    target_peak_tflops: float | None = None
+    """Sum over the target devices; None where a device's peak is unknown (CPUs)."""
+    drafter_peak_tflops: float | None = None
+
+
+def _total_peak(devices: Sequence[torch.device]) -> float | None:
+    peaks = [device_peak_tflops(d) for d in devices]
+    return None if not peaks or any(p is None for p in peaks) else float(sum(peaks))  # type: ignore[arg-type]
+
+
+def flops_figures(run: Any) -> FlopsFigures:
+    """FLOPs of the run's target forward and drafter step (dflash.observe.flops), counting the
+    configured anchors per row (an upper bound where rows have fewer valid anchors)."""
+    cfg, target = run.cfg, run.target
+    rows, seq_len = cfg.data.batch_size, cfg.data.seq_len
+    weights = linear_params(target.model)
+    if not cfg.loss.use_soft_labels and isinstance(target.lm_head, torch.nn.Linear):
+        weights -= target.lm_head.weight.numel()  # hidden states only: no logits
+    geo = target.geometry
+    per_target = target_flops_per_token(weights, geo.num_layers, geo.num_heads, geo.head_dim,
+                                        seq_len)  # fmt: skip
+    drafter = drafter_flops_of(run.drafter, seq_len)
+    block_tokens = rows * cfg.loss.num_anchors * run.drafter.config.block_size
+    per_step = drafter.per_step(block_tokens, rows * seq_len)
+    return FlopsFigures(
+        target_per_token=per_target,
+        drafter_per_token=per_step / (rows * seq_len),
+        target_peak_tflops=_total_peak(run.placement.targets),
+        drafter_peak_tflops=_total_peak(run.placement.drafters),
+    )
+
+
+@dataclass
+class PeakMemory:
+    """Peak allocated bytes per CUDA device: `interval_gib()` for the tables (each call
+    starts the next interval), `bytes_now(device)` for the metrics (no reset)."""
+
+    devices: list[torch.device] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._readers = {str(d): r for d in self.devices if (r := peak_memory_reader(d))}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._readers)
+
+    def interval_gib(self) -> str:
+        return " ".join(f"{name} {read() / 2**30:.2f}" for name, read in self._readers.items())
+
+    def metric_readers(self) -> dict[str, Callable[[], float]]:
+        return {name: _peak_bytes(torch.device(name)) for name in self._readers}
+
+
+def _peak_bytes(device: torch.device) -> Callable[[], float]:
+    return lambda: float(torch.cuda.max_memory_allocated(device))

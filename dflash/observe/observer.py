@@ -1,0 +1,364 @@
+"""Telemetry of a training run: tracing and metrics set up from the config, interval
+tables with throughput and a bottleneck verdict, cross-rank tables, and the bounded
+shutdown that leaves stats.json, the timeline and the export counts.
+
+The pipeline records its phases through the `tracing` API directly; the `Observer`
+only sets tracing up and reports: it reads a read-only snapshot of the pipeline's
+counters and queue depths, and gathers the other ranks' tables through the gradient
+averager's cross-rank hook, between steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import torch.distributed as dist
+
+import tracing
+from dflash.files import write_text_atomic
+from dflash.observe import bottleneck
+from dflash.observe.instruments import (
+    TIMELINE_SAMPLE_S,
+    FlopsFigures,
+    Instruments,
+    ObserveError,
+    PeakMemory,
+    build_instruments,
+)
+from dflash.observe.metrics import NAMESPACE, record_step, start_run_metrics
+from dflash.pipeline.queues import CounterSnapshot, Stopped
+from tracing import Reporter, StatsSnapshot, TracingConfig, TracingConfigError
+from tracing.metrics import Metrics
+
+__all__ = ["ObserveError", "Observer", "describe", "shared_run_id", "start_observer"]
+
+SERVICE_NAME = "dflash-train"
+STATS_FILE = "stats.json"
+
+
+def tracing_config(tel: Any, rank: int, run_id: str) -> TracingConfig:
+    """TracingConfig from cfg.telemetry: flags win over OTEL_* variables, which win over
+    the defaults; a flag left unset (None) lets the variables apply. No endpoint (flag or
+    OTEL_EXPORTER_OTLP_ENDPOINT) sends nothing."""
+    exporters: list[str] = []
+    if tel.otlp_endpoint:
+        exporters.append("otlp")
+    if tel.trace_file:
+        exporters.append("file")
+    try:
+        return TracingConfig.from_env(
+            default_service_name=SERVICE_NAME,
+            service_name=tel.service_name,
+            attribute_namespace=NAMESPACE,
+            exporter=tuple(exporters) or None,
+            otlp_endpoint=tel.otlp_endpoint,
+            otlp_protocol=tel.otlp_protocol,
+            trace_file=tel.trace_file,
+            level=tel.trace_level,
+            sample_ratio=tel.trace_sample_ratio,
+            cuda_timing=tel.cuda_timing,
+            rank=rank,
+            run_id=run_id,
+            report_interval_s=tel.profile_interval_s,
+        )
+    except TracingConfigError as exc:
+        raise ObserveError(f"telemetry: {exc}") from None
+
+
+def describe(cfg: TracingConfig) -> str:
+    """The startup line: where traces go, level, sampling, timing mode, interval."""
+    sinks = []
+    if "otlp" in cfg.exporter:
+        sinks.append(f"OTLP/{cfg.otlp_protocol} {cfg.otlp_endpoint}")
+    if "file" in cfg.exporter:
+        sinks.append(f"file {cfg.trace_file}" + (f".rank{cfg.rank}" if cfg.rank else ""))
+    if "console" in cfg.exporter:
+        sinks.append("console")
+    where = " + ".join(sinks) if sinks else "nowhere (tables only; set --otlp-endpoint)"
+    return (
+        f"telemetry: traces -> {where}; level {cfg.level}; sample ratio {cfg.sample_ratio:g}; "
+        f"cuda timing {cfg.cuda_timing}; tables every {cfg.report_interval_s:g}s; "
+        f"service {cfg.service_name} ({cfg.service_instance_id}, run {cfg.run_id})"
+    )
+
+
+def shared_run_id(world_size: int) -> str:
+    """One run id for every rank: rank 0's, broadcast at start-up (torchrun's
+    TORCHELASTIC_RUN_ID is "none" under static rendezvous, so it cannot be trusted)."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id == "none":
+        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+    if world_size > 1 and dist.is_initialized():
+        box = [run_id]
+        dist.broadcast_object_list(box, src=0)
+        run_id = str(box[0])
+    return run_id
+
+
+class RankTables:
+    """Per-rank snapshots for rank 0's interval tables, gathered in step with training.
+
+    A `dflash.pipeline.distributed.CrossRankHook`: rank 0's reporter asks (`collect`), the
+    request rides on the next gradient all-reduce, and every rank's training thread
+    then runs `run` (one small all_gather) after the same step, outside any phase.
+    """
+
+    def __init__(self, stats: tracing.ProfileStats, timeout_s: float) -> None:
+        self._stats = stats
+        self._timeout_s = timeout_s
+        self._wanted = False
+        self._ready = threading.Event()
+        self._result: list[StatsSnapshot] | None = None
+
+    def wanted(self) -> bool:
+        return self._wanted
+
+    def run(self) -> None:
+        local = self._stats.take_interval().to_dict()
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, local)
+        self._result = [StatsSnapshot.from_dict(d) for d in out]
+        self._wanted = False
+        self._ready.set()
+
+    def collect(self) -> tuple[StatsSnapshot, list[StatsSnapshot]] | None:
+        """Rank 0's reporter thread: ask, then wait for the training thread's gather."""
+        self._ready.clear()
+        self._result = None
+        self._wanted = True
+        if not self._ready.wait(self._timeout_s) or self._result is None:
+            self._wanted = False
+            return None  # training is stalled or finishing: print this rank alone
+        return StatsSnapshot.merge(self._result), self._result
+
+
+class Observer:
+    """The run's telemetry: setup, the interval reporter, the final tables, shutdown."""
+
+    def __init__(
+        self,
+        cfg: TracingConfig,
+        telemetry: tracing.Telemetry,
+        world_size: int,
+        *,
+        instruments: Instruments | None = None,
+        output_dir: Path | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.telemetry = telemetry
+        self.stats = telemetry.stats
+        self.ranks = RankTables(self.stats, timeout_s=min(10.0, cfg.report_interval_s))
+        self.is_main = cfg.rank == 0
+        self.world_size = world_size
+        self.instruments = instruments or Instruments()
+        self.output_dir = output_dir
+        self.reporter: Reporter | None = None
+        self.metrics: Metrics | None = None
+        self.verdict: Callable[[StatsSnapshot], str | None] = bottleneck.snapshot_verdict
+        self.bad_steps: int | None = None
+        self._final_ranks: list[StatsSnapshot] | None = None
+        self._stream: IO[str] | None = None
+        self._closed: dict[str, Any] | None = None
+
+    @property
+    def profile(self) -> Any:
+        """The --torch-profile window (tracing.profiler.ProfileWindow), or None."""
+        return self.instruments.profile
+
+    def describe(self) -> str:
+        return describe(self.cfg)
+
+    def attach(
+        self,
+        snapshot: Callable[[], CounterSnapshot],
+        devices: Sequence[Any] = (),
+        flops: FlopsFigures | None = None,
+        stream: IO[str] | None = None,
+    ) -> None:
+        """Starts the reporter (rank 0 prints to `stream`), the metrics and the timeline's
+        counters on the pipeline's `snapshot`; `devices`: every stage's device."""
+        # Shares are of training time: setup (target preparation can take minutes)
+        # must not dilute the cumulative table. Nothing was timed before this point.
+        self.stats.reset()
+        shared = bottleneck.shared_device(str(d) for d in devices) if devices else None
+        self.verdict = lambda s: bottleneck.snapshot_verdict(s, shared_device=shared)
+        memory = PeakMemory([torch.device(d) for d in devices])
+        self._start_metrics(snapshot, memory)
+        self._watch_timeline(snapshot)
+        if self.is_main:
+            self._start_reporter(snapshot, memory, flops, stream)
+
+    def _start_reporter(self, snapshot: Callable[[], CounterSnapshot], memory: PeakMemory,
+                        flops: FlopsFigures | None, stream: IO[str] | None) -> None:  # fmt: skip
+        reporter = Reporter(self.stats, interval_s=self.cfg.report_interval_s, title="interval",
+                            stream=stream)  # fmt: skip
+        w = self.world_size
+        reporter.add_rate("target", lambda: snapshot().target_tokens * w, "tok/s")
+        reporter.add_rate("drafter", lambda: snapshot().drafter_tokens * w, "tok/s")
+        reporter.add_gauge("batch_queue", lambda: snapshot().queued_now.get("batch_queue", 0))
+        reporter.add_gauge("hs_queue", lambda: snapshot().queued_now.get("hs_queue", 0))
+        if flops is not None:
+            _add_flops(reporter, snapshot, flops, w)
+        if memory.enabled:
+            reporter.add_gauge("peak memory GiB", memory.interval_gib)
+        reporter.add_gauge("skipped steps", lambda: "-" if self.bad_steps is None
+                           else self.bad_steps)  # fmt: skip
+        reporter.set_verdict(self.verdict)
+        if w > 1:
+            reporter.set_interval_source(self.ranks.collect)
+        reporter.install_exit_hooks()
+        self.reporter = reporter.start()
+        self._stream = stream
+
+    def _start_metrics(self, snapshot: Callable[[], CounterSnapshot], memory: PeakMemory) -> None:
+        self.metrics = start_run_metrics(
+            self.cfg,
+            self.stats,
+            tokens={"target": lambda: snapshot().target_tokens,
+                    "drafter": lambda: snapshot().drafter_tokens},
+            steps={"target": lambda: snapshot().target_batches,
+                   "drafter": lambda: snapshot().drafter_steps},
+            queues={q: (lambda q=q: snapshot().queued_now.get(q, 0))
+                    for q in ("batch_queue", "hs_queue")},
+            memory=memory.metric_readers(),
+        )  # fmt: skip
+
+    def _watch_timeline(self, snapshot: Callable[[], CounterSnapshot]) -> None:
+        timeline = self.instruments.timeline
+        if timeline is None:
+            return
+        timeline.watch("queue depth", {q: (lambda q=q: snapshot().queued_now.get(q, 0))
+                                       for q in ("batch_queue", "hs_queue")})  # fmt: skip
+        timeline.watch_rate("tokens/s", {"target": lambda: snapshot().target_tokens,
+                                         "drafter": lambda: snapshot().drafter_tokens})  # fmt: skip
+        timeline.start_sampling(TIMELINE_SAMPLE_S)
+
+    def record_step(self, figures: dict[str, Any], mfu: float | None = None) -> None:
+        """A logged step's figures into the metrics (the training thread, off the hot path)."""
+        if isinstance(figures.get("bad_steps"), int):
+            self.bad_steps = figures["bad_steps"]
+        if self.metrics is not None:
+            record_step(self.metrics, loss=figures["loss"], tau=figures["tau_estimate"],
+                        lr=figures["lr"], grad_norm=figures["grad_norm"], mfu=mfu)  # fmt: skip
+
+    def gather_final(self) -> None:
+        """Every rank, right after training (before rank 0 saves and evaluates, which
+        other ranks would otherwise wait out in a collective): the cumulative tables."""
+        if self.world_size < 2 or self._final_ranks is not None:
+            return
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, self.stats.snapshot().to_dict())
+        self._final_ranks = [StatsSnapshot.from_dict(d) for d in out]
+
+    def final_snapshot(self) -> StatsSnapshot:
+        """The cumulative snapshot: merged over the ranks after `gather_final`."""
+        finals = self._final_ranks
+        return StatsSnapshot.merge(finals) if finals is not None else self.stats.snapshot()
+
+    def close(self, log: Callable[[str], None]) -> dict[str, Any]:
+        """Final cumulative table, then the bounded shutdown; figures for summary.json.
+
+        Idempotent: the failure and signal paths may call it after the normal one.
+        After `gather_final`, rank 0's final table shows each phase's min and max
+        across ranks. Rank 0 writes OUTPUT_DIR/stats.json (the final snapshot).
+        """
+        if self._closed is not None:
+            return self._closed
+        reporter, finals = self.reporter, self._final_ranks
+        final = self.final_snapshot()
+        if reporter is not None:
+            # The final table and summary.json's verdict come from the same snapshot.
+            reporter.stop(final=False)
+            reporter.uninstall_exit_hooks()
+            if finals is None:
+                title = f"interval: total {final.wall_s:.1f}s"
+                print(
+                    reporter.render(final, title, cumulative=True),
+                    file=self._stream or sys.stderr,
+                    flush=True,
+                )
+            else:
+                title = f"interval: total {final.wall_s:.1f}s, {len(finals)} ranks"
+                log(reporter.render(final, title, cumulative=True, rank_snapshots=finals))
+        files = self.instruments.close()
+        metrics = self.metrics.shutdown() if self.metrics is not None else None
+        report = self.telemetry.shutdown()
+        if self.is_main:
+            log(f"telemetry: {report.summary()}" + (f"; {metrics.summary()}" if metrics else ""))
+            files.update(self._write_stats(final))
+        self._closed = {
+            "spans_exported": report.spans_exported,
+            "spans_dropped": report.spans_dropped,
+            "spans_not_delivered": report.spans_not_delivered,
+            "shutdown_s": round(report.duration_s, 3),
+            **_metrics_counts(metrics),
+            "files": files,
+            "verdict": self.verdict(final),
+        }
+        return self._closed
+
+    def _write_stats(self, final: StatsSnapshot) -> dict[str, str]:
+        if self.output_dir is None:
+            return {}
+        path = self.output_dir / STATS_FILE
+        try:
+            write_text_atomic(path, json.dumps(final.to_dict()) + "\n")
+        except OSError:
+            return {}
+        return {"stats": str(path)}
+
+
+def _add_flops(reporter: Reporter, snapshot: Callable[[], CounterSnapshot], flops: FlopsFigures,
+               world_size: int) -> None:  # fmt: skip
+    """Achieved TFLOP/s per stage (model FLOPs), and MFU where the devices' peak is known."""
+    sides = (("target", flops.target_per_token, flops.target_peak_tflops),
+             ("drafter", flops.drafter_per_token, flops.drafter_peak_tflops))  # fmt: skip
+    for side, per_token, peak in sides:
+
+        def tera(side: str = side, per_token: float = per_token) -> float:
+            tokens = getattr(snapshot(), f"{side}_tokens") * world_size
+            return tokens * per_token / 1e12
+
+        if peak is None:  # CPUs: achieved GFLOP/s, no peak to compare with
+            reporter.add_rate(f"{side} FLOPs", lambda t=tera: 1e3 * t(), "GFLOP/s")
+            continue
+        reporter.add_rate(f"{side} FLOPs", tera, "TFLOP/s")
+        reporter.add_rate(f"{side} MFU", lambda t=tera, p=peak: 100 * t() / p, "%")
+
+
+def _metrics_counts(report: Any) -> dict[str, Any]:
+    if report is None:
+        return {}
+    return {"metric_exports_ok": report.exports_ok, "metric_exports_failed": report.exports_failed,
+            "metric_points_lost": report.points_failed}  # fmt: skip
+
+
+def start_observer(
+    tel: Any, rank: int, world_size: int, *, run_id: str, output_dir: Path,
+    log: Callable[[str], None] = print,
+) -> Observer:  # fmt: skip
+    """Sets tracing up for this process from cfg.telemetry (call once, before training).
+
+    The timeline and profiler paths are checked first: a bad one is one ObserveError."""
+    instruments = build_instruments(tel, output_dir, rank, log)
+    cfg = tracing_config(tel, rank, run_id)
+    telemetry = setup_tracing(cfg, phase_hooks=instruments.hooks)
+    return Observer(cfg, telemetry, world_size, instruments=instruments, output_dir=output_dir)
+
+
+def setup_tracing(cfg: TracingConfig, **options: Any) -> tracing.Telemetry:
+    """`tracing.setup` as a run needs it: a stop of the pipeline (Stopped, Ctrl-C) ends
+    phases without marking them ERROR. `options` go to tracing.setup."""
+    try:
+        return tracing.setup(cfg, stop_exceptions=(Stopped, KeyboardInterrupt), **options)
+    except TracingConfigError as exc:
+        raise ObserveError(f"telemetry: {exc}") from None

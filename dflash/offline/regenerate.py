@@ -1,0 +1,331 @@
+"""Regenerate training data with the target's own replies.
+
+Conversations: every assistant turn is replaced, in order, by what the target
+writes given the conversation so far (earlier turns already regenerated). Plain
+text: held-in documents are cut into windows of prefix_tokens + max_new_tokens;
+each window's prefix is kept and its continuation regenerated. The output has the
+input's JSONL shape, one line per conversation or window, in input order.
+
+Output is written in chunks of whole lines beside a `<output>.run.json` record of
+the run; an interrupted run continues after the last complete chunk, and an
+existing output from another run (or without the record) is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.config.settings import DataConfig
+from dflash.data.chat import chat_prompt_ids
+from dflash.data.corpus import (
+    EMBEDDED,
+    EMBEDDED_CORPUS,
+    Corpus,
+    embedded_corpus,
+    embedded_key,
+    embedded_tokens,
+    is_heldout,
+)
+from dflash.data.packing import frame
+from dflash.data.sources import DataReport, iter_jsonl, read_jsonl
+from dflash.data.tokenizer import decode_text, encode_texts, special_ids
+from dflash.files import cache_dir, write_json_atomic
+from dflash.offline.settings import RegenerateError, RegenerateSettings
+from dflash.target.generation import generate_batch
+from dflash.target.model import TargetModel, target_fingerprint
+
+
+@dataclass
+class RegenProgress:
+    lines_done: int
+    lines_total: int
+    new_tokens: int  # generated in this invocation
+    tokens_per_s: float
+
+
+@dataclass
+class RegenReport:
+    output: Path
+    lines: int
+    resumed_from_line: int
+    new_tokens: int
+    wall_s: float
+    skipped: DataReport = field(default_factory=DataReport)
+
+
+# --------------------------------------------------------------------------- items
+
+
+def window_starts(num_tokens: int, settings: RegenerateSettings) -> list[int]:
+    """Starts of the prefix_tokens + max_new_tokens windows of a text of num_tokens."""
+    window = settings.prefix_tokens + settings.max_new_tokens
+    starts = list(range(0, max(num_tokens - settings.prefix_tokens + 1, 0), window))
+    k = settings.windows_per_document
+    if k is not None and len(starts) > k:
+        starts = [starts[round(i * (len(starts) - 1) / max(k - 1, 1))] for i in range(k)]
+    return starts
+
+
+def _text_windows(tokenizer: Any, text: str, settings: RegenerateSettings) -> list[list[int]]:
+    """Prefixes (token ids) of the windows of one document."""
+    (ids,) = encode_texts(tokenizer, [text])
+    return [ids[s : s + settings.prefix_tokens].tolist() for s in window_starts(len(ids), settings)]
+
+
+def read_items(source: str, report: DataReport, heldout_fraction: float) -> list[dict[str, Any]]:
+    """Held-in records of `source`: {"text": ...} or {"messages": [...]} objects."""
+    if source in (EMBEDDED, EMBEDDED_CORPUS):
+        return [{"text": t} for t in embedded_corpus("train", heldout_fraction)]
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise RegenerateError(f"--data {source!r}: no such file or folder")
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    items: list[dict[str, Any]] = []
+    for file in files:
+        name = file.name if file == path else file.relative_to(path).as_posix()
+        if file.suffix == ".jsonl":
+            for lineno, obj in iter_jsonl(file, report):
+                if not is_heldout(f"{file}:{lineno}", heldout_fraction):
+                    items.append(obj)
+            continue
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue  # binary files are skipped, as when training
+        if not is_heldout(name, heldout_fraction):
+            items.append({"text": text})
+    return items
+
+
+def expand_items(tokenizer: Any, items: list[dict], settings: RegenerateSettings) -> list[dict]:
+    """Conversations stay one item each; a text becomes one item per window."""
+    out: list[dict] = []
+    for obj in items:
+        if "messages" in obj:
+            out.append(obj)
+            continue
+        extra = {k: v for k, v in obj.items() if k != "text"}
+        out += [{**extra, "_prefix": p} for p in _text_windows(tokenizer, obj["text"], settings)]
+    return out
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+class _Decoder:
+    """Runs prompts batched by exact length; counts generated tokens."""
+
+    def __init__(self, target: TargetModel, settings: RegenerateSettings, chunk: int) -> None:
+        self.target, self.settings = target, settings
+        self.stops = settings.stop_token_ids or target.stop_token_ids
+        self.generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + chunk)
+        self.new_tokens = 0
+
+    def run(self, prompts: list[list[int]]) -> list[list[int]]:
+        results: list[list[int]] = [[] for _ in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        groups: dict[int, list[int]] = {}
+        for i in order:
+            groups.setdefault(len(prompts[i]), []).append(i)
+        size = self.settings.batch_size
+        for members in groups.values():
+            for s in range(0, len(members), size):
+                part = members[s : s + size]
+                outs = generate_batch(
+                    self.target, [prompts[i] for i in part],
+                    max_new_tokens=self.settings.max_new_tokens, stop_token_ids=self.stops,
+                    temperature=self.settings.temperature, generator=self.generator,
+                )  # fmt: skip
+                for i, new in zip(part, outs, strict=True):
+                    results[i] = new
+                    self.new_tokens += len(new)
+        return results
+
+
+def regenerate_chunk(decoder: _Decoder, items: list[dict]) -> list[dict]:
+    """The regenerated records of `items` (assistant turns in waves, texts at once)."""
+    tok = decoder.target.tokenizer
+    records = [
+        {**o, "messages": [dict(m) for m in o["messages"]]} if "messages" in o else dict(o)
+        for o in items
+    ]
+    prefixes = [r.pop("_prefix") if "_prefix" in r else None for r in records]
+    texts = [(i, p) for i, p in enumerate(prefixes) if p is not None]
+    for (i, prefix), new in zip(texts, decoder.run([p for _, p in texts]), strict=True):
+        records[i]["text"] = decode_text(tok, prefix + new)
+    turn = 0
+    while True:  # wave `turn`: the turn-th assistant reply of every conversation that has one
+        wave = []
+        for i, r in enumerate(records):
+            spots = [j for j, m in enumerate(r.get("messages", [])) if m["role"] == "assistant"]
+            if turn < len(spots):
+                wave.append((i, spots[turn]))
+        if not wave:
+            return records
+        prompts = [chat_prompt_ids(tok, records[i]["messages"][:j]) for i, j in wave]
+        for (i, j), new in zip(wave, decoder.run(prompts), strict=True):
+            records[i]["messages"][j]["content"] = decode_text(tok, new)
+        turn += 1
+
+
+# --------------------------------------------------------------------------- resumable output
+
+
+def run_record(target: TargetModel, items: list[dict], settings: RegenerateSettings) -> dict:
+    """What identifies a regeneration run: target, inputs and settings."""
+    data = hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()
+    return {
+        "format": 1,
+        "target": target.spec,
+        "target_hash": target_fingerprint(target),
+        "data": data[:20],
+        "lines": len(items),
+        "settings": json.loads(json.dumps(asdict(settings))),
+    }
+
+
+def _resume_point(output: Path, record: dict, chunk_lines: int) -> int:
+    """Lines of `output` to keep (whole chunks); refuses an output of another run."""
+    meta = output.with_name(output.name + ".run.json")
+    if not output.exists():
+        write_json_atomic(meta, record)
+        return 0
+    try:
+        saved = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        saved = None
+    if saved != record:
+        why = "no run record" if saved is None else "its run record differs"
+        raise RegenerateError(
+            f"--output {output} exists and is not a resumable file of this run ({why} "
+            f"in {meta.name}): choose another --output or delete it"
+        )
+    with open(output, "rb") as f:
+        lines = f.read().split(b"\n")
+    complete = len(lines) - 1  # the piece after the last newline is not a whole line
+    if complete > record["lines"]:
+        raise RegenerateError(
+            f"--output {output} has {complete} lines, more than this run writes ({record['lines']})"
+        )
+    keep = complete if complete == record["lines"] else complete // chunk_lines * chunk_lines
+    if keep != complete or lines[-1]:
+        with open(output, "wb") as f:
+            f.write(b"".join(line + b"\n" for line in lines[:keep]))
+    return keep
+
+
+def regenerate(
+    target: TargetModel,
+    source: str,
+    output: Path | str,
+    *,
+    settings: RegenerateSettings,
+    progress: Callable[[RegenProgress], None] | None = None,
+) -> RegenReport:
+    """Regenerate `source` (`embedded`, a text file/folder or JSONL) into `output`."""
+    start_s, out = time.perf_counter(), Path(output)
+    report = DataReport()
+    items = expand_items(
+        target.tokenizer, read_items(source, report, settings.heldout_fraction), settings
+    )
+    if not items:
+        first = f" (skipped {report.skipped_lines} lines; first: {report.first_bad_line})"
+        raise RegenerateError(
+            f"--data {source!r}: nothing to regenerate" + (first if report.skipped_lines else "")
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = first_line = _resume_point(
+        out, run_record(target, items, settings), settings.chunk_lines
+    )
+    new_tokens = 0
+    with open(out, "a", encoding="utf-8") as f:
+        for begin in range(done, len(items), settings.chunk_lines):
+            decoder = _Decoder(target, settings, begin // settings.chunk_lines)
+            records = regenerate_chunk(decoder, items[begin : begin + settings.chunk_lines])
+            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+            f.flush()
+            os.fsync(f.fileno())
+            done, new_tokens = begin + len(records), new_tokens + decoder.new_tokens
+            if progress is not None:
+                rate = new_tokens / max(time.perf_counter() - start_s, 1e-9)
+                progress(RegenProgress(done, len(items), new_tokens, rate))
+    wall_s = time.perf_counter() - start_s
+    return RegenReport(out, len(items), first_line, new_tokens, wall_s, report)
+
+
+# --------------------------------------------------------------------------- the embedded default
+
+# The recipe of `--data embedded`: two windows per held-in document, 64 tokens of
+# corpus text continued by 64 of the target's greedy tokens.
+EMBEDDED_RECIPE = RegenerateSettings(
+    max_new_tokens=64, prefix_tokens=64, windows_per_document=2, batch_size=64, chunk_lines=128
+)
+
+
+def embedded_regeneration(
+    target: TargetModel,
+    heldout_fraction: float = DataConfig.heldout_fraction,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """The target's continuations of the embedded corpus' held-in prefixes (JSONL),
+    regenerated once per target and recipe and cached under cache_dir()/regen; an
+    interrupted regeneration continues where it stopped."""
+    settings = dataclasses.replace(EMBEDDED_RECIPE, heldout_fraction=heldout_fraction)
+    key = hashlib.sha256(json.dumps({
+        "target": target_fingerprint(target), "recipe": asdict(settings),
+        "corpus": embedded_key(target.tokenizer, heldout_fraction),
+    }, sort_keys=True).encode()).hexdigest()[:20]  # fmt: skip
+    path = cache_dir() / "regen" / f"embedded-{key}.jsonl"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.stem}.lock"), "w") as lock:
+        # Runs started together: one regenerates, the others wait and read its file.
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            _regenerate_embedded(target, settings, path, log)
+    return path
+
+
+def _regenerate_embedded(
+    target: TargetModel, settings: RegenerateSettings, path: Path, log: Callable[[str], None]
+) -> None:
+    partial = path.with_name(f".{path.stem}.partial.jsonl")
+    log(f"data: the target's own continuations of the embedded corpus, generated once "
+        f"({target.spec}; cached as {path})")  # fmt: skip
+    step = [0.0]
+
+    def progress(p: RegenProgress) -> None:
+        if p.lines_done >= step[0] or p.lines_done == p.lines_total:
+            log(f"data: regenerated {p.lines_done}/{p.lines_total} windows, "
+                f"{p.tokens_per_s:,.0f} tokens/s")  # fmt: skip
+            step[0] = p.lines_done + p.lines_total / 4
+
+    report = regenerate(target, EMBEDDED, partial, settings=settings, progress=progress)
+    os.replace(partial, path)
+    partial.with_name(partial.name + ".run.json").unlink(missing_ok=True)
+    log(f"data: {report.new_tokens:,} tokens regenerated in {report.wall_s:.1f} s")
+
+
+def regenerated_corpus(
+    path: Path, tokenizer: Any, heldout_fraction: float = DataConfig.heldout_fraction
+) -> Corpus:
+    """Training documents of a regenerated JSONL file (all of it: it holds held-in text
+    only), held-out documents of the embedded corpus (the prompts evaluation uses)."""
+    report = DataReport()
+    eos, bos = special_ids(tokenizer)
+    train = [frame(d, bos, eos) for d in read_jsonl(path, tokenizer, report) if len(d.ids)]
+    if not train:
+        raise RegenerateError(f"regenerated data {path} holds no text: delete it to regenerate")
+    return Corpus(train, embedded_tokens(tokenizer, heldout_fraction).heldout, report)

@@ -1,0 +1,264 @@
+"""Keeping drafter replicas identical: in one process and across torchrun ranks.
+
+Every drafter replica (one thread per drafter device, on every rank) computes
+gradients on its own batch. Between backward and the optimizer step the trainer
+calls its `grad_sync` hook; `GradAverager` makes that hook average the gradients:
+first over the replicas of this process (a stop-aware barrier, then replica 0 sums),
+then over ranks with one `all_reduce` of a flattened buffer (what DDP does with
+its buckets; DDP itself is not used because one process hosts several replicas
+in threads, which DDP does not support). Every replica then copies the same
+averaged gradient, so the weights stay bit-identical.
+
+Data sharding rule. With W ranks and D drafter replicas per rank, optimizer step s
+of a run that starts at batch index i0 consumes the W*D consecutive batch indices
+i0 + s*W*D ... i0 + (s+1)*W*D - 1; rank r takes i0 + s*W*D + r + k*W for k < D,
+i.e. rank r reads r, r+W, r+2W, ... The batch stream is endless
+(`data.PackedDataset.batch(i)` exists for every i: epochs continue row by row into
+the next permutation), so no world size "fails to divide" the data: every rank
+gets the same number of batches per step, no rank runs dry while another waits in
+a collective, and an epoch boundary may fall inside a step exactly as it does in
+the single-threaded loop. The resume position after s steps is i0 + s*W*D.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflash.errors import DFlashError
+from dflash.pipeline.queues import StopAwareBarrier
+
+# A dead peer must not hang a collective for torch's default 30 min; torchrun
+# normally tears the group down much sooner when one worker exits.
+COLLECTIVE_TIMEOUT_S = 300.0
+
+
+class DistributedError(DFlashError):
+    """Bad torchrun environment or a topology the ranks disagree on."""
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise DistributedError(f"{name}={text!r} is not an integer") from None
+
+
+def dist_info_from_env(env: Mapping[str, str] | None = None) -> DistInfo:
+    """Rank layout from the variables torchrun sets (RANK, WORLD_SIZE, LOCAL_*)."""
+    env = os.environ if env is None else env
+    world_size = _env_int(env, "WORLD_SIZE", 1)
+    rank = _env_int(env, "RANK", 0)
+    local_world_size = _env_int(env, "LOCAL_WORLD_SIZE", world_size)
+    local_rank = _env_int(env, "LOCAL_RANK", rank)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise DistributedError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    if local_world_size < 1 or not 0 <= local_rank < local_world_size:
+        raise DistributedError(
+            f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world_size}"
+        )
+    return DistInfo(rank, world_size, local_rank, local_world_size)
+
+
+def init_distributed(info: DistInfo, device: torch.device) -> None:
+    """Join the process group (gloo for cpu drafters, NCCL for cuda) from env://."""
+    if not info.enabled or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+
+
+def destroy_distributed() -> None:
+    """Leave the process group. Only once every thread that may still run a collective
+    has been joined: tearing the group down under such a thread aborts the process."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        # Free the group's C++ side (its worker threads hold the last tensors they
+        # reduced) now, while the interpreter can still take the GIL for them: left
+        # to interpreter finalization, that release aborts the process.
+        gc.collect()
+
+
+def check_same_across_ranks(value: int, what: str, device: torch.device) -> None:
+    """Fail on every rank when ranks disagree on `value` (they would deadlock later)."""
+    if not dist.is_initialized():
+        return
+    t = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if int(t[0]) != value or int(-t[1]) != value:
+        raise DistributedError(
+            f"ranks disagree on {what}: this rank has {value}, range {int(-t[1])}..{int(t[0])}"
+        )
+
+
+def batch_index(
+    step: int, slot: int, rank: int, world_size: int, replicas_per_rank: int, start_index: int = 0
+) -> int:
+    """Index in the batch stream that `rank` feeds to its `slot`-th replica at `step`
+    (counted from the run's start, whose first batch is `start_index`)."""
+    per_step = world_size * replicas_per_rank
+    return start_index + step * per_step + rank + slot * world_size
+
+
+def rank_batch_indices(
+    num_steps: int, rank: int, world_size: int, replicas_per_rank: int, start_index: int = 0
+) -> list[int]:
+    """Every batch index `rank` trains on in `num_steps` steps, in order."""
+    return [
+        batch_index(s, k, rank, world_size, replicas_per_rank, start_index)
+        for s in range(num_steps)
+        for k in range(replicas_per_rank)
+    ]
+
+
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def sync_initial_weights(replicas: Sequence[nn.Module]) -> None:
+    """Start every replica (in this process and on every rank) from rank 0's replica 0."""
+    first = replicas[0]
+    if dist.is_initialized():
+        for tensor in list(first.parameters()) + list(first.buffers()):
+            dist.broadcast(tensor.data, src=0)
+    for other in replicas[1:]:
+        for dst, src in zip(other.parameters(), first.parameters(), strict=True):
+            dst.copy_(src)
+        for dst, src in zip(other.buffers(), first.buffers(), strict=True):
+            dst.copy_(src)
+
+
+class CrossRankHook(Protocol):
+    """A collective that every rank runs after the same step, when rank 0 asks for it
+    (e.g. gathering every rank's interval table). It runs on the training thread
+    between steps, never inside a timed phase."""
+
+    def wanted(self) -> bool:
+        """Rank 0's request, read before every gradient all-reduce (other ranks' votes
+        do not count)."""
+        ...
+
+    def run(self) -> None:
+        """The collective itself; every rank calls it at the same step."""
+        ...
+
+
+class GradAverager:
+    """Averages gradients over the replicas of this process and over ranks, per step.
+
+    Across ranks, one extra element of the all-reduce carries rank 0's request for
+    the `cross_rank_hook`, so all ranks learn it at the same step with no extra
+    collective; replica 0 then runs the hook in `after_step`, outside the step.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[nn.Module],
+        stop: threading.Event,
+        cross_rank_hook: CrossRankHook | None = None,
+    ):
+        self._params = [trainable_parameters(m) for m in replicas]
+        sizes = {tuple(p.numel() for p in ps) for ps in self._params}
+        assert len(sizes) == 1, "replicas must have the same trainable parameters"
+        self._barrier = StopAwareBarrier(len(replicas), stop)
+        self._world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self._average: torch.Tensor | None = None
+        self._hook = cross_rank_hook if self._world_size > 1 else None
+        self._requested: torch.Tensor | None = None  # the request element, left on the device
+
+    def _all_reduce(self, total: torch.Tensor) -> torch.Tensor:
+        if self._hook is None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            return total
+        is_main = dist.get_rank() == 0
+        flag = 1.0 if is_main and self._hook.wanted() else 0.0
+        total = torch.cat([total, total.new_tensor([flag])])
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        self._requested = total[-1]
+        return total[:-1]
+
+    def after_step(self, may_read: bool) -> None:
+        """Replica 0, after its step: runs the cross-rank hook if rank 0 asked for it.
+
+        Reading the request is a device-to-host copy, so it happens only where
+        `may_read` (the logged steps, which read the device anyway); every rank
+        logs the same steps, so every rank runs the hook at the same one.
+        """
+        requested, self._requested = self._requested, None
+        if may_read and requested is not None and requested.item() > 0:
+            assert self._hook is not None
+            self._hook.run()
+
+    @property
+    def needed(self) -> bool:
+        return len(self._params) > 1 or self._world_size > 1
+
+    def hook(self, replica: int) -> Callable[[], None]:
+        """The `grad_sync` callable for replica `replica` (0 leads the reduction)."""
+        return lambda: self.sync(replica)
+
+    def _flat_grads(self, replica: int, device: torch.device) -> torch.Tensor:
+        parts = [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device)
+            for p in self._params[replica]
+        ]
+        return torch.cat(parts).float()
+
+    @torch.no_grad()
+    def sync(self, replica: int) -> None:
+        self._barrier.wait()  # every replica's backward is done
+        if replica == 0:
+            device = self._params[0][0].device
+            total = self._flat_grads(0, device)
+            for other in range(1, len(self._params)):
+                total += self._flat_grads(other, device)
+            if self._world_size > 1:
+                total = self._all_reduce(total)
+            total /= len(self._params) * self._world_size
+            self._average = total
+        self._barrier.wait()  # the average is ready; nobody overwrites it before the next step
+        assert self._average is not None
+        offset = 0
+        for p in self._params[replica]:
+            chunk = self._average[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.copy_(chunk)

@@ -1,0 +1,364 @@
+"""The stages of the producer-consumer pipeline, independent of any model.
+
+    prefetch --batch_queue--> TargetForwardLoop (one per target device)
+             --hs_queue-->    DrafterTrainLoop  (one per drafter device)
+
+The prefetcher calls a `make_batch(index)`, a target loop a `forward(batch)`, a
+drafter loop a `step(batch, target_out, phase)`; `dflash.run.pipelined.run_pipeline`
+plugs the real target and trainer in, the efficiency benchmark synthetic stages.
+
+Tracing is written against the `tracing` API (a no-op until `tracing.setup`), with
+the names of dflash.names: the prefetcher opens one root span per batch and hands its
+handle along with the batch; each consumer records when it began waiting, then
+opens its wait span under the batch it received with that start time. The root
+ends after the drafter step. With several target threads, adjacent batches may
+reach the drafters out of index order (each batch's anchors depend only on its
+id, so only the order of optimizer updates changes).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import tracing
+from dflash import names
+from dflash.pipeline.queues import (
+    SHUTDOWN_TIMEOUT_S,
+    BoundedQueue,
+    CounterSnapshot,
+    PipelineCounters,
+    StageGroup,
+    StageThread,
+    Stopped,
+)
+from tracing import SpanHandle
+
+
+@dataclass
+class BatchItem:
+    """A batch on batch_queue, with the root span of its trace."""
+
+    batch: Any  # dflash.data.Batch, or anything with batch_id and num_tokens
+    span: SpanHandle
+
+
+@dataclass
+class HiddenItem:
+    """Target features of a batch on hs_queue."""
+
+    batch: Any
+    target_out: Any
+    span: SpanHandle
+
+
+class _EndOfStream:
+    """Queue marker: no more items; each consumer takes exactly one."""
+
+
+END = _EndOfStream()
+
+FINISH_STEP_TIMEOUT_S = 60.0  # after SIGINT/SIGTERM a drafter may finish its step
+
+
+def _end_span(span: SpanHandle, exc: BaseException | None = None) -> None:
+    if exc is not None and not isinstance(exc, Stopped):
+        span.record_exception(exc)
+    span.end()
+
+
+class Prefetcher(StageThread):
+    """Builds the batches of `indices` in order and fills batch_queue."""
+
+    def __init__(
+        self,
+        group: StageGroup,
+        out_q: BoundedQueue[Any],
+        make_batch: Callable[[int], Any],
+        indices: Iterable[int],
+        num_consumers: int,
+        span_attributes: Mapping[str, Any],
+        pin_memory: bool = False,
+    ):
+        super().__init__("prefetch", group)
+        self.out_q, self.make_batch, self.indices = out_q, make_batch, indices
+        self.num_consumers = num_consumers
+        self.span_attributes, self.pin_memory = dict(span_attributes), pin_memory
+
+    def loop(self) -> None:
+        for index in self.indices:
+            # The root starts before the batch is built: a consumer already waiting for
+            # this batch then has its wait inside the batch's trace.
+            span = tracing.start_span(names.BATCH, self.span_attributes, level="step")
+            self.enter(names.DATA_BATCH)
+            try:
+                # A phase of its own: the prefetch thread's track in the timeline and
+                # its share in the tables (an input-bound run shows here).
+                with tracing.phase(names.DATA_BATCH, parent=span):
+                    batch = self.make_batch(index)
+                    if self.pin_memory:  # the target thread's host-to-device copy runs async
+                        tensors = (t.pin_memory() for t in _tensors(batch))
+                        batch = type(batch)(batch.batch_id, *tensors)
+            except BaseException as exc:
+                _end_span(span, exc)
+                raise
+            span.set_attribute(names.BATCH_ID, batch.batch_id)
+            span.set_attribute(names.TOKENS, batch.num_tokens)
+            self.enter(names.BATCH_QUEUE_PUT)
+            try:
+                self.out_q.put(BatchItem(batch, span))
+            except BaseException as exc:
+                _end_span(span, exc)
+                raise
+        self.enter(names.BATCH_QUEUE_PUT)
+        for _ in range(self.num_consumers):
+            self.out_q.put(END)
+
+
+def _tensors(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch.input_ids, batch.loss_mask
+
+
+def _thread_attributes(stage: StageThread, device: torch.device | str) -> dict[str, Any]:
+    """The attributes every span of this stage thread carries (call on the thread)."""
+    return {
+        names.THREAD_NAME: stage.name,
+        names.THREAD_ID: threading.get_native_id(),
+        names.DEVICE: str(device),
+    }
+
+
+def _take(
+    stage: StageThread,
+    in_q: BoundedQueue[Any],
+    counters: PipelineCounters,
+    thread_attrs: Mapping[str, Any],
+) -> Any:
+    """Next item of `in_q` (or END); the wait becomes a span under the item's batch."""
+    wait_name = f"{in_q.name}.wait"
+    stage.enter(wait_name)
+    wait_start_ns = tracing.now_ns()
+    item, depth = in_q.get_with_depth()
+    if item is END:
+        # No batch, so no span; but the thread did wait (often the longest wait of a
+        # thread that ran out of work early), and the verdict's shares need all of it.
+        tracing.get_stats().add(wait_name, (tracing.now_ns() - wait_start_ns) / 1e9)
+        return END
+    counters.queue_depth(in_q.name, depth)
+    # The tables get the whole wait, also the part before the batch existed (an idle
+    # consumer); tracing clips only the exported span to start with its parent batch.
+    attrs = {**thread_attrs, names.QUEUE_DEPTH: depth}
+    with tracing.phase(wait_name, parent=item.span, start_time_ns=wait_start_ns, attributes=attrs):
+        pass
+    return item
+
+
+class _Countdown:
+    """The last of `n` finishing producers passes end-of-stream on downstream."""
+
+    def __init__(self, n: int):
+        self._left = n
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        with self._lock:
+            self._left -= 1
+            return self._left == 0
+
+
+class TargetForwardLoop(StageThread):
+    """batch_queue -> forward(batch) on one device -> hs_queue."""
+
+    def __init__(
+        self,
+        name: str,
+        group: StageGroup,
+        in_q: BoundedQueue[Any],
+        out_q: BoundedQueue[Any],
+        forward: Callable[[Any], Any],
+        device: torch.device | str,
+        counters: PipelineCounters,
+        producers: _Countdown,
+        num_consumers: int,
+        phase_name: str = names.TARGET_FORWARD,
+    ):
+        super().__init__(name, group)
+        self.in_q, self.out_q, self.forward, self.device = in_q, out_q, forward, device
+        self.phase_name = phase_name  # target.read when `forward` reads a hidden cache
+        self.counters = counters
+        self.producers, self.num_consumers = producers, num_consumers
+
+    def loop(self) -> None:
+        attrs = _thread_attributes(self, self.device)
+        stats = tracing.get_stats()
+        while True:
+            item = _take(self, self.in_q, self.counters, attrs)
+            if item is END:
+                break
+            self.enter(self.phase_name)
+            try:
+                with tracing.phase(self.phase_name, parent=item.span, device=self.device,
+                                   attributes=attrs):  # fmt: skip
+                    target_out = self.forward(item.batch)
+                self.counters.add_target(item.batch.num_tokens)
+                self.enter(names.HS_QUEUE_PUT)
+                put_start_s = time.perf_counter()
+                self.out_q.put(HiddenItem(item.batch, target_out, item.span))
+                # A full hs_queue blocks here: the drafter-bound half of the verdict.
+                stats.add(names.HS_QUEUE_PUT, time.perf_counter() - put_start_s)
+            except BaseException as exc:
+                _end_span(item.span, exc)
+                raise
+        if self.producers.done():
+            self.enter(names.HS_QUEUE_PUT)
+            for _ in range(self.num_consumers):
+                self.out_q.put(END)
+
+
+StepFn = Callable[[Any, Any, Callable[[str], AbstractContextManager[Any]]], Any]
+
+
+class DrafterTrainLoop(StageThread):
+    """hs_queue -> step(batch, target_out, phase) on one drafter replica."""
+
+    def __init__(
+        self,
+        name: str,
+        group: StageGroup,
+        in_q: BoundedQueue[Any],
+        step: StepFn,
+        device: torch.device | str,
+        counters: PipelineCounters,
+        on_step: Callable[[int, Any, Any], None],
+        move: Callable[[Any, Any], tuple[Any, Any]] | None = None,
+        first_step: int = 0,
+    ):
+        super().__init__(name, group)
+        self.in_q, self.step_fn, self.device = in_q, step, device
+        self.counters, self.on_step = counters, on_step
+        self.move, self.first_step = move, first_step
+        self.steps_done = 0
+
+    def _phase(self, name: str) -> AbstractContextManager[Any]:
+        # The trainer's phases nest under drafter.step (the innermost open phase of
+        # this thread); entering them here makes a failure name the exact phase.
+        self.enter(name)
+        return tracing.phase(name, device=self.device)
+
+    def loop(self) -> None:
+        attrs = _thread_attributes(self, self.device)
+        while True:
+            item = _take(self, self.in_q, self.counters, attrs)
+            if item is END:
+                return
+            self.enter(names.DRAFTER_STEP)
+            try:
+                batch, target_out = item.batch, item.target_out
+                if self.move is not None:
+                    batch, target_out = self.move(batch, target_out)
+                step_attrs = {**attrs, names.STEP: self.first_step + self.steps_done,
+                              names.BATCH_ID: batch.batch_id}  # fmt: skip
+                with tracing.phase(names.DRAFTER_STEP, level="step", parent=item.span,
+                                   attributes=step_attrs):  # fmt: skip
+                    result = self.step_fn(batch, target_out, self._phase)
+            except BaseException as exc:
+                _end_span(item.span, exc)
+                raise
+            item.span.end()
+            self.counters.add_drafter(batch.num_tokens)
+            self.enter(names.DRAFTER_BOOKKEEPING)
+            self.on_step(self.steps_done, batch, result)
+            self.steps_done += 1
+
+
+@dataclass
+class Pipeline:
+    """One prefetcher, target threads and drafter threads around two bounded queues."""
+
+    group: StageGroup
+    batch_queue: BoundedQueue[Any]
+    hs_queue: BoundedQueue[Any]
+    counters: PipelineCounters
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        make_batch: Callable[[int], Any],
+        indices: Iterable[int],
+        forwards: list[tuple[torch.device | str, Callable[[Any], Any]]],
+        steps: list[tuple[torch.device | str, StepFn, Callable[[Any, Any], tuple[Any, Any]]]],
+        on_step: Callable[[int, int, Any, Any], None],
+        batch_queue_size: int,
+        hs_queue_size: int,
+        span_attributes: Mapping[str, Any] | None = None,
+        pin_memory: bool = False,
+        group: StageGroup | None = None,
+        first_step: int = 0,
+        target_phase: str = names.TARGET_FORWARD,
+    ) -> Pipeline:
+        """Wire the stages; `on_step(replica, replica_step, batch, result)` after each step.
+
+        `target_phase` names the target threads' phase (target.read for a hidden cache)."""
+        group, counters = group or StageGroup(), PipelineCounters()
+        batch_q: BoundedQueue[Any] = BoundedQueue("batch_queue", batch_queue_size, group.stop)
+        hs_q: BoundedQueue[Any] = BoundedQueue("hs_queue", hs_queue_size, group.stop)
+        Prefetcher(group, batch_q, make_batch, indices, len(forwards), span_attributes or {},
+                   pin_memory)  # fmt: skip
+        producers = _Countdown(len(forwards))
+        for i, (device, forward) in enumerate(forwards):
+            TargetForwardLoop(f"target-{i}", group, batch_q, hs_q, forward, device, counters,
+                              producers, len(steps), target_phase)  # fmt: skip
+        for i, (device, step, move) in enumerate(steps):
+            DrafterTrainLoop(
+                f"drafter-{i}", group, hs_q, step, device, counters,
+                (lambda k: lambda n, b, r: on_step(k, n, b, r))(i), move, first_step,
+            )  # fmt: skip
+        return cls(group, batch_q, hs_q, counters)
+
+    def run(
+        self,
+        stall_timeout_s: float | None = None,
+        tick: Callable[[], None] | None = None,
+        failure_timeout_s: float = SHUTDOWN_TIMEOUT_S,
+        stop_timeout_s: float = FINISH_STEP_TIMEOUT_S,
+    ) -> list[str]:
+        """Start, wait for the end or a stop, join; names of threads that did not stop.
+
+        After a failure the others get `failure_timeout_s` to stop; after an outside
+        stop (a signal) `stop_timeout_s`, so a drafter can finish its current step.
+        A stage failure is left in `group.failure` (see `raise_if_failed`).
+        """
+        self.counters.restart_clock()
+        self.group.start()
+        try:
+            self.group.wait(stall_timeout_s, tick)
+        finally:
+            failed = self.group.failure is not None
+            stuck = self.group.shutdown(failure_timeout_s if failed else stop_timeout_s)
+            self.counters.stop_clock()
+            self._end_abandoned_spans()
+        return stuck
+
+    def _end_abandoned_spans(self) -> None:
+        # Batches still queued when the pipeline stopped: end their traces so they
+        # are exported (marked abandoned) instead of silently dropped.
+        for q in (self.batch_queue, self.hs_queue):
+            for item in q.drain():
+                if not isinstance(item, _EndOfStream):
+                    item.span.set_attribute(names.ABANDONED, True)
+                    item.span.end()
+
+    def snapshot(self) -> CounterSnapshot:
+        """Read-only counters and the queues' depths now (for reporting threads)."""
+        queued = {q.name: q.qsize() for q in (self.batch_queue, self.hs_queue)}
+        return self.counters.snapshot(queued_now=queued)
+
+    def raise_if_failed(self) -> None:
+        self.group.raise_if_failed()

@@ -1,0 +1,220 @@
+"""Atomic checkpoints and exact resume.
+
+A checkpoint is a directory `OUTPUT_DIR/checkpoints/step-<n>/` holding the
+trainable drafter weights (safetensors: as the standard DFlash directory `drafter/`
+when the caller writes one, which then serves as is), the trainer state (optimizer, schedule,
+step, next batch index, RNG states; torch.save), the resolved config and a
+manifest with a SHA-256 per file. It is written into a hidden temporary sibling,
+fsynced, then renamed: a crash mid-write leaves only a `.tmp-*` directory that
+loading ignores, never a `step-*` that loads wrong. The manifest is written last
+and checked on load, so a damaged file is caught instead of silently resumed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from dflash.errors import DFlashError
+from dflash.files import sha256_file
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_DRAFTER_WEIGHTS = "drafter/model.safetensors"  # a DFlash directory's weights
+_WEIGHTS, _STATE, _CONFIG, _MANIFEST = (
+    "drafter.safetensors",
+    "trainer.pt",
+    "config.json",
+    "manifest.json",
+)
+
+
+class CheckpointError(DFlashError):
+    """A checkpoint is missing or damaged; the message is one line naming the path."""
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint restores."""
+
+    path: Path
+    weights: dict[str, torch.Tensor]  # trainable drafter parameters only
+    trainer_state: dict[str, Any]  # DrafterTrainer.state_dict()
+    step: int
+    next_batch_index: int
+    rng_state: dict[str, Any]
+    config: dict[str, Any]
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def trainable_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters that train (frozen embedding and LM head are the target's)."""
+    return {
+        name: p.detach().to("cpu").contiguous().clone()
+        for name, p in module.named_parameters()
+        if p.requires_grad
+    }
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(
+    checkpoints_dir: Path,
+    *,
+    weights: dict[str, torch.Tensor] | None = None,
+    write_drafter: Callable[[Path], Any] | None = None,
+    trainer_state: dict[str, Any],
+    step: int,
+    next_batch_index: int,
+    config: dict[str, Any],
+    keep: int = 3,
+) -> Path:
+    """Write `checkpoints_dir/step-<step>` atomically and keep the newest `keep`.
+
+    The weights are either `weights` (drafter.safetensors) or what `write_drafter(dir)`
+    writes into `dir` = the checkpoint's `drafter/` (a DFlash directory); exactly one.
+    """
+    if (weights is None) == (write_drafter is None):
+        raise ValueError("save_checkpoint needs exactly one of weights and write_drafter")
+    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    final = checkpoints_dir / f"step-{step:08d}"
+    tmp = checkpoints_dir / f".tmp-step-{step:08d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    if write_drafter is not None:
+        write_drafter(tmp / "drafter")
+    else:
+        save_file(weights, str(tmp / _WEIGHTS))
+    loop = {"step": step, "next_batch_index": next_batch_index, "rng": rng_state()}
+    torch.save({"trainer": trainer_state, "loop": loop}, tmp / _STATE)
+    (tmp / _CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+    names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+    files = {name: sha256_file(tmp / name) for name in names}
+    (tmp / _MANIFEST).write_text(json.dumps({"step": step, "sha256": files}, indent=2))
+    for name in (*files, _MANIFEST):
+        _fsync_file(tmp / name)
+    for directory in {(tmp / name).parent for name in files}:
+        _fsync_dir(directory)
+    if final.exists():  # re-saving the same step (resume then save at once) replaces it
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(checkpoints_dir)
+    _prune(checkpoints_dir, keep)
+    return final
+
+
+def list_checkpoints(checkpoints_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary directories are ignored)."""
+    if not checkpoints_dir.is_dir():
+        return []
+    found = [p for p in checkpoints_dir.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+
+
+def _prune(checkpoints_dir: Path, keep: int) -> None:
+    for old in list_checkpoints(checkpoints_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in checkpoints_dir.glob(".tmp-step-*"):
+        if stale.name.endswith(f"-{os.getpid()}"):
+            continue
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def resolve_checkpoint(spec: str, output_dir: Path) -> Path:
+    """`latest` -> newest in OUTPUT_DIR/checkpoints; a checkpoints folder -> its newest."""
+    if spec == "latest":
+        found = list_checkpoints(output_dir / "checkpoints")
+        if not found:
+            raise CheckpointError(f"--resume latest: no checkpoint in {output_dir / 'checkpoints'}")
+        return found[-1]
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"--resume {spec!r}: no such checkpoint")
+    if not (path / _MANIFEST).exists() and list_checkpoints(path):
+        return list_checkpoints(path)[-1]
+    if (path / "checkpoints").is_dir() and list_checkpoints(path / "checkpoints"):
+        return list_checkpoints(path / "checkpoints")[-1]
+    return path
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Read and verify a checkpoint; any damage is a one-line CheckpointError."""
+    manifest_path = path / _MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        expected = manifest["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete or corrupt (manifest: {exc})"
+        ) from exc
+    for name, digest in expected.items():
+        file = path / name
+        if not file.is_file() or sha256_file(file) != digest:
+            raise CheckpointError(f"checkpoint {path} is corrupt: {name} is missing or damaged")
+    try:
+        dflash_dir = (path / _DRAFTER_WEIGHTS).is_file()
+        weights = load_file(str(path / (_DRAFTER_WEIGHTS if dflash_dir else _WEIGHTS)))
+        state = torch.load(path / _STATE, map_location="cpu", weights_only=True)
+        config = json.loads((path / _CONFIG).read_text())
+        loop = state["loop"]
+        return Checkpoint(
+            path=path,
+            weights=weights,
+            trainer_state=state["trainer"],
+            step=int(loop["step"]),
+            next_batch_index=int(loop["next_batch_index"]),
+            rng_state=loop["rng"],
+            config=config,
+        )
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {exc}") from exc
+
+
+def load_trainable_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy saved trainable parameters into `module`; names must match exactly."""
+    params = dict(module.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    if set(weights) != trainable:
+        diff = sorted(set(weights) ^ trainable)
+        raise CheckpointError(f"checkpoint weights do not match the drafter (e.g. {diff[0]!r})")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            if params[name].shape != tensor.shape:
+                raise CheckpointError(
+                    f"checkpoint weight {name!r} has shape {tuple(tensor.shape)}, "
+                    f"drafter expects {tuple(params[name].shape)}"
+                )
+            params[name].copy_(tensor)

@@ -1,0 +1,402 @@
+"""The life of a training run: start, build (and resume), checkpoints, the end.
+
+`start_run` is the one place a process decides its rank and devices, writes the output
+folder's config.json and joins the process group; `build_run` assembles target, data,
+drafter and trainer on that `Placement`; `complete_run` saves and evaluates at the
+end; `build_summary` is the one place the summary (summary.json) is made, for a
+finished run and for an interrupted one alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash import names
+from dflash.config.devices import Placement, decide_placement
+from dflash.config.schema import ConfigError
+from dflash.config.settings import TrainConfig
+from dflash.data.corpus import EMBEDDED
+from dflash.data.datasets import PackedDataset, build_datasets, datasets_from_corpus
+from dflash.drafter.io import (
+    check_fits_target,
+    init_drafter_from,
+    read_drafter_config,
+    save_drafter,
+)
+from dflash.drafter.model import DFlashDrafter, DrafterConfig, DrafterError
+from dflash.eval.evaluate import eval_figures, evaluate_run
+from dflash.files import write_json_atomic
+from dflash.offline.regenerate import embedded_regeneration, regenerated_corpus
+from dflash.pipeline.distributed import DistInfo, dist_info_from_env, init_distributed
+from dflash.run.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    load_trainable_weights,
+    resolve_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from dflash.run.estimate import estimate_for_config
+from dflash.run.progress import format_loss_config, format_run_config, format_summary
+from dflash.target import load as target_load  # by module: tests swap load_target
+from dflash.target.model import (
+    MaskToken,
+    TargetModel,
+    check_mask_token_unused,
+    default_target_layers,
+    frozen_parts,
+    validate_target_layers,
+)
+from dflash.train.step import DrafterTrainer, PhaseFn, null_phase
+
+METRICS_FILE = "metrics.jsonl"
+
+
+@dataclass
+class Run:
+    """Everything a training run is built from, and where its loop stands."""
+
+    cfg: TrainConfig
+    target: TargetModel
+    drafter: DFlashDrafter
+    trainer: DrafterTrainer
+    train_data: PackedDataset
+    heldout_data: PackedDataset
+    layer_ids: list[int]
+    placement: Placement
+    output_dir: Path
+    step: int = 0
+    next_batch_index: int = 0
+    setup_s: float = 0.0
+    resumed_from: Path | None = None
+    initialized_from: Path | None = None
+    _fingerprint: str | None = None
+
+    @property
+    def data_fingerprint(self) -> str:
+        """The training rows' fingerprint (hashed once: it reads every row)."""
+        if self._fingerprint is None:
+            self._fingerprint = self.train_data.fingerprint()
+        return self._fingerprint
+
+    @property
+    def mask_token(self) -> MaskToken:
+        config = self.drafter.config
+        return MaskToken(config.mask_token_id, config.mask_token_source)
+
+    @property
+    def target_device(self) -> torch.device:
+        return self.placement.target
+
+    @property
+    def drafter_device(self) -> torch.device:
+        return self.placement.drafter
+
+
+@dataclass
+class RunStats:
+    """What the loop measured; `build_summary` turns it into the summary."""
+
+    losses: list[float]
+    num_tokens: int
+    train_s: float
+
+
+def prepare_output_dir(cfg: TrainConfig) -> None:
+    """Creates OUTPUT_DIR and writes config.json first: a folder that cannot be created
+    or written is one ConfigError before any work. A fresh run starts a new metrics.jsonl."""
+    output_dir = Path(cfg.run.output_dir)
+    try:
+        write_json_atomic(output_dir / "config.json", cfg.to_dict())
+        if cfg.run.resume is None:
+            (output_dir / METRICS_FILE).unlink(missing_ok=True)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(
+            f"--output-dir {cfg.run.output_dir!r} is invalid: cannot create or write it ({reason})"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where this process stands in a run, decided once: its rank and its devices."""
+
+    info: DistInfo
+    placement: Placement
+
+
+def start_run(cfg: TrainConfig, info: DistInfo | None = None) -> Start:
+    """Once per run and process: the rank (torchrun's variables unless `info` is given),
+    the rank's devices, OUTPUT_DIR/config.json (rank 0: an unwritable folder is named
+    before anything else) and the process group."""
+    info = dist_info_from_env() if info is None else info
+    placement = decide_placement(cfg.pipeline, info.local_rank, info.local_world_size)
+    if info.is_main:
+        prepare_output_dir(cfg)
+    init_distributed(info, placement.drafter)
+    return Start(info, placement)
+
+
+def build_drafter(
+    cfg: TrainConfig, target: TargetModel, layer_ids: list[int], device: torch.device
+) -> DFlashDrafter:
+    """A freshly initialized drafter (seeded by --seed) sharing the target's frozen parts."""
+    dcfg = DrafterConfig.for_target(
+        target,
+        num_layers=cfg.drafter.num_layers,
+        block_size=cfg.drafter.block_size,
+        target_layer_ids=list(layer_ids),
+        intermediate_size=cfg.drafter.intermediate_size,
+        mask_token_id=cfg.drafter.mask_token_id,
+    )
+    # The drafter's own copy of the frozen parts when the target sits elsewhere (another
+    # GPU, or the CPU with --hidden-cache): its forward must not cross devices.
+    embed, head = frozen_parts(target, device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.run.seed)
+        drafter = DFlashDrafter(dcfg, embed, head)
+    return drafter.to(device)
+
+
+def resolve_layer_ids(cfg: TrainConfig, num_layers: int) -> list[int]:
+    if cfg.target.layer_ids is None:
+        return default_target_layers(num_layers, cfg.drafter.num_layers)
+    ids = list(cfg.target.layer_ids)
+    validate_target_layers(ids, num_layers)
+    return ids
+
+
+def check_target_fits(cfg: TrainConfig, target: TargetModel) -> None:
+    """A row longer than the target's positions would fail deep inside its forward."""
+    limit = target.max_positions
+    if limit is not None and cfg.data.seq_len > limit:
+        raise ConfigError(
+            f"--seq-len {cfg.data.seq_len} is invalid: target {cfg.target.spec} has "
+            f"max_position_embeddings {limit}"
+        )
+
+
+def _check_resume_compatible(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> None:
+    """A checkpoint continues only the same drafter on the same target."""
+    current = cfg.to_dict()
+    for section in ("target", "drafter"):
+        for key, value in current[section].items():
+            old = saved.get(section, {}).get(key)
+            if old != value:
+                raise CheckpointError(
+                    f"--resume {path}: checkpoint has {section}.{key}={old!r}, this run {value!r}"
+                )
+
+
+def check_init_settings(cfg: TrainConfig, saved: DrafterConfig, where: str) -> None:
+    """Before the target loads: a warm start's drafter against what this run's flags name."""
+    pairs: list[tuple[str, str, Any, Any]] = [
+        ("--drafter-layers", "num_hidden_layers", saved.num_layers, cfg.drafter.num_layers)
+    ]
+    named = (
+        ("--target-layers", "target_layer_ids", saved.target_layer_ids, cfg.target.layer_ids),
+        ("--drafter-intermediate-size", "intermediate_size", saved.intermediate_size,
+         cfg.drafter.intermediate_size),
+        ("--mask-token-id", "mask_token_id", saved.mask_token_id, cfg.drafter.mask_token_id),
+    )  # fmt: skip
+    pairs += [item for item in named if item[3] is not None]
+    for flag, key, theirs, ours in pairs:
+        ours = list(ours) if isinstance(ours, tuple) else ours
+        if theirs != ours:
+            shown = ",".join(map(str, ours)) if isinstance(ours, list) else ours
+            raise DrafterError(
+                f"--init-from {where}: it has {key} {theirs}, this run {flag} {shown}"
+            )
+
+
+def _warm_start(cfg: TrainConfig, resuming: bool) -> tuple[Path, DrafterConfig] | None:
+    """The --init-from directory and its config, read before the target loads. A resumed
+    run continues its checkpoint, whose weights already descend from the warm start."""
+    if cfg.run.init_from is None or resuming:
+        return None
+    where = Path(cfg.run.init_from).expanduser()
+    saved = read_drafter_config(where)
+    check_init_settings(cfg, saved, str(where))
+    return where, saved
+
+
+def run_datasets(
+    cfg: TrainConfig, target: TargetModel, log: Callable[[str], None] = print
+) -> tuple[PackedDataset, PackedDataset]:
+    """Train and held-out rows of a run (`cache-hidden` cuts its batches the same way);
+    an explicit mask token the data uses is refused here. `--data embedded` trains on
+    the target's own continuations of the corpus (regenerated once, cached)."""
+    d, tok = cfg.data, target.tokenizer
+    rows = d.batch_size * cfg.optim.grad_accum  # the step splits it into micro-batches
+    if d.source == EMBEDDED:
+        path = embedded_regeneration(target, d.heldout_fraction, log)
+        corpus = regenerated_corpus(path, tok, d.heldout_fraction)
+        train, heldout = datasets_from_corpus(
+            corpus, tok, d.seq_len, rows, cfg.run.seed, d.heldout_fraction,
+            packing=d.packing, log=log,
+        )  # fmt: skip
+    else:
+        train, heldout = build_datasets(
+            d.source, tok, d.seq_len, rows, cfg.run.seed, d.heldout_fraction,
+            packing=d.packing, log=log,
+        )  # fmt: skip
+    if cfg.drafter.mask_token_id is not None:
+        check_mask_token_unused(cfg.drafter.mask_token_id, (train.ids, heldout.ids, heldout.stream))
+    return train, heldout
+
+
+def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None] = print) -> Run:
+    """Target, data, drafter and trainer for `cfg` on `placement`; restores `--resume`
+    or warm-starts from `--init-from`."""
+    start_s = time.perf_counter()
+    output_dir = Path(cfg.run.output_dir)
+    resume = None
+    if cfg.run.resume:  # check the checkpoint before spending minutes on the target
+        resume = load_checkpoint(resolve_checkpoint(cfg.run.resume, output_dir))
+        _check_resume_compatible(cfg, resume.config, resume.path)
+    warm = _warm_start(cfg, resuming=resume is not None)
+    dtype = target_load.target_dtype(placement.target)
+    # From a hidden-state cache the target never runs during training: its weights stay
+    # in host memory (the drafter copies the embedding and LM head it shares) until the
+    # final evaluation needs them on the target device.
+    load_on = torch.device("cpu") if cfg.data.hidden_cache else placement.target
+    target = target_load.load_target(cfg.target.spec, load_on, dtype, log=log)
+    check_target_fits(cfg, target)
+    target.mask_token(cfg.drafter.mask_token_id)  # no usable mask row: fail before the data
+    if warm is not None:
+        check_fits_target(warm[1], target, f"--init-from {warm[0]}")
+    layer_ids = resolve_layer_ids(cfg, target.num_layers)
+    train, heldout = run_datasets(cfg, target, log)
+    drafter = build_drafter(cfg, target, layer_ids, placement.drafter)
+    trainer = DrafterTrainer(drafter, cfg, placement.drafter)
+    run = Run(cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir)
+    log(run.mask_token.describe())
+    if warm is not None:
+        init_drafter_from(drafter, warm[0])
+        run.initialized_from = warm[0]
+        log(f"drafter initialized from {warm[0]}")
+    if resume is not None:
+        load_trainable_weights(drafter, resume.weights)
+        trainer.load_state_dict(resume.trainer_state)
+        restore_rng_state(resume.rng_state)
+        run.step, run.next_batch_index = resume.step, resume.next_batch_index
+        run.resumed_from = resume.path
+        log(f"resumed from {resume.path} at step {resume.step}")
+    run.setup_s = time.perf_counter() - start_s
+    return run
+
+
+def save_drafter_dir(run: Run, directory: Path) -> Path:
+    """The standard DFlash directory of the run's drafter, with the run's metadata."""
+    extra: dict[str, Any] = {"step": run.step}
+    if run.initialized_from is not None:
+        extra["initialized_from"] = str(run.initialized_from)
+    return save_drafter(
+        run.drafter, directory, training_config=run.cfg.to_dict(),
+        data_fingerprint=run.data_fingerprint, extra=extra,
+    )  # fmt: skip
+
+
+def save_run_checkpoint(run: Run) -> Path:
+    """Checkpoint of the run's current position (atomic; keeps the newest few).
+
+    A diverged run (DivergedError) writes none: its weights are those that gave
+    --max-bad-steps non-finite steps in a row."""
+    run.trainer.guard.raise_if_diverged()
+    return save_checkpoint(
+        run.output_dir / "checkpoints",
+        write_drafter=lambda directory: save_drafter_dir(run, directory),
+        trainer_state=run.trainer.state_dict(),
+        step=run.step,
+        next_batch_index=run.next_batch_index,
+        config=run.cfg.to_dict(),
+        keep=run.cfg.run.keep_checkpoints,
+    )
+
+
+def complete_run(run: Run, phase: PhaseFn = null_phase) -> tuple[dict[str, Any], float]:
+    """Final checkpoint and drafter, then τ on held-out: (its figures, seconds spent)."""
+    with phase(names.CHECKPOINT_SAVE):
+        save_run_checkpoint(run)
+        save_drafter_dir(run, run.output_dir / "drafter")
+    eval_start_s = time.perf_counter()
+    with phase(names.EVAL):
+        if run.cfg.run.eval_prompts and run.target.device != run.placement.target:
+            run.target.to(run.placement.target)  # kept on the host while training from a cache
+        result = evaluate_run(run.target, run.drafter, run.heldout_data, run.cfg.run)
+    return eval_figures(result), time.perf_counter() - eval_start_s
+
+
+def build_summary(
+    run: Run,
+    stats: RunStats,
+    started_s: float,
+    *,
+    evaluation: tuple[dict[str, Any], float] | None = None,
+    interrupted: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """summary.json of a finished (`evaluation` given) or interrupted run."""
+    last = stats.losses[-1] if stats.losses else run.trainer.last_loss
+    figures, eval_s = evaluation if evaluation is not None else ({"tau": None}, None)
+    summary: dict[str, Any] = {
+        "steps": run.step,
+        "steps_this_run": len(stats.losses),
+        "tokens_per_s": stats.num_tokens / stats.train_s if stats.train_s > 0 else 0.0,
+        "final_loss": float(last) if last is not None else float("nan"),
+        **figures,
+        "wall_s": time.perf_counter() - started_s,
+        "train_s": stats.train_s,
+        "setup_s": run.setup_s,
+        "eval_s": eval_s,
+        "bad_steps": run.trainer.guard.bad_steps,  # non-finite steps skipped (no update)
+        "block_size": run.drafter.config.block_size,
+        "target": run.cfg.target.spec,
+        "target_layer_ids": run.layer_ids,
+        "mask_token_id": run.mask_token.token_id,
+        "mask_token_source": run.mask_token.source,
+        "packing": run.cfg.data.packing,
+        "initialized_from": None if run.initialized_from is None else str(run.initialized_from),
+        "drafter_dir": str(run.output_dir / "drafter") if evaluation is not None else None,
+    }
+    if interrupted is not None:
+        summary["interrupted"] = interrupted
+    return {**summary, **(extra or {})}
+
+
+def write_summary(run: Run, summary: dict[str, Any], log: Callable[[str], None]) -> None:
+    write_json_atomic(run.output_dir / "summary.json", summary)
+    log(format_summary(summary))
+
+
+def finish_run(
+    run: Run,
+    stats: RunStats,
+    log: Callable[[str], None] = print,
+    started_s: float | None = None,
+    phase: PhaseFn = null_phase,
+) -> dict[str, Any]:
+    """complete_run, then the summary printed and in summary.json."""
+    evaluation = complete_run(run, phase)
+    started = started_s if started_s is not None else time.perf_counter()
+    summary = build_summary(run, stats, started, evaluation=evaluation)
+    write_summary(run, summary, log)
+    return summary
+
+
+def log_startup(
+    run: Run, log: Callable[[str], None], devices: str, telemetry_line: str | None = None
+) -> None:
+    """The loss line, the telemetry line (when traced), then the run line."""
+    log(format_loss_config(run.cfg))
+    if telemetry_line is not None:
+        log(telemetry_line)
+    log(format_run_config(run.cfg, f"{run.cfg.target.spec} layers {run.layer_ids}", devices))
+    for line in estimate_for_config(run.cfg, run.target.geometry, run.placement.drafter):
+        log(line)  # and a warning when it exceeds the device's memory: before the first step

@@ -1,0 +1,68 @@
+"""The offline jobs of a run's config: `cache-hidden` and `regenerate`.
+
+Both load the target as training would (device, dtype) and then hand it to the
+formats of dflash.offline; `cache-hidden` cuts the batches exactly as `train` with the
+same config does, so the cache's batch i is the run's batch i.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from dflash.config.devices import decide_placement, resolve_device
+from dflash.config.settings import TrainConfig
+from dflash.offline.hidden_cache import HiddenCacheReader, open_hidden_cache, write_hidden_cache
+from dflash.offline.regenerate import RegenProgress, RegenReport, regenerate
+from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateSettings
+from dflash.run.lifecycle import check_target_fits, resolve_layer_ids, run_datasets
+from dflash.target import load as target_load  # by module: tests swap load_target
+
+
+def write_run_cache(
+    cfg: TrainConfig,
+    output_dir: Path | str,
+    *,
+    num_batches: int | None = None,
+    batches_per_shard: int = BATCHES_PER_SHARD,
+    log: Callable[[str], None] = print,
+) -> HiddenCacheReader:
+    """`dflash-train cache-hidden`: the features a `train` run of `cfg` would compute, for
+    batches [0, num_batches) (None: --steps of one drafter device)."""
+    device = decide_placement(cfg.pipeline).target
+    target = target_load.load_target(cfg.target.spec, device, target_load.target_dtype(device),
+                                     log=log)  # fmt: skip
+    check_target_fits(cfg, target)
+    layer_ids = resolve_layer_ids(cfg, target.num_layers)
+    train, _ = run_datasets(cfg, target, log)
+    total, soft = num_batches or cfg.run.steps, cfg.loss.use_soft_labels
+    tokens_per_batch = train.batch_size * train.seq_len
+    start_s = time.perf_counter()
+
+    def progress(done: int, of: int) -> None:
+        rate = done * tokens_per_batch / max(time.perf_counter() - start_s, 1e-9)
+        log(f"cache-hidden: {done}/{of} batches, {rate:,.0f} tokens/s")
+
+    write_hidden_cache(target, train, output_dir, layer_ids=layer_ids, num_batches=total,
+                       with_final_norm=soft, batches_per_shard=batches_per_shard,
+                       progress=progress)  # fmt: skip
+    return open_hidden_cache(output_dir, target=target, dataset=train, layer_ids=layer_ids,
+                             with_final_norm=soft)  # fmt: skip
+
+
+def regenerate_data(
+    target_spec: str,
+    device: str,
+    source: str,
+    output: Path | str,
+    settings: RegenerateSettings,
+    *,
+    progress: Callable[[RegenProgress], None] | None = None,
+    log: Callable[[str], None] = print,
+) -> RegenReport:
+    """`dflash-train regenerate`: the target on `device` (`auto`: cuda:0 when present)
+    rewrites `source` into `output` with its own replies."""
+    dev = resolve_device(device, "--device")
+    target = target_load.load_target(target_spec, dev, target_load.target_dtype(dev), log=log)
+    return regenerate(target, source, output, settings=settings, progress=progress)

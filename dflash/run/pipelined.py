@@ -1,0 +1,368 @@
+"""Training with the producer-consumer pipeline (docs/design.md §3): `run_pipeline`.
+
+The stage threads and queues live in dflash.pipeline, the model objects of each
+device in dflash.run.replicas; this module plugs the run into the stages,
+synchronizes drafters across ranks, checkpoints, and handles failures and signals.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tracing
+from dflash import names
+from dflash.config.devices import Placement
+from dflash.config.settings import TrainConfig
+from dflash.observe.instruments import flops_figures
+from dflash.observe.observer import Observer, shared_run_id, start_observer
+from dflash.observe.report import ReportError, write_report
+from dflash.pipeline.distributed import (
+    DistInfo,
+    GradAverager,
+    check_same_across_ranks,
+    destroy_distributed,
+    rank_batch_indices,
+)
+from dflash.pipeline.queues import PipelineError, SignalStop, StageGroup, TrainingInterrupted
+from dflash.pipeline.stages import Pipeline, StepFn
+from dflash.run.lifecycle import (
+    METRICS_FILE,
+    Run,
+    RunStats,
+    Start,
+    build_run,
+    build_summary,
+    complete_run,
+    log_startup,
+    save_run_checkpoint,
+    start_run,
+    write_summary,
+)
+from dflash.run.progress import Progress
+from dflash.run.replicas import Replica, build_replicas, mover, target_forwards
+from dflash.train.step_metrics import StageRates, StepMetrics, span_attributes
+from tracing.throughput import mfu
+
+__all__ = ["DEFAULT_STALL_TIMEOUT_S", "PipelineError", "TrainingInterrupted", "run_pipeline"]
+
+# A stage that spends this long in one phase (not waiting on a queue) fails the run.
+DEFAULT_STALL_TIMEOUT_S = 600.0
+
+
+class _StepBook:
+    """Losses per step; replica 0 advances the run, reports progress and checkpoints."""
+
+    def __init__(self, run: Run, progress: Progress, info: DistInfo, num_replicas: int,
+                 metrics: StepMetrics, averager: GradAverager,
+                 observer: Observer | None = None):  # fmt: skip
+        self.run, self.progress, self.info, self.metrics = run, progress, info, metrics
+        self.averager, self.observer = averager, observer
+        self.rates: StageRates | None = None  # set once the pipeline exists
+        self.flops = flops_figures(run)
+        self.start_step, self.start_index = run.step, run.next_batch_index
+        self.batches_per_step = info.world_size * num_replicas
+        self.losses: dict[int, list[torch.Tensor]] = {}  # device tensors, read at the end
+        self.tokens = 0  # over all ranks: every rank trains batches of the same size
+        self._lock = threading.Lock()
+
+    def on_step(self, replica: int, step: int, batch: Any, result: Any) -> None:
+        with self._lock:
+            self.losses.setdefault(step, []).append(result.loss)
+            self.tokens += batch.num_tokens * self.info.world_size
+        if replica != 0:
+            return
+        run, figures = self.run, result.figures
+        run.step = self.start_step + step + 1
+        run.next_batch_index = self.start_index + (step + 1) * self.batches_per_step
+        self.averager.after_step(may_read=figures is not None)
+        self.progress.update(run.step, batch.num_tokens * self.batches_per_step, figures)
+        if figures is not None:
+            self._log_step(figures)
+            run.trainer.check_figures(figures)  # a diverged run stops before it saves
+        if self.info.is_main and run.cfg.run.checkpoint_due(run.step):
+            # replica 0's weights cannot move while it is here
+            with tracing.phase(names.CHECKPOINT_SAVE, level="step",
+                               attributes={names.STEP: run.step}):  # fmt: skip
+                save_run_checkpoint(run)
+
+    def _log_step(self, figures: dict[str, Any]) -> None:
+        """A logged step: metrics.jsonl (rank 0) and the metrics signal (every rank)."""
+        if self.rates is not None:
+            figures.update(self.rates.figures())
+        rates = figures.get("tokens_per_s", {})
+        flops = self.flops
+        drafter_mfu = mfu(flops.drafter_per_token, rates.get("drafter", 0.0),
+                          flops.drafter_peak_tflops)  # fmt: skip
+        if drafter_mfu is not None:
+            figures["mfu"] = drafter_mfu
+        if self.observer is not None:
+            self.observer.record_step(figures, mfu=drafter_mfu)
+        if self.info.is_main:
+            self.metrics.write(figures)
+
+    def mean_losses(self) -> list[float]:
+        with self._lock:
+            return [sum(float(x) for x in v) / len(v) for _, v in sorted(self.losses.items())]
+
+
+@dataclass
+class _Setup:
+    run: Run
+    pipe: Pipeline
+    book: _StepBook
+    progress: Progress
+    placement: Placement
+    train_cpu_s: float = 0.0
+
+
+def run_training(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """`dflash-train train`: tracing set up from cfg.telemetry, then `run_pipeline`.
+
+    Under torchrun the process group starts first: every rank's telemetry carries
+    rank 0's run id."""
+    start = start_run(cfg)
+    try:
+        observer = start_observer(cfg.telemetry, start.info.rank, start.info.world_size,
+                                  run_id=shared_run_id(start.info.world_size),
+                                  output_dir=Path(cfg.run.output_dir), log=log)  # fmt: skip
+    except BaseException:
+        destroy_distributed()
+        raise
+    try:
+        return run_pipeline(cfg, log=log, start=start, observer=observer)
+    finally:
+        observer.close(log)  # no-op after a normal finish
+
+
+def run_pipeline(
+    cfg: TrainConfig,
+    log: Callable[[str], None] = print,
+    *,
+    start: Start | None = None,
+    observer: Observer | None = None,
+    progress_stream: Any = None,
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Train `cfg` with the pipeline; the summary dict.
+
+    Under torchrun every rank calls this; rank 0 alone writes config.json,
+    checkpoints, metrics.jsonl, the drafter and summary.json (other ranks return a
+    short dict). `start` (dflash.run.lifecycle.start_run) is made here unless the
+    caller made it; `observer` (dflash.observe) prints interval tables while it runs.
+    Raises PipelineError (one line; the traceback goes to OUTPUT_DIR/pipeline-error.log)
+    when a stage fails, and TrainingInterrupted (a SystemExit, code 130 or 143) after
+    SIGINT/SIGTERM, once the checkpoint and the summary are written.
+    """
+    started_s = time.perf_counter()
+    start = start_run(cfg) if start is None else start
+    info, placement = start.info, start.placement
+    _share_cpu_cores(placement, info.local_world_size)
+    stuck: list[str] = []
+    try:
+        setup = _setup(cfg, log, info, placement, observer, progress_stream)
+        if observer is not None:
+            observer.attach(setup.pipe.snapshot, (*placement.targets, *placement.drafters),
+                            setup.book.flops, stream=setup.progress.line_stream())  # fmt: skip
+        train_start_s, cpu_start_s = time.perf_counter(), time.process_time()
+        with SignalStop(setup.pipe.group.stop) as signals:
+            try:
+                stuck.extend(setup.pipe.run(stall_timeout_s))
+            finally:
+                setup.progress.close()
+        train_s = time.perf_counter() - train_start_s
+        # CPU seconds of the whole process (every thread) while training: the cost of
+        # tracing shows here even where wall-clock throughput is too noisy to show it.
+        setup.train_cpu_s = time.process_time() - cpu_start_s
+        return _finish(setup, info, observer, log, train_s, started_s, signals.signum, stuck)
+    finally:
+        if not stuck:  # a thread stuck in a collective would hang the teardown
+            destroy_distributed()
+
+
+def _share_cpu_cores(placement: Placement, local_world_size: int) -> None:
+    """Splits the cores among the stage threads that compute on the CPU.
+
+    torch gives every thread's ops all cores by default; with a target and a drafter
+    thread (and maybe several ranks) on one CPU they would oversubscribe it (measured:
+    ~25% fewer tokens/s on 2 cores). OMP_NUM_THREADS, when set, is the user's choice.
+    """
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    devices = (*placement.targets, *placement.drafters)
+    cpu_threads = sum(d.type == "cpu" for d in devices) * max(1, local_world_size)
+    if cpu_threads:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_threads))
+
+
+def _setup(cfg: TrainConfig, log: Callable[[str], None], info: DistInfo, placement: Placement,
+           observer: Observer | None, progress_stream: Any) -> _Setup:  # fmt: skip
+    quiet = log if info.is_main else (lambda _: None)
+    run = build_run(cfg, placement, quiet)
+    check_same_across_ranks(len(placement.drafters), "the number of drafter devices",
+                            placement.drafter)  # fmt: skip
+    check_same_across_ranks(run.step, "the step to resume from", placement.drafter)
+    group = StageGroup()
+    replicas = build_replicas(run)
+    hook = observer.ranks if observer is not None else None
+    averager = GradAverager([r.drafter for r in replicas], group.stop, hook)
+    for i, replica in enumerate(replicas):
+        replica.trainer.grad_sync = averager.hook(i) if averager.needed else None
+    ranks = f" x {info.world_size} ranks" if info.enabled else ""
+    telemetry_line = observer.describe() if observer is not None else None
+    log_startup(run, quiet, placement.describe() + ranks, telemetry_line)
+    progress = Progress(cfg.run.steps, run.step, log=None,
+                        stream=progress_stream if info.is_main else io.StringIO())  # fmt: skip
+    metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
+                          Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip
+    book = _StepBook(run, progress, info, len(replicas), metrics, averager, observer)
+    window = observer.profile if observer is not None else None
+    indices = rank_batch_indices(cfg.run.steps - run.step, info.rank, info.world_size,
+                                 len(replicas), run.next_batch_index)  # fmt: skip
+    pipe = Pipeline.build(
+        make_batch=run.train_data.batch,
+        indices=indices,
+        forwards=target_forwards(run, max(indices, default=0)),
+        target_phase=names.TARGET_READ if cfg.data.hidden_cache else names.TARGET_FORWARD,
+        steps=[(r.device, _step_fn(r, i, metrics, window), mover(r.device))
+               for i, r in enumerate(replicas)],
+        on_step=book.on_step,
+        batch_queue_size=cfg.pipeline.batch_queue_size,
+        hs_queue_size=cfg.pipeline.hs_queue_size,
+        span_attributes={names.RANK: info.rank},
+        pin_memory=torch.cuda.is_available() and any(d.type == "cuda" for d in placement.targets),
+        group=group,
+        first_step=run.step,
+    )  # fmt: skip
+    book.rates = StageRates(_stage_tokens(pipe, info.world_size))
+    return _Setup(run, pipe, book, progress, placement)
+
+
+def _stage_tokens(pipe: Pipeline, world_size: int) -> Callable[[], tuple[float, dict[str, int]]]:
+    def read() -> tuple[float, dict[str, int]]:
+        snap = pipe.snapshot()
+        tokens = {"target": snap.target_tokens * world_size,
+                  "drafter": snap.drafter_tokens * world_size}  # fmt: skip
+        return snap.elapsed_s, tokens
+
+    return read
+
+
+def _step_fn(replica: Replica, index: int, metrics: StepMetrics, window: Any = None) -> StepFn:
+    """The trainer's step; on logged steps replica 0 reads the figures, inside the
+    drafter.step span (after its last phase), and puts them on that span. Replica 0's
+    thread also runs the --torch-profile `window` (tracing.profiler.ProfileWindow)."""
+    trainer = replica.trainer
+
+    def step(batch: Any, target_out: Any, phase: Any) -> Any:
+        if index == 0 and window is not None:
+            window.before_step(trainer.step_count)
+            path = window.path_for(trainer.step_count)
+            span = tracing.current_phase()
+            if path is not None and span is not None:
+                span.set_attribute(names.PROFILE_FILE, path)
+        result = trainer.step(batch, target_out, phase=phase)
+        if index == 0 and metrics.due(trainer.step_count):
+            result.figures = metrics.read(trainer.step_count, result)
+            span = tracing.current_phase()
+            if span is not None:
+                for key, value in span_attributes(result.figures).items():
+                    span.set_attribute(key, value)
+        return result
+
+    return step
+
+
+def _pipeline_figures(setup: _Setup, world_size: int) -> dict[str, Any]:
+    snap = setup.pipe.snapshot()
+    return {
+        "target_devices": [str(d) for d in setup.placement.targets],
+        "drafter_devices": [str(d) for d in setup.placement.drafters],
+        "world_size": world_size,
+        "target_tokens_per_s": snap.target_tokens_per_s * world_size,
+        "drafter_tokens_per_s": snap.drafter_tokens_per_s * world_size,
+        "queue_depth_mean": {name: mean for name, (_, mean, _) in snap.queue_depths.items()},
+        "train_cpu_s": setup.train_cpu_s,
+    }
+
+
+def _finish(setup: _Setup, info: DistInfo, observer: Observer | None, log: Callable[[str], None],
+            train_s: float, started_s: float, signum: int | None,
+            stuck: list[str]) -> dict[str, Any]:  # fmt: skip
+    run, failure = setup.run, setup.pipe.group.failure
+    figures = _pipeline_figures(setup, info.world_size)  # now: before evaluation
+    close = (lambda: observer.close(log)) if observer is not None else (lambda: None)
+    if failure is not None:
+        close()  # the final table, before the one-line error
+        log_path = _write_error_log(run.output_dir, info, failure)
+        raise failure.to_error().with_log(log_path or "") from failure.error
+    if stuck:
+        log(f"warning: threads still running after the stop: {', '.join(stuck)}")
+    stats = RunStats(setup.book.mean_losses(), setup.book.tokens, train_s)
+    if signum is not None:
+        name = signal.Signals(signum).name
+        saved = _checkpoint_after_signal(run, info, name, stuck, log)
+        summary = build_summary(run, stats, started_s, interrupted=name,
+                                extra=_extra(figures, close()))  # fmt: skip
+        if saved:
+            write_summary(run, summary, log)
+        raise TrainingInterrupted(signum, summary if info.is_main else None)
+    if observer is not None:
+        observer.gather_final()  # every rank, before rank 0 spends minutes finishing
+    if not info.is_main:
+        close()
+        return {"rank": info.rank, "steps": run.step, "pipeline": figures}
+    evaluation = complete_run(run, phase=lambda n: tracing.phase(n, level="step"))
+    summary = build_summary(run, stats, started_s, evaluation=evaluation,
+                            extra=_extra(figures, close()))  # fmt: skip
+    write_summary(run, summary, log)
+    _write_report(run.output_dir, log)
+    return summary
+
+
+def _extra(figures: dict[str, Any], telemetry: dict[str, Any] | None) -> dict[str, Any]:
+    if telemetry is None:
+        return {"pipeline": figures}
+    telemetry = dict(telemetry)
+    return {"pipeline": figures, "verdict": telemetry.pop("verdict", None), "telemetry": telemetry}
+
+
+def _write_report(run_dir: Path, log: Callable[[str], None]) -> None:
+    """report.html beside summary.json; a report that cannot be made costs only itself."""
+    try:
+        log(f"report: {write_report(run_dir)}")
+    except (ReportError, OSError) as exc:
+        log(f"warning: report.html not written: {exc}")
+
+
+def _write_error_log(run_dir: Path, info: DistInfo, failure: Any) -> str | None:
+    name = f"pipeline-error-rank{info.rank}.log" if info.enabled else "pipeline-error.log"
+    path = run_dir / name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{failure.to_error()}\n\n{failure.traceback_text}")
+    except OSError:
+        return None
+    return str(path)
+
+
+def _checkpoint_after_signal(run: Run, info: DistInfo, name: str, stuck: list[str],
+                             log: Callable[[str], None]) -> bool:  # fmt: skip
+    """Rank 0 saves where the run stands; True when the summary should be written."""
+    if not info.is_main:
+        return False
+    if any(thread.startswith("drafter") for thread in stuck):
+        log(f"{name}: a drafter thread did not stop in time: no checkpoint written")
+    else:
+        path = save_run_checkpoint(run)
+        log(f"{name}: checkpoint at step {run.step} in {path}")
+    return True

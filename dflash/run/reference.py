@@ -1,0 +1,77 @@
+"""The single-threaded reference loop: target.capture, then trainer.step, one batch a step.
+
+The pipeline is tested against it (same seed, same loss curve); it shares the run
+lifecycle (dflash.run.lifecycle) and the step metrics (dflash.train.step_metrics)
+with the pipeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.config.settings import TrainConfig
+from dflash.pipeline.distributed import DistInfo
+from dflash.run.lifecycle import (
+    METRICS_FILE,
+    RunStats,
+    build_run,
+    finish_run,
+    log_startup,
+    save_run_checkpoint,
+    start_run,
+)
+from dflash.run.progress import Progress
+from dflash.run.replicas import cache_reader, move_target_out
+from dflash.train.step_metrics import StepMetrics
+
+
+def train_reference(
+    cfg: TrainConfig, log: Callable[[str], None] = print, progress_stream: Any = None
+) -> dict[str, Any]:
+    """Trains `cfg` in this thread on the first target and drafter device; the summary."""
+    started_s = time.perf_counter()
+    placement = start_run(cfg, DistInfo()).placement  # one process: no rank, no group
+    run = build_run(cfg, placement, log)
+    log_startup(run, log, f"target {placement.target}, drafter {placement.drafter}")
+    progress = Progress(cfg.run.steps, run.step, stream=progress_stream, log=None)
+    metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
+                          Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip
+    losses: list[torch.Tensor] = []
+    num_tokens, train_start_s = 0, time.perf_counter()
+    soft = cfg.loss.use_soft_labels
+    last_index = run.next_batch_index + cfg.run.steps - run.step - 1
+    read = cache_reader(run, last_index)[1] if cfg.data.hidden_cache else None
+    try:
+        while run.step < cfg.run.steps:
+            batch = run.train_data.batch(run.next_batch_index)
+            if read is not None:
+                target_out = read(batch)
+            else:
+                with torch.no_grad():
+                    docs = None if batch.doc_ids is None else batch.doc_ids.to(placement.target)
+                    target_out = run.target.capture(
+                        batch.input_ids.to(placement.target), run.layer_ids,
+                        with_logits=False, with_final_hidden=soft, doc_ids=docs,
+                    )  # fmt: skip
+            target_out = move_target_out(target_out, placement.drafter)
+            result = run.trainer.step(batch, target_out)
+            run.step, run.next_batch_index = run.step + 1, run.next_batch_index + 1
+            losses.append(result.loss)
+            num_tokens += result.num_tokens
+            figures = metrics.read(run.step, result) if metrics.due(run.step) else None
+            if figures is not None:
+                metrics.write(figures)
+            progress.update(run.step, result.num_tokens, figures)
+            if figures is not None:
+                run.trainer.check_figures(figures)  # a diverged run stops before it saves
+            if cfg.run.checkpoint_due(run.step):
+                save_run_checkpoint(run)
+    finally:
+        progress.close()
+    stats = RunStats([float(x) for x in losses], num_tokens, time.perf_counter() - train_start_s)
+    return finish_run(run, stats, log, started_s)

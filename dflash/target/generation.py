@@ -1,0 +1,141 @@
+"""Plain decoding with the target: the baseline and reference of speculative decoding,
+and the generator for regenerating training replies with the target itself.
+
+With `use_cache` the target keeps a KV cache (its own DynamicCache for Hugging Face
+targets) and each step runs one token; without it every step re-reads the sequence.
+Both give the same tokens; the cache-less path exists as the simple reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from dflash.target.decoding import GenerationError, check_decoding
+from dflash.target.model import TargetModel
+
+
+def token_probs(logits: Tensor, temperature: float) -> Tensor:
+    """logits[..., V] -> float32 probabilities at `temperature` (> 0)."""
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def sample_from(probs: Tensor, generator: torch.Generator | None) -> int:
+    """One draw from probs[V] (on the CPU, so a CPU generator works for any device)."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def next_token(logits: Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """logits[V] -> argmax at temperature 0, else a sample at `temperature`."""
+    if temperature == 0:
+        return int(logits.argmax())
+    return sample_from(token_probs(logits, temperature), generator)
+
+
+def ids_tensor(tokens: list[int], device: torch.device) -> Tensor:
+    return torch.tensor([tokens], dtype=torch.long, device=device)  # [1, T]
+
+
+def first_stop(tokens: list[int], stop_token_ids: Iterable[int]) -> int | None:
+    """Index of the first stop token in `tokens`, or None."""
+    stops = set(stop_token_ids)
+    return next((i for i, t in enumerate(tokens) if t in stops), None)
+
+
+def _finish(new: list[int], max_new_tokens: int, stop_token_ids: Iterable[int]) -> list[int]:
+    """Truncate to the budget and just after the first stop token (which is kept)."""
+    new = new[:max_new_tokens]
+    stop = first_stop(new, stop_token_ids)
+    return new if stop is None else new[: stop + 1]
+
+
+@torch.no_grad()
+def generate(
+    target: TargetModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    stop_token_ids: Iterable[int] = (),
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> list[int]:
+    """The target's own continuation of a non-empty prompt, ending after a stop token."""
+    check_decoding(max_new_tokens, temperature)
+    if not prompt_ids:
+        raise GenerationError("generation needs a non-empty prompt")
+    stops = set(stop_token_ids)
+    device = target.device
+    cache = target.new_cache() if use_cache else None
+    seq, step_input = list(prompt_ids), list(prompt_ids)
+    while len(seq) - len(prompt_ids) < max_new_tokens:
+        if cache is not None:
+            logits = target.forward_cached(ids_tensor(step_input, device), cache).logits
+        else:
+            logits = target.logits(ids_tensor(seq, device))  # [1, T, V]
+        token = next_token(logits[0, -1], temperature, generator)
+        seq.append(token)
+        step_input = [token]
+        if token in stops:
+            break
+    return _finish(seq[len(prompt_ids) :], max_new_tokens, stops)
+
+
+def greedy_generate(
+    target: TargetModel,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    *,
+    stop_token_ids: Iterable[int] = (),
+    use_cache: bool = True,
+) -> list[int]:
+    """Greedy decoding: the reference output of speculative decoding at temperature 0."""
+    return generate(
+        target, prompt_ids, max_new_tokens, stop_token_ids=stop_token_ids, use_cache=use_cache
+    )
+
+
+def _next_tokens(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
+    """logits[B, V] -> ids[B]: greedy at temperature 0, else one sample per row."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = token_probs(logits, temperature)
+    return torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0].to(logits.device)
+
+
+@torch.no_grad()
+def generate_batch(
+    target: TargetModel,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> list[list[int]]:
+    """New tokens of each prompt, up to and without the first stop token, at most
+    max_new_tokens. The prompts share one KV cache, so they must have one length
+    (regeneration batches them by length)."""
+    check_decoding(max_new_tokens, temperature)
+    if not prompts or len({len(p) for p in prompts}) != 1 or not prompts[0]:
+        raise GenerationError("generate_batch needs non-empty prompts of one length")
+    stop_list = list(stop_token_ids)
+    ids = torch.tensor(prompts, dtype=torch.long, device=target.device)  # [B, L]
+    cache = target.new_cache()
+    stops = torch.tensor(stop_list or [-1], device=ids.device)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=ids.device)
+    out: list[Tensor] = []
+    step_ids = ids
+    for _ in range(max_new_tokens):
+        logits = target.forward_cached(step_ids, cache).logits[:, -1]  # [B, V]
+        token = _next_tokens(logits, temperature, generator)  # [B]
+        out.append(token)
+        done |= torch.isin(token, stops)
+        if bool(done.all()):  # one host read per token: the loop must know when to stop
+            break
+        step_ids = token[:, None]
+    rows = torch.stack(out, dim=1).tolist()  # [B, steps]
+    cuts = [first_stop(row, stop_list) for row in rows]
+    return [row if cut is None else row[:cut] for row, cut in zip(rows, cuts, strict=True)]

@@ -1,0 +1,84 @@
+"""Hugging Face causal LMs as targets: loading and stop tokens.
+
+transformers is imported only when such a target loads, so it stays optional.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash.errors import first_line
+from dflash.target.geometry import TargetError, geometry_from_hf_config
+from dflash.target.model import TargetModel
+
+__all__ = ["hf_stop_token_ids", "load_hf_target"]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "org/name" or a legacy "name"
+
+
+def _find_decoder_layers(model: nn.Module, num_layers: int) -> nn.ModuleList:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
+        return layers
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return module
+    raise TargetError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}")
+
+
+def load_hf_target(spec: str, device: torch.device | str, dtype: torch.dtype | None) -> TargetModel:
+    path = Path(spec).expanduser()
+    if not path.exists() and not _HUB_ID.match(spec):
+        raise TargetError(f"target path does not exist: {spec}")
+    if path.exists() and not (path / "config.json").is_file():
+        raise TargetError(f"target {spec} is not a Hugging Face model directory (no config.json)")
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as err:
+        raise TargetError(
+            "Hugging Face targets need transformers: pip install 'dflash-train[hf]'"
+        ) from err
+    source = str(path) if path.exists() else spec
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or torch.float32)
+    except (ValueError, KeyError) as err:
+        raise TargetError(f"target {spec} is not a causal LM: {first_line(err)}") from err
+    except OSError as err:
+        where = "" if path.exists() else " (no such local directory; tried the hub)"
+        raise TargetError(f"cannot load target {spec}{where}: {first_line(err)}") from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (ValueError, OSError, KeyError) as err:
+        raise TargetError(f"cannot load the tokenizer of target {spec}: {first_line(err)}") from err
+    if not isinstance(model.get_output_embeddings(), nn.Linear):
+        raise TargetError(f"target {spec} has no linear LM head")
+    geometry = geometry_from_hf_config(model.config)
+    layers = _find_decoder_layers(model, geometry.num_layers)
+    target = TargetModel(
+        model,
+        layers,
+        spec=spec,
+        tokenizer=tokenizer,
+        geometry=geometry,
+        stop_token_ids=hf_stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
+    )
+    return target.to(device)
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def hf_stop_token_ids(tokenizer: Any, generation_config: Any) -> tuple[int, ...]:
+    """EOS of the tokenizer plus the generation config's EOS ids (chat models list several)."""
+    ids = _as_ids(getattr(tokenizer, "eos_token_id", None))
+    ids += _as_ids(getattr(generation_config, "eos_token_id", None))
+    return tuple(dict.fromkeys(ids))

@@ -1,0 +1,74 @@
+"""`load_target(spec)`: the kinds of target behind one `TargetModel`.
+
+`builtin:tiny` is the project's own byte-level LM (trained once and cached); anything
+else is a local Hugging Face directory or a hub id (dflash.target.hf). Callers reach
+`load_target` through this module (`target_load.load_target`), the seam tests replace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dflash.data.tokenizer import ByteTokenizer
+from dflash.target.geometry import TargetError
+from dflash.target.hf import load_hf_target
+from dflash.target.model import TargetModel
+from dflash.target.tiny import TinyLM, load_tiny_lm, prepare_builtin_target
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_NAMES = ("tiny",)
+
+
+def target_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a frozen target runs in: bf16 on CUDA, fp32 elsewhere (CPU bf16 matmuls
+    are slow and lossy)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def wrap_tiny(model: TinyLM, spec: str = "builtin:tiny") -> TargetModel:
+    """A TargetModel around a TinyLM (also used by tests with untrained weights)."""
+    tokenizer = ByteTokenizer()
+    return TargetModel(
+        model,
+        model.layers,
+        spec=spec,
+        tokenizer=tokenizer,
+        geometry=model.config.geometry(),
+        stop_token_ids=(tokenizer.eos_token_id,),
+    )
+
+
+def _builtin_target(
+    name: str, device: torch.device | str, dtype: torch.dtype | None, log: Callable[[str], None]
+) -> TargetModel:
+    if name not in BUILTIN_NAMES:
+        raise TargetError(
+            f"unknown built-in target {BUILTIN_PREFIX}{name!r}: "
+            f"choose one of {', '.join(BUILTIN_PREFIX + n for n in BUILTIN_NAMES)}"
+        )
+    model = load_tiny_lm(prepare_builtin_target(log=log))
+    return wrap_tiny(model, spec=BUILTIN_PREFIX + name).to(device=device, dtype=dtype)
+
+
+def load_target(
+    spec: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    log: Callable[[str], None] = print,
+) -> TargetModel:
+    """`builtin:tiny` (prepared and cached on first use), a local HF directory or a hub id."""
+    if spec.startswith(BUILTIN_PREFIX):
+        return _builtin_target(spec[len(BUILTIN_PREFIX) :], device, dtype, log)
+    return load_hf_target(spec, device, dtype)
+
+
+def prepare_target_spec(spec: str, log: Callable[[str], None] = print) -> Path | str:
+    """`dflash-train prepare-target`: train/cache builtin:tiny, or load a HF target once."""
+    if spec == "builtin:tiny":
+        return prepare_builtin_target(log=log)  # the seed and cache `train` will look for
+    target = load_target(spec, torch.device("cpu"), torch.float32)
+    log(f"target {spec}: {target.num_layers} layers, hidden size {target.hidden_size}")
+    return spec

@@ -1,0 +1,329 @@
+"""The frozen target wrapped for the trainer: hidden-state capture, cached forwards and
+the mask token of its drafter.
+
+A `TargetModel` is frozen and in eval mode. `capture` keeps only the chosen decoder
+layers' outputs (forward hooks) and, when logits are not wanted, stops the forward
+right after the last needed layer so later layers never run. The kinds of target (the
+built-in tiny LM, Hugging Face causal LMs) are built in dflash.target.load.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, is_dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dflash.data.documents import document_positions
+from dflash.nn.kvcache import KVCache, crop_hf_cache
+from dflash.target.geometry import TargetError, TargetGeometry, text_config
+from dflash.target.tiny import TinyLM
+
+
+@dataclass
+class TargetOutput:
+    hidden: Tensor  # [B, T, K*D]: chosen layers' outputs concatenated in the order asked
+    logits: Tensor | None  # [B, T, V] or None when not asked for
+    final_hidden: Tensor | None = None  # [B, T, D] final-norm output (the LM head's input)
+
+
+@dataclass(frozen=True)
+class MaskToken:
+    """The embedding row used for masked block positions, and how it was chosen."""
+
+    token_id: int
+    source: str  # "tokenizer" | "spare-row" | "explicit"
+
+    def describe(self) -> str:
+        how = {
+            "tokenizer": "the tokenizer's mask token",
+            "spare-row": "the first embedding row past the tokenizer's vocabulary",
+            "explicit": "--mask-token-id",
+        }[self.source]
+        return f"mask token id {self.token_id} ({how})"
+
+
+def tokenizer_vocab_size(tokenizer: Any) -> int:
+    """Ids the tokenizer can produce (added tokens included)."""
+    try:
+        return len(tokenizer)
+    except TypeError:
+        return int(tokenizer.vocab_size)
+
+
+def resolve_mask_token(
+    tokenizer: Any, num_embeddings: int, explicit_id: int | None = None
+) -> MaskToken:
+    """An explicit id when given; else the tokenizer's mask token; else the first spare row."""
+    if explicit_id is not None:
+        if not 0 <= explicit_id < num_embeddings:
+            raise TargetError(
+                f"--mask-token-id {explicit_id} is out of range: the target has "
+                f"{num_embeddings} embedding rows (valid ids 0..{num_embeddings - 1})"
+            )
+        return MaskToken(int(explicit_id), "explicit")
+    tok_mask = getattr(tokenizer, "mask_token_id", None)
+    if isinstance(tok_mask, int) and 0 <= tok_mask < num_embeddings:
+        return MaskToken(tok_mask, "tokenizer")
+    vocab = tokenizer_vocab_size(tokenizer)
+    if vocab < num_embeddings:
+        return MaskToken(vocab, "spare-row")
+    raise TargetError(
+        f"no mask token: the tokenizer has none and all {num_embeddings} embedding rows are "
+        "tokens; give --mask-token-id (an id the data never uses)"
+    )
+
+
+def check_mask_token_unused(mask_token_id: int, token_ids: Iterable[Any]) -> None:
+    """One-line error when the data contains the mask id (the drafter could not tell
+    a masked position from that token). token_ids: arrays or tensors of token ids."""
+    for ids in token_ids:
+        if bool((ids == mask_token_id).any()):
+            raise TargetError(
+                f"--mask-token-id {mask_token_id} is a token the training data uses: "
+                "choose an id the tokenizer never produces (e.g. a spare embedding row)"
+            )
+
+
+class _StopForward(Exception):
+    """Raised from a hook to end the forward once every needed layer has run."""
+
+
+def default_target_layers(num_layers: int, k: int) -> list[int]:
+    """k layer ids spread evenly from layer 1 to layer num_layers-3 (both included).
+
+    Shallow targets clamp the range into [0, num_layers-1], so ids may repeat there.
+    """
+    if num_layers < 1 or k < 1:
+        raise TargetError(f"need num_layers >= 1 and k >= 1, got {num_layers} and {k}")
+    first = min(1, num_layers - 1)
+    last = max(first, num_layers - 3)
+    if k == 1:
+        return [(first + last) // 2]
+    return [round(first + i * (last - first) / (k - 1)) for i in range(k)]
+
+
+def validate_target_layers(ids: list[int], num_layers: int) -> None:
+    if not ids:
+        raise TargetError("target layer ids are empty: give at least one id")
+    for i in ids:
+        if not 0 <= i < num_layers:
+            raise TargetError(
+                f"target layer id {i} is out of range: the target has {num_layers} layers "
+                f"(valid ids 0..{num_layers - 1})"
+            )
+
+
+class TargetModel(nn.Module):
+    """A frozen causal LM whose decoder layers' outputs can be captured."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: nn.ModuleList,
+        *,
+        spec: str,
+        tokenizer: Any,
+        geometry: TargetGeometry,
+        stop_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self._layers = layers  # registered through self.model already
+        self.spec, self.tokenizer, self.geometry = spec, tokenizer, geometry
+        self.stop_token_ids = tuple(stop_token_ids)  # generation ends at any of these
+        self.embed_tokens: nn.Embedding = model.get_input_embeddings()
+        self.lm_head: nn.Linear = model.get_output_embeddings()
+        found = (self.embed_tokens.embedding_dim, len(layers), self.lm_head.out_features)
+        stated = (geometry.hidden_size, geometry.num_layers, geometry.vocab_size)
+        if found != stated:
+            raise TargetError(
+                f"target {spec}: (hidden size, layers, vocabulary) is {found} in the model "
+                f"but {stated} in its config"
+            )
+
+    @property
+    def hidden_size(self) -> int:
+        return self.geometry.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.geometry.num_layers
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the LM head (and of the embedding)."""
+        return self.geometry.vocab_size
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence a Hugging Face target was built for (None: no stated limit)."""
+        if not self._is_hf:
+            return None
+        limit = getattr(text_config(self.model.config), "max_position_embeddings", None)
+        return limit if isinstance(limit, int) and limit > 0 else None
+
+    def mask_token(self, explicit_id: int | None = None) -> MaskToken:
+        """The mask row for a drafter of this target (see resolve_mask_token)."""
+        return resolve_mask_token(self.tokenizer, self.embed_tokens.num_embeddings, explicit_id)
+
+    def train(self, mode: bool = True) -> TargetModel:
+        # Frozen: never leave eval mode (dropout etc. would change the features).
+        return super().train(False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def _run(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        if not self._is_hf:
+            return self.model(input_ids, doc_ids)
+        # No KV cache: it would hold every layer's keys/values for nothing.
+        if doc_ids is None:
+            return self.model(input_ids=input_ids, use_cache=False).logits
+        # Positions restarting per document, no 2D mask and no cache: transformers
+        # then builds a block-diagonal causal mask from the position resets.
+        positions = document_positions(doc_ids)
+        return self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+
+    @property
+    def _is_hf(self) -> bool:
+        return not isinstance(self.model, TinyLM)
+
+    def final_norm(self) -> nn.Module:
+        """The norm whose output feeds the LM head."""
+        decoder = self.model.get_decoder() if self._is_hf else self.model
+        norm = getattr(decoder, "norm", None)
+        if not isinstance(norm, nn.Module):
+            raise TargetError(f"cannot find the final norm of {type(self.model).__name__}")
+        return norm
+
+    @torch.no_grad()
+    def capture(
+        self,
+        input_ids: Tensor,
+        layer_ids: list[int],
+        with_logits: bool,
+        with_final_hidden: bool = False,
+        doc_ids: Tensor | None = None,
+    ) -> TargetOutput:
+        """input_ids[B, T] -> hidden[B, T, K*D] (+ logits[B, T, V] when with_logits).
+
+        with_final_hidden adds the final-norm output [B, T, D]: soft labels from it and
+        the LM head need no logits; the forward then stops before the LM head.
+        doc_ids[B, T] (packed rows) keeps every document's attention to itself.
+        """
+        validate_target_layers(layer_ids, self.num_layers)
+        wanted = sorted(set(layer_ids))
+        kept: dict[int | str, Tensor] = {}
+        last = wanted[-1]
+        runs_to_norm = with_final_hidden and not with_logits
+
+        def make_hook(i: int | str) -> Callable[..., None]:
+            def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+                kept[i] = output[0] if isinstance(output, tuple) else output
+                if i == "norm" and runs_to_norm:
+                    raise _StopForward
+                if i == last and not (with_logits or with_final_hidden):
+                    raise _StopForward
+
+            return hook
+
+        handles = [self._layers[i].register_forward_hook(make_hook(i)) for i in wanted]
+        if with_final_hidden:
+            handles.append(self.final_norm().register_forward_hook(make_hook("norm")))
+        logits = None
+        try:
+            logits = self._run(input_ids, doc_ids)
+        except _StopForward:
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        hidden = torch.cat([kept[i] for i in layer_ids], dim=-1)  # [B, T, K*D]
+        return TargetOutput(hidden=hidden, logits=logits, final_hidden=kept.get("norm"))
+
+    @torch.no_grad()
+    def logits(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """input_ids[B, T] -> logits[B, T, V]."""
+        return self._run(input_ids, doc_ids)
+
+    # --- KV-cached decoding (evaluation, generation) ---
+
+    def new_cache(self) -> Any:
+        """An empty KV cache for `forward_cached` (a DynamicCache for HF targets)."""
+        if not self._is_hf:
+            return KVCache()
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    @staticmethod
+    def cache_len(cache: Any) -> int:
+        return cache.seq_len() if isinstance(cache, KVCache) else cache.get_seq_length()
+
+    @staticmethod
+    def crop_cache(cache: Any, length: int) -> None:
+        """Forget every cached position from `length` on (after a rejected draft)."""
+        if isinstance(cache, KVCache):
+            cache.crop(length)
+        else:
+            crop_hf_cache(cache, length)
+
+    @torch.no_grad()
+    def forward_cached(
+        self, input_ids: Tensor, cache: Any, layer_ids: list[int] | None = None
+    ) -> TargetOutput:
+        """input_ids[B, L] continuing the cached positions; appends them to `cache`.
+
+        -> logits[B, L, V] and, when layer_ids are given, hidden[B, L, K*D].
+        """
+        kept: dict[int, Tensor] = {}
+        handles = []
+        for i in sorted(set(layer_ids or [])):
+
+            def hook(_m: nn.Module, _a: Any, output: Any, i: int = i) -> None:
+                kept[i] = output[0] if isinstance(output, tuple) else output
+
+            handles.append(self._layers[i].register_forward_hook(hook))
+        try:
+            if self._is_hf:
+                out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+                logits = out.logits
+            else:
+                logits = self.model(input_ids, cache=cache)
+        finally:
+            for handle in handles:
+                handle.remove()
+        hidden = torch.cat([kept[i] for i in layer_ids], dim=-1) if layer_ids else None
+        return TargetOutput(hidden=hidden, logits=logits)  # type: ignore[arg-type]
+
+
+def frozen_parts(target: TargetModel, device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """The target's frozen embedding and LM head, on `device` (copied when elsewhere)."""
+    embed, head = target.embed_tokens, target.lm_head
+    if embed.weight.device == device:
+        return embed, head
+    return copy.deepcopy(embed).to(device), copy.deepcopy(head).to(device)
+
+
+def target_fingerprint(target: TargetModel) -> str:
+    """Hash of the target's architecture config and a probe of every weight tensor.
+
+    The probe (a few values per tensor) tells differently trained weights apart
+    without reading billions of parameters.
+    """
+    config = target.model.config
+    fields = asdict(config) if is_dataclass(config) else config.to_dict()
+    blob = json.dumps(fields, sort_keys=True, default=str)
+    h = hashlib.sha256(f"{target.spec}\n{blob}".encode())
+    for name, param in target.model.state_dict().items():
+        probe = param.detach().reshape(-1)[:16].float().cpu()
+        h.update(f"{name} {tuple(param.shape)} {param.dtype}".encode())
+        h.update(probe.numpy().tobytes())
+    return h.hexdigest()[:20]

@@ -1,0 +1,253 @@
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.offline.regenerate import RegenerateError, RegenerateSettings, regenerate
+from dflash.target.generation import generate_batch, greedy_generate
+from dflash.target.load import load_target, wrap_tiny
+from dflash.target.tiny import TinyLM, TinyLMConfig
+
+WORDS = "hello how are you fine thanks what is the weather sunny and cold tell me more".split()
+CONVERSATIONS = [
+    [("user", "hello how are you"), ("assistant", "fine thanks"), ("user", "what is the weather"),
+     ("assistant", "sunny and cold")],
+    [("system", "tell me"), ("user", "how are you"), ("assistant", "fine")],
+    [("user", "what is the weather"), ("assistant", "cold")],
+    [("user", "tell me more"), ("assistant", "the weather is sunny"), ("user", "and")],
+    [("user", "hello"), ("assistant", "hello")],
+]  # fmt: skip
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny random Llama and a word-level tokenizer with a chat template, saved."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["[UNK]", "<|im_start|>", "<|im_end|>", *WORDS])}
+    vocab |= {r: len(vocab) + i for i, r in enumerate(["user", "assistant", "system"])}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="[UNK]", eos_token="<|im_end|>", pad_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+    )  # fmt: skip
+    tok.chat_template = TEMPLATE
+    cfg = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        eos_token_id=vocab["<|im_end|>"], bos_token_id=None, pad_token_id=vocab["<|im_end|>"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("hf")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _write_chats(path, conversations=CONVERSATIONS, extra_lines=()):
+    lines = [json.dumps({"messages": [{"role": r, "content": c} for r, c in conv]})
+             for conv in conversations]  # fmt: skip
+    path.write_text("\n".join([*lines, *extra_lines]) + "\n")
+    return path
+
+
+# No held-out documents: the split hashes the file path, which changes with tmp_path.
+SETTINGS = RegenerateSettings(max_new_tokens=6, batch_size=4, chunk_lines=2, heldout_fraction=0.0)
+
+
+def _reference_reply(target, messages, settings) -> str:
+    """transformers' own greedy `generate` on the templated conversation so far."""
+    tok, model = target.tokenizer, target.model
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                  return_dict=False)  # fmt: skip
+    out = model.generate(
+        torch.tensor([ids]), max_new_tokens=settings.max_new_tokens, do_sample=False,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+    )[0, len(ids) :].tolist()  # fmt: skip
+    if tok.eos_token_id in out:
+        out = out[: out.index(tok.eos_token_id)]
+    return tok.decode(out, skip_special_tokens=True)
+
+
+def test_regenerated_replies_are_transformers_greedy_generate(hf_dir, tmp_path) -> None:
+    target = load_target(str(hf_dir))
+    data = _write_chats(tmp_path / "chats.jsonl", extra_lines=['{"messages": "x"}'])
+    progress = []
+    report = regenerate(target, str(data), tmp_path / "regen.jsonl", settings=SETTINGS,
+                        progress=progress.append)  # fmt: skip
+    assert report.skipped.skipped_lines == 1 and progress[-1].lines_done == report.lines
+    assert progress[-1].tokens_per_s > 0
+    written = [json.loads(line) for line in (tmp_path / "regen.jsonl").read_text().splitlines()]
+    assert len(written) == len(CONVERSATIONS) and report.new_tokens > 0
+    for conv, record in zip(CONVERSATIONS, written, strict=True):
+        so_far = []
+        for (role, content), msg in zip(conv, record["messages"], strict=True):
+            assert msg["role"] == role
+            if role == "assistant":
+                assert msg["content"] == _reference_reply(target, so_far, SETTINGS)
+            else:
+                assert msg["content"] == content
+            so_far.append(msg)
+
+
+def test_text_continuations_are_greedy_generate(hf_dir, tmp_path) -> None:
+    target = load_target(str(hf_dir))
+    data = tmp_path / "texts.jsonl"
+    texts = ["hello how are you fine thanks what is the weather", "tell me more and more"]
+    data.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    settings = RegenerateSettings(max_new_tokens=4, prefix_tokens=3, heldout_fraction=0.0)
+    regenerate(target, str(data), tmp_path / "out.jsonl", settings=settings)
+    written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    tok = target.tokenizer
+    first = tok(texts[0], add_special_tokens=False)["input_ids"][:3]
+    new = target.model.generate(
+        torch.tensor([first]),
+        max_new_tokens=4,
+        do_sample=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
+    tail = new[0, 3:].tolist()
+    tail = tail[: tail.index(tok.eos_token_id)] if tok.eos_token_id in tail else tail
+    assert written[0] == {"text": tok.decode(first + tail, skip_special_tokens=True), "id": 0}
+    assert len(written) == 3  # windows of 3 + 4 tokens: two in the first text, one in the second
+
+
+def test_tiny_cached_generation_is_the_uncached_greedy_decoding() -> None:
+    torch.manual_seed(0)
+    target = wrap_tiny(TinyLM(TinyLMConfig(hidden_size=32, num_layers=3, num_heads=2,
+                                           intermediate_size=64)))  # fmt: skip
+    prompts = torch.randint(0, 256, (3, 7), generator=torch.Generator().manual_seed(1)).tolist()
+    cached = generate_batch(target, prompts, max_new_tokens=10, stop_token_ids=())
+    assert cached == [greedy_generate(target, p, 10) for p in prompts]
+    stop = cached[0][4]
+    stopped = generate_batch(target, prompts[:1], max_new_tokens=10, stop_token_ids=(stop,))
+    assert stopped == [cached[0][: cached[0].index(stop)]]
+
+
+def test_an_interrupted_regeneration_continues_and_a_foreign_output_is_refused(
+    hf_dir, tmp_path
+) -> None:
+    target = load_target(str(hf_dir))
+    data = _write_chats(tmp_path / "chats.jsonl")
+    full = tmp_path / "full.jsonl"
+    regenerate(target, str(data), full, settings=SETTINGS)
+    part = tmp_path / "part.jsonl"
+    regenerate(target, str(data), part, settings=SETTINGS)
+    lines = full.read_text().splitlines(keepends=True)
+    part.write_text("".join(lines[:3]) + lines[3][:10])  # killed while writing line 4
+    report = regenerate(target, str(data), part, settings=SETTINGS)
+    assert report.resumed_from_line == 2 and part.read_text() == full.read_text()
+    assert regenerate(target, str(data), part, settings=SETTINGS).new_tokens == 0  # complete
+    other = RegenerateSettings(max_new_tokens=3, batch_size=4, chunk_lines=2, heldout_fraction=0.0)
+    with pytest.raises(RegenerateError, match="not a resumable file of this run"):
+        regenerate(target, str(data), part, settings=other)
+    stranger = tmp_path / "notes.jsonl"
+    stranger.write_text('{"text": "mine"}\n')
+    with pytest.raises(RegenerateError, match="no run record"):
+        regenerate(target, str(data), stranger, settings=SETTINGS)
+    assert stranger.read_text() == '{"text": "mine"}\n'
+
+
+def _cli(*args):
+    from click.testing import CliRunner
+
+    from dflash.cli import cli
+
+    return CliRunner().invoke(cli, ["regenerate", *map(str, args)], catch_exceptions=False)
+
+
+def _one_error_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    return errors[0]
+
+
+def test_regenerate_command_writes_resumes_and_refuses(hf_dir, tmp_path, monkeypatch) -> None:
+    target = load_target(str(hf_dir))
+    # A relative data path: the held-out split hashes it, so it must not change per run.
+    monkeypatch.chdir(tmp_path)
+    _write_chats(tmp_path / "chats.jsonl", extra_lines=["[1]", '{"messages": "x"}'])
+    data = Path("chats.jsonl")
+    reference = tmp_path / "reference.jsonl"
+    settings = dataclasses.replace(SETTINGS, heldout_fraction=0.01)  # as the command's flag
+    regenerate(target, str(data), reference, settings=settings)
+    out = tmp_path / "regen.jsonl"
+    flags = ["--target", hf_dir, "--data", data, "--max-new-tokens", 6, "--batch-size", 4,
+             "--chunk-lines", 2, "--heldout-fraction", 0.01, "--device", "cpu"]  # fmt: skip
+    result = _cli(*flags, "--output", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_text() == reference.read_text()
+    assert f"skipped 2 unusable JSONL lines (first: {data}:6" in result.output
+    assert "tokens/s" in result.output and f"{len(CONVERSATIONS)} lines" in result.output
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:3]) + lines[3][:7])  # killed while writing line 4
+    result = _cli(*flags, "--output", out)
+    assert result.exit_code == 0 and "continued after line 2" in result.output, result.output
+    assert out.read_text() == reference.read_text()
+    before = out.read_text()
+    error = _one_error_line(_cli(*flags, "--output", out, "--temperature", 0.5))
+    assert str(out) in error and "not a resumable file of this run" in error
+    assert out.read_text() == before  # nothing already written is lost
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "wizard", "content": "x"}]}\n"text"\n')
+    error = _one_error_line(_cli(*flags[:2], "--data", bad, "--output", tmp_path / "o.jsonl"))
+    assert "nothing to regenerate" in error and f"skipped 2 lines; first: {bad}:1" in error
+    assert "unknown role 'wizard'" in error
+    for flag, value in (("--max-new-tokens", 0), ("--temperature", -1), ("--prefix-tokens", 0)):
+        error = _one_error_line(_cli(*flags, "--output", tmp_path / "x.jsonl", flag, value))
+        assert f"{flag} {value}" in error
+
+
+def test_the_embedded_default_is_regenerated_once_per_target_and_recipe(
+    tmp_path, monkeypatch
+) -> None:
+    from dflash.config.settings import config_from_options
+    from dflash.data.corpus import EMBEDDED_CORPUS, embedded_corpus
+    from dflash.data.tokenizer import ByteTokenizer
+    from dflash.offline import regenerate as regen_mod
+    from dflash.run.lifecycle import run_datasets
+
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    recipe = RegenerateSettings(max_new_tokens=4, prefix_tokens=16, windows_per_document=1,
+                                batch_size=256, chunk_lines=512)  # fmt: skip
+    monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", recipe)
+    torch.manual_seed(0)
+    target = wrap_tiny(TinyLM(TinyLMConfig(hidden_size=16, num_layers=2, num_heads=2,
+                                           intermediate_size=32)))  # fmt: skip
+    lines: list[str] = []
+    path = regen_mod.embedded_regeneration(target, 0.05, lines.append)
+    assert any("generated once" in line for line in lines) and path.parent.name == "regen"
+    direct = tmp_path / "direct.jsonl"
+    regenerate(target, "embedded", direct, settings=dataclasses.replace(recipe))
+    assert path.read_text() == direct.read_text()
+    held_in = [t for t in embedded_corpus("train") if len(t.encode()) >= 16]
+    written = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    assert len(written) == len(held_in)
+    assert all(w.startswith(t.encode()[:16].decode(errors="ignore")[:8])
+               for w, t in zip(written, held_in, strict=True))  # fmt: skip
+    monkeypatch.setattr(regen_mod, "regenerate", lambda *a, **k: pytest.fail("not cached"))
+    assert regen_mod.embedded_regeneration(target, 0.05, lines.append) == path
+    monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", dataclasses.replace(recipe, max_new_tokens=5))
+    with pytest.raises(pytest.fail.Exception, match="not cached"):
+        regen_mod.embedded_regeneration(target, 0.05, lines.append)  # another recipe, another key
+    monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", recipe)
+    opts = {"seq_len": 64, "batch_size": 2}
+    train, heldout = run_datasets(config_from_options(opts), target, lines.append)
+    corpus_train, corpus_heldout = run_datasets(
+        config_from_options({**opts, "data": EMBEDDED_CORPUS}), target, lines.append
+    )
+    assert len(train) < len(corpus_train) and train.fingerprint() != corpus_train.fingerprint()
+    assert (heldout.stream == corpus_heldout.stream).all()  # the same evaluation prompts
+    tok = ByteTokenizer()  # every regenerated window, framed BOS ... EOS, is in the rows
+    framed = sum(len(w.encode()) + 2 for w in written)
+    assert int((train.ids != tok.pad_token_id).sum()) == framed

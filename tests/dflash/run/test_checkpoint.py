@@ -1,0 +1,88 @@
+import json
+
+import pytest
+import torch
+
+from dflash.run.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    load_trainable_weights,
+    resolve_checkpoint,
+    save_checkpoint,
+    trainable_weights,
+)
+
+
+def _module():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    module[0].requires_grad_(False)  # stands for the frozen, shared parts
+    return module
+
+
+def _save(directory, step, keep=3):
+    module = _module()
+    return save_checkpoint(
+        directory, weights=trainable_weights(module), trainer_state={"x": torch.ones(2)},
+        step=step, next_batch_index=step + 10, config={"run": {"steps": 9}}, keep=keep,
+    )  # fmt: skip
+
+
+def test_round_trip_keeps_only_trainable_weights(tmp_path) -> None:
+    path = _save(tmp_path, 5)
+    ckpt = load_checkpoint(path)
+    assert set(ckpt.weights) == {"1.weight", "1.bias"}
+    assert (ckpt.step, ckpt.next_batch_index) == (5, 15)
+    assert ckpt.config == {"run": {"steps": 9}}
+    assert torch.equal(ckpt.trainer_state["x"], torch.ones(2))
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    fresh[0].requires_grad_(False)
+    load_trainable_weights(fresh, ckpt.weights)
+    assert torch.equal(fresh[1].weight, _module()[1].weight)
+
+
+def test_keeps_the_newest_and_latest_resolves(tmp_path) -> None:
+    for step in (1, 2, 3, 4):
+        _save(tmp_path / "checkpoints", step, keep=2)
+    names = [p.name for p in list_checkpoints(tmp_path / "checkpoints")]
+    assert names == ["step-00000003", "step-00000004"]
+    assert resolve_checkpoint("latest", tmp_path).name == "step-00000004"
+    assert resolve_checkpoint(str(tmp_path / "checkpoints"), tmp_path).name == "step-00000004"
+
+
+def test_interrupted_write_is_invisible(tmp_path) -> None:
+    ckpts = tmp_path / "checkpoints"
+    _save(ckpts, 1)
+    partial = ckpts / ".tmp-step-00000002-999"  # what a crash mid-write leaves
+    partial.mkdir()
+    (partial / "drafter.safetensors").write_bytes(b"half")
+    assert resolve_checkpoint("latest", tmp_path).name == "step-00000001"
+
+
+@pytest.mark.parametrize("damage", ["truncate_weights", "drop_manifest", "edit_state"])
+def test_damaged_checkpoint_is_a_one_line_error(tmp_path, damage) -> None:
+    path = _save(tmp_path, 1)
+    if damage == "truncate_weights":
+        data = (path / "drafter.safetensors").read_bytes()
+        (path / "drafter.safetensors").write_bytes(data[: len(data) // 2])
+    elif damage == "drop_manifest":
+        (path / "manifest.json").unlink()
+    else:
+        (path / "trainer.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_checkpoint_errors(tmp_path) -> None:
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        resolve_checkpoint("latest", tmp_path)
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        resolve_checkpoint(str(tmp_path / "nope"), tmp_path)
+
+
+def test_manifest_lists_every_file(tmp_path) -> None:
+    path = _save(tmp_path, 3)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert set(manifest["sha256"]) == {"drafter.safetensors", "trainer.pt", "config.json"}

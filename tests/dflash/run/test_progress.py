@@ -1,0 +1,86 @@
+import io
+
+import pytest
+
+from dflash.config.settings import config_from_options
+from dflash.run.progress import LineStream, Progress, format_loss_config, format_summary
+
+
+def figures(loss: float, tau: float = 1.5) -> dict:
+    return {"loss": loss, "tau_estimate": tau}
+
+
+def test_plain_lines_when_not_a_terminal() -> None:
+    stream = io.StringIO()
+    progress = Progress(total_steps=20, stream=stream, interval_s=1e9)
+    for step in range(1, 21):
+        logged = step == 1 or step % 2 == 0
+        progress.update(step, num_tokens=100, figures=figures(2.0 / step) if logged else None)
+    progress.close()
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("step 1/20  loss 2.0000  τ≈1.50")
+    assert lines[-1].startswith("step 20/20") and "tokens/s" in lines[-1]
+    assert "eta 0:00" in lines[-1]
+    assert 3 <= len(lines) <= 12  # periodic, not one per step
+
+
+def test_bar_on_a_terminal() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    progress = Progress(total_steps=5, stream=stream)
+    for step in range(1, 6):
+        progress.update(step, num_tokens=10, figures=figures(1.0))
+    progress.close()
+    assert "5/5" in stream.getvalue() and "loss=1.0000" in stream.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("options", "fragments"),
+    [
+        ({"block_size": 16}, ["γ 7 (by block size)", "streak weighting off"]),
+        ({"block_size": 16, "loss_decay_gamma": 3.0}, ["γ 3 (set)"]),
+        # Streak weights already decay over block positions: they replace γ ...
+        ({"block_size": 16, "streak_alpha": 0.3}, ["no γ decay (streak weights replace it",
+                                                   "streak α 0.3"]),
+        # ... unless the user sets both.
+        ({"block_size": 16, "streak_alpha": 0.3, "loss_decay_gamma": 7.0},
+         ["γ 7 (set, applied on top of the streak weights)", "streak α 0.3"]),
+        ({"use_soft_labels": True, "kl_temperature": 2.0}, ["KL T=2", "soft labels on"]),
+        ({}, ["block size 8", "up to 16 anchors", "noise: all non-anchor masked"]),
+        ({"noise_schedule": "linear:0.5:1", "steps": 40},
+         ["noise: masked share 0.5 -> 1 over 40 steps"]),
+    ],
+)  # fmt: skip
+def test_loss_line_names_every_setting(options, fragments) -> None:
+    line = format_loss_config(config_from_options(options))
+    for fragment in fragments:
+        assert fragment in line, line
+    assert "\n" not in line
+
+
+def test_summary_text() -> None:
+    text = format_summary(
+        {"steps": 3, "wall_s": 1.5, "tokens_per_s": 1234.0, "final_loss": 2.5, "tau": 1.75}
+    )
+    assert "3 steps" in text and "1,234 tokens/s training" in text and "τ on held-out 1.750" in text
+
+
+def test_line_stream_hands_over_whole_lines_once_ended() -> None:
+    emitted: list[str] = []
+    stream = LineStream(emitted.append)
+    print("table line 1\ntable line 2", file=stream, flush=True)  # text, then "\n"
+    stream.write("partial")
+    assert emitted == ["table line 1\ntable line 2"]
+    stream.write(" line\nnext\n")
+    assert emitted[-1] == "partial line\nnext"
+
+
+def test_write_without_a_bar_prints_plainly() -> None:
+    out = io.StringIO()
+    progress = Progress(total_steps=5, stream=out)
+    print("interval: last 1.0s", file=progress.line_stream(), flush=True)
+    progress.write("note")
+    assert out.getvalue() == "interval: last 1.0s\nnote\n"
