@@ -7,6 +7,13 @@ over the training loop only (setup excluded), as summary.json reports it.
     python bench/pipeline_vs_reference.py                  # 40 steps each, cpu
     python bench/pipeline_vs_reference.py --steps 100 --repeats 2 \\
         --target-devices cuda:0 --drafter-devices cuda:1
+    python bench/pipeline_vs_reference.py --against ../old-checkout --steps 300 --repeats 6
+
+With `--against CHECKOUT` it compares checkouts instead: `dflash-train train` of the
+default config (the pipeline, telemetry as the command sets it up) from this checkout
+and from the other one, alternating run by run, each checkout first on PYTHONPATH so
+one virtual environment serves both; it prints the median tokens/s of each and their
+ratio.
 
 The first run on a machine prepares the tiny target (a minute or two, cached).
 On a small shared CPU the two sides compete for the same cores, and torch's
@@ -18,20 +25,61 @@ on separate devices.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from dflash.config import config_from_options
-from dflash.pipeline import run_pipeline
-from dflash.reference import train_reference
+from dflash.config.settings import config_from_options
+from dflash.run.pipelined import run_pipeline
+from dflash.run.reference import train_reference
+
+HERE = Path(__file__).resolve().parents[1]
 
 
 def _quiet(_: str) -> None:
     pass
+
+
+def _cli_tokens_per_s(checkout: Path, steps: int, out: Path, devices: list[str]) -> float:
+    """tokens/s of one `dflash-train train` of the default config run from `checkout`."""
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    cmd = [sys.executable, "-m", "dflash.cli", "train", "--steps", str(steps),
+           "--eval-prompts", "0", "--output-dir", str(out), *devices]  # fmt: skip
+    subprocess.run(cmd, env=env, cwd=out.parent, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)  # fmt: skip
+    return float(json.loads((out / "summary.json").read_text())["tokens_per_s"])
+
+
+def compare_checkouts(args: argparse.Namespace) -> int:
+    other = args.against.resolve()
+    devices = ["--target-devices", args.target_devices, "--drafter-devices",
+               args.drafter_devices]  # fmt: skip
+    rates: dict[str, list[float]] = {"this": [], "other": []}
+    with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
+        for repeat in range(args.repeats):
+            order = ("this", "other") if repeat % 2 == 0 else ("other", "this")
+            for name in order:
+                checkout = HERE if name == "this" else other
+                out = Path(tmp) / f"{name}-{repeat}"
+                rates[name].append(_cli_tokens_per_s(checkout, args.steps, out, devices))
+    ratios = [a / b for a, b in zip(rates["this"], rates["other"], strict=True)]
+    print(f"dflash-train train, default config, {args.steps} steps, {args.repeats} alternating "
+          f"runs of each; {os.cpu_count()} CPUs; this {HERE}, other {other}")  # fmt: skip
+    for name, values in rates.items():
+        runs = " ".join(f"{r:,.0f}" for r in values)
+        print(f"{name:<6} median {statistics.median(values):>9,.0f} tokens/s  (runs {runs})")
+    print(
+        f"this / other: median of per-round ratios {statistics.median(ratios):.3f} "
+        f"(rounds {' '.join(f'{r:.3f}' for r in ratios)}); ratio of medians "
+        f"{statistics.median(rates['this']) / statistics.median(rates['other']):.3f}"
+    )
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="alternating runs of each")
     parser.add_argument("--target-devices", default="auto")
     parser.add_argument("--drafter-devices", default="auto")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="another checkout: compare its training tokens/s with this one's",
+    )
     args = parser.parse_args(argv)
+    if args.against is not None:
+        return compare_checkouts(args)
     results: dict[str, list[float]] = {"reference": [], "pipeline": []}
     pipe_figures: dict = {}
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
