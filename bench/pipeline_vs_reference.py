@@ -46,14 +46,17 @@ def _quiet(_: str) -> None:
     pass
 
 
-def _cli_tokens_per_s(checkout: Path, steps: int, out: Path, devices: list[str]) -> float:
-    """tokens/s of one `dflash-train train` of the default config run from `checkout`."""
+def _cli_run(checkout: Path, steps: int, out: Path, devices: list[str]) -> tuple[float, float]:
+    """(tokens/s, CPU µs per token) of the training loop of one `dflash-train train` of the
+    default config run from `checkout` (summary.json)."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     cmd = [sys.executable, "-m", "dflash.cli", "train", "--steps", str(steps),
            "--eval-prompts", "0", "--output-dir", str(out), *devices]  # fmt: skip
     subprocess.run(cmd, env=env, cwd=out.parent, check=True, stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL)  # fmt: skip
-    return float(json.loads((out / "summary.json").read_text())["tokens_per_s"])
+    summary = json.loads((out / "summary.json").read_text())
+    tokens = summary["tokens_per_s"] * summary["train_s"]
+    return float(summary["tokens_per_s"]), 1e6 * summary["pipeline"]["train_cpu_s"] / tokens
 
 
 def compare_checkouts(args: argparse.Namespace) -> int:
@@ -61,19 +64,23 @@ def compare_checkouts(args: argparse.Namespace) -> int:
     devices = ["--target-devices", args.target_devices, "--drafter-devices",
                args.drafter_devices]  # fmt: skip
     rates: dict[str, list[float]] = {"this": [], "other": []}
+    cpu: dict[str, list[float]] = {"this": [], "other": []}
     with tempfile.TemporaryDirectory(prefix="dflash-bench-") as tmp:
         for repeat in range(args.repeats):
             order = ("this", "other") if repeat % 2 == 0 else ("other", "this")
             for name in order:
                 checkout = HERE if name == "this" else other
                 out = Path(tmp) / f"{name}-{repeat}"
-                rates[name].append(_cli_tokens_per_s(checkout, args.steps, out, devices))
+                rate, cpu_us = _cli_run(checkout, args.steps, out, devices)
+                rates[name].append(rate)
+                cpu[name].append(cpu_us)
     ratios = [a / b for a, b in zip(rates["this"], rates["other"], strict=True)]
     print(f"dflash-train train, default config, {args.steps} steps, {args.repeats} alternating "
           f"runs of each; {os.cpu_count()} CPUs; this {HERE}, other {other}")  # fmt: skip
     for name, values in rates.items():
         runs = " ".join(f"{r:,.0f}" for r in values)
-        print(f"{name:<6} median {statistics.median(values):>9,.0f} tokens/s  (runs {runs})")
+        print(f"{name:<6} median {statistics.median(values):>9,.0f} tokens/s, "
+              f"{statistics.median(cpu[name]):.2f} CPU µs/token  (runs {runs})")  # fmt: skip
     print(
         f"this / other: median of per-round ratios {statistics.median(ratios):.3f} "
         f"(rounds {' '.join(f'{r:.3f}' for r in ratios)}); ratio of medians "
