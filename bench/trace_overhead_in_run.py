@@ -8,7 +8,7 @@ every second and the default timeline; a switcher thread in that process install
 `--block-s` seconds, either the full tracing runtime (spans + timeline hooks) or a plain
 one (the same ProfileStats, no span, no hook), in the order on, off, off, on, ... (so
 drift and the position in the sequence cancel out), and counts the drafter steps each
-block finishes. The exporters, the export process and the metrics reader run throughout,
+block finishes. The exporters and the metrics reader run throughout,
 so their fixed cost is in both arms: that part is what `trace_overhead.py` adds.
 
 Each A/B run is followed by an A/A run (both arms the full runtime): its ratio shows how

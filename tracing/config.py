@@ -86,9 +86,6 @@ class TracingConfig:
     """Most spans in one export request."""
     schedule_delay_s: float = 1.0
     """Longest time an ended span waits in the queue before an export is attempted."""
-    export_process: bool = True
-    """OTLP and file exporters run in a child process (`tracing.export.process`), so
-    encoding spans never holds the traced program's GIL; False exports in this process."""
     report_interval_s: float = 30.0
     """Period of the interval table printed by `Reporter`."""
 

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from tracing import spans
 from tracing.config import TracingConfig
 from tracing.device import DeviceClock, EventResolver, cuda_clock_or_none
-from tracing.export.process import build_exporters
+from tracing.export.exporters import build_exporters
 from tracing.export.processor import BoundedBatchSpanProcessor, DeliveryCounts
 from tracing.record import Recorder
 from tracing.stats import ProfileStats
@@ -174,8 +174,7 @@ class Telemetry:
         if self._report is not None:
             return
         runtime = spans.runtime()
-        resource = runtime.recorder.resource if runtime.recorder is not None else None
-        fresh = build_exporters(self.cfg, pid_suffix=True, resource=resource)
+        fresh = build_exporters(self.cfg, pid_suffix=True)
         for index, processor in enumerate(self.processors):
             processor.reinit_after_fork(fresh[index] if index < self._built_exporters else None)
         self.resolver = None
@@ -275,7 +274,7 @@ def setup(
     stats = stats if stats is not None else ProfileStats(rank=cfg.rank)
     tracing_on = cfg.level != "off"
     resource = build_resource(cfg) if tracing_on else None
-    built = build_exporters(cfg, resource=resource) if tracing_on else []
+    built = build_exporters(cfg) if tracing_on else []
     all_exporters = [*built, *exporters]
     provider = None
     recorder = None

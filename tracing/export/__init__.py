@@ -2,8 +2,6 @@
 
 processor  the bounded batch processor: a queue that never blocks the ending thread,
            one export thread, exact delivery counts, a bounded shutdown
-exporters  the exporters by name (OTLP gRPC/HTTP, the OTLP/JSON trace file, console)
-process    the export process: OTLP encoding and sending in a child process
-child      the child's main loop
-wire       the records piped to the child, and the request the child encodes
+exporters  the exporters by name (the SDK's OTLP gRPC/HTTP exporters, the OTLP/JSON
+           trace file, console), all behind the SDK's `SpanExporter` interface
 """

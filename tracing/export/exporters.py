@@ -17,7 +17,6 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from tracing.config import TracingConfig
-from tracing.export.wire import EncodedBatch
 
 
 class OtlpJsonFileExporter(SpanExporter):
@@ -35,7 +34,7 @@ class OtlpJsonFileExporter(SpanExporter):
         from google.protobuf.json_format import MessageToDict
         from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-        request = spans.request if isinstance(spans, EncodedBatch) else encode_spans(spans)
+        request = encode_spans(spans)
         message = MessageToDict(request, use_integers_for_enums=True)
         _ids_to_hex(message)
         with self._lock:
@@ -107,7 +106,7 @@ def trace_file_path(path: str, rank: int) -> str:
 
 
 ExporterSpec = tuple[Any, ...]
-"""What builds one exporter, in plain values (it crosses to the export process):
+"""What builds one exporter, in plain values (a forked child builds its own from it):
 ("otlp", protocol, url, headers, timeout_s), ("file", path) or ("console",)."""
 
 
@@ -175,3 +174,8 @@ def otlp_exporter(
     # gRPC needs TLS switched off explicitly for a plain-text collector.
     tls = {"insecure": url.startswith("http://")} if transport == "grpc" else {}
     return exporter_cls(endpoint=url, headers=dict(headers) or None, timeout=timeout_s, **tls)
+
+
+def build_exporters(cfg: TracingConfig, *, pid_suffix: bool = False) -> list[SpanExporter]:
+    """The exporters named in `cfg.exporter` (`pid_suffix`: a forked child's trace file)."""
+    return [make_exporter(spec) for spec in exporter_specs(cfg, pid_suffix=pid_suffix)]

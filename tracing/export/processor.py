@@ -173,11 +173,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
     def _export_batch(self, batch: list[ReadableSpan | SpanHandle]) -> None:
         self._in_flight = len(batch)
         try:
-            if getattr(self.exporter, "takes_records", False):
-                spans = batch  # it encodes the handles itself (tracing.export.process)
-            else:
-                spans = readable_spans(batch)
-            ok = self.exporter.export(spans) == SpanExportResult.SUCCESS
+            ok = self.exporter.export(readable_spans(batch)) == SpanExportResult.SUCCESS
         except Exception:  # telemetry never crashes the host program
             logger.exception("tracing: exporter %s raised", type(self.exporter).__name__)
             ok = False
