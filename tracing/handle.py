@@ -144,8 +144,8 @@ class SpanHandle:
             return
         self._ended = True
         end_ns = _time_ns() if end_time_ns is None else end_time_ns
-        for hook in self._hooks:
-            hook.span_ended(self, end_ns)
+        if self._hooks:
+            record.call_hooks(self._hooks, "span_ended", self, end_ns)
         if self._stats is not None:
             self._stats.add(self.name, (end_ns - self.start_time_ns) / 1e9, thread=NO_THREAD)
         self._finish(end_ns)

@@ -19,8 +19,9 @@ logger = logging.getLogger("tracing")
 class PhaseHook(Protocol):
     """Thread contract: `phase_started`/`phase_ended` run on the phase's own thread,
     inside the `with` block's enter and exit; `span_started` on the thread calling
-    `start_span`, `span_ended` on the thread ending the handle. None of them may block
-    or raise: they run on the training path."""
+    `start_span`, `span_ended` on the thread ending the handle. None of them may block:
+    they run on the training path. One that raises is logged once per method and
+    counted (`ShutdownReport.hook_errors`); the phase still counts and its span ends."""
 
     def phase_started(self, phase: Phase) -> None: ...
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,6 +60,38 @@ def warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         logger.warning("tracing: %s", message)
+
+
+class HookErrors:
+    """Exceptions raised by phase hooks, counted; the first of each hook method is logged."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+        self._logged: set[tuple[str, str]] = set()
+
+    def record(self, hook: object, method: str, exc: BaseException) -> None:
+        key = (type(hook).__qualname__, method)
+        with self._lock:
+            self.count += 1
+            first = key not in self._logged
+            self._logged.add(key)
+        if first:
+            logger.error("tracing: hook %s.%s raised (further ones are counted): %r",
+                         *key, exc)  # fmt: skip
+
+
+HOOK_ERRORS = HookErrors()
+
+
+def call_hooks(hooks: Sequence[object], method: str, *args: Any) -> None:
+    """`method(*args)` of every hook. A hook that raises is counted in HOOK_ERRORS and
+    skipped: the phase still reaches ProfileStats and its span still ends."""
+    for hook in hooks:
+        try:
+            getattr(hook, method)(*args)
+        except Exception as exc:  # a hook must break neither tracing nor the program
+            HOOK_ERRORS.record(hook, method, exc)
 
 
 class _IdSource:

@@ -129,8 +129,7 @@ def start_span(
         handle._begin(recorder, None if parent is None else resolve_parent(parent), attributes)
     if rt.hooks:
         handle._hooks = rt.hooks
-        for hook in rt.hooks:
-            hook.span_started(handle)
+        record.call_hooks(rt.hooks, "span_started", handle)
     return handle
 
 
@@ -186,8 +185,8 @@ class Phase(SpanHandle):
             recorder = rt.recorder
             if recorder is not None and _level_rank(self._level) <= rt.level_rank:
                 self._start_span(recorder, rt)
-            for hook in rt.hooks:
-                hook.phase_started(self)
+            if rt.hooks:
+                record.call_hooks(rt.hooks, "phase_started", self)
         except Exception:  # telemetry never raises into the host program
             logger.exception("tracing: phase %s could not start its span", self.name)
             self._rec = None
@@ -267,8 +266,8 @@ class Phase(SpanHandle):
             stats.add(self.name, (_mono_ns() + _OFFSET_NS - self.start_time_ns) / 1e9)
             return False
         try:
-            for hook in self._rt.hooks:
-                hook.phase_ended(self, exc)
+            if self._rt.hooks:
+                record.call_hooks(self._rt.hooks, "phase_ended", self, exc)
             if mode is _DEVICE:
                 self._exit_device(exc)
                 return False

@@ -24,7 +24,7 @@ from tracing.config import TracingConfig
 from tracing.device import DeviceClock, EventResolver, cuda_clock_or_none
 from tracing.export.exporters import build_exporters
 from tracing.export.processor import BoundedBatchSpanProcessor, DeliveryCounts
-from tracing.record import Recorder
+from tracing.record import HOOK_ERRORS, Recorder
 from tracing.stats import ProfileStats
 
 logger = logging.getLogger("tracing")
@@ -46,6 +46,8 @@ class ShutdownReport:
     device_unresolved: int
     """Device-timed phases whose events did not complete in time (ended without device time)."""
     duration_s: float
+    hook_errors: int = 0
+    """Exceptions raised by phase hooks while this Telemetry was installed (skipped)."""
 
     @property
     def spans_not_delivered(self) -> int:
@@ -64,6 +66,8 @@ class ShutdownReport:
         )
         if self.device_unresolved:
             text += f", device timings unresolved {self.device_unresolved}"
+        if self.hook_errors:
+            text += f", phase hook errors {self.hook_errors}"
         return text
 
     def __str__(self) -> str:
@@ -92,6 +96,7 @@ class Telemetry:
         self._built_exporters = built_exporters
         self._report: ShutdownReport | None = None
         self._shutdown_lock = threading.Lock()
+        self._hook_errors_before = HOOK_ERRORS.count
 
     @property
     def tracing_spans(self) -> bool:
@@ -158,6 +163,7 @@ class Telemetry:
             spans_pending=total.pending,
             device_unresolved=unresolved,
             duration_s=time.monotonic() - started,
+            hook_errors=HOOK_ERRORS.count - self._hook_errors_before,
         )
 
     def _shutdown_at_exit(self) -> None:

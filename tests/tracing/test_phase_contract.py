@@ -216,3 +216,47 @@ def test_a_requested_stop_is_not_an_error(memory) -> None:
                 raise exc
     status = {s.name: s.status.status_code.name for s in memory.get_finished_spans()}
     assert status == {"Stopped": "UNSET", "KeyboardInterrupt": "UNSET", "ValueError": "ERROR"}
+
+
+class _BrokenHook:
+    """A phase hook whose every method raises."""
+
+    def phase_started(self, phase: object) -> None:
+        raise RuntimeError("start")
+
+    def phase_ended(self, phase: object, exc: object) -> None:
+        raise RuntimeError("end")
+
+    def span_started(self, handle: object) -> None:
+        raise RuntimeError("span start")
+
+    def span_ended(self, handle: object, end_time_ns: int) -> None:
+        raise RuntimeError("span end")
+
+
+def test_a_raising_hook_breaks_neither_the_phase_nor_its_span(caplog) -> None:
+    exporter = InMemorySpanExporter()
+    telemetry = tracing.setup(
+        tracing.TracingConfig(level="phase"),
+        span_processors=[SimpleSpanProcessor(exporter)],
+        phase_hooks=[_BrokenHook()],
+    )
+    try:
+        root = tracing.start_span("root")  # span_started raises inside: not here
+        for _ in range(3):
+            with tracing.phase("work", parent=root):
+                assert tracing.current_phase().name == "work"
+        assert tracing.current_phase() is None  # the phase did not stay open
+        root.end()  # span_ended raises inside: not here
+        stats = telemetry.stats.snapshot().phases
+        assert stats["work"].count == 3
+        names = [span.name for span in exporter.get_finished_spans()]
+        assert names.count("work") == 3 and names.count("root") == 1
+        parents = {s.parent.span_id for s in exporter.get_finished_spans() if s.name == "work"}
+        assert parents == {root.span_id}
+    finally:
+        report = telemetry.shutdown(timeout_s=2.0)
+    assert report.hook_errors == 3 * 2 + 2  # phase start and end, span start and end
+    assert "phase hook errors 8" in report.summary()
+    logged = [r.getMessage() for r in caplog.records if "raised (further" in r.getMessage()]
+    assert len(logged) == 4  # once per hook method
