@@ -21,6 +21,7 @@ import random
 import threading
 import traceback
 from collections.abc import Callable, Sequence
+from enum import Enum
 from typing import Any
 
 from opentelemetry import trace
@@ -60,6 +61,21 @@ def warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
         logger.warning("tracing: %s", message)
+
+
+def coerce_attribute(value: Any) -> Any:
+    """The attribute value a program means: numpy scalars and arrays as Python numbers
+    and lists, an Enum as its value, sequences element by element. Anything else is left
+    to the SDK's validation (which drops what is not an attribute type, with a warning)."""
+    if isinstance(value, (str, bool, int, float)) and not isinstance(value, Enum):
+        return value
+    if isinstance(value, Enum):
+        return coerce_attribute(value.value)
+    if type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return value.tolist()  # np.float64(2.0) -> 2.0, np.array([1, 2]) -> [1, 2]
+    if isinstance(value, (list, tuple)):
+        return [coerce_attribute(v) for v in value]
+    return value
 
 
 class HookErrors:
@@ -173,10 +189,13 @@ class Recorder:
             append(handle)
 
     def attributes(self, values: dict[str, Any] | None) -> BoundedAttributes:
+        """A span's attributes by the one rule: `coerce_attribute`, then the SDK's own
+        validation and limits (what its spans apply)."""
         limits = self.limits
+        coerced = {k: coerce_attribute(v) for k, v in values.items()} if values else None
         return BoundedAttributes(
             limits.max_span_attributes,
-            values,
+            coerced,
             immutable=True,
             max_value_len=limits.max_span_attribute_length,
         )
