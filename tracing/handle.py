@@ -64,7 +64,7 @@ class SpanHandle:
         for a new trace): ids, sampling decision, a private copy of the attributes."""
         if parent is None:
             trace_id = record.new_trace_id()
-            self.sampled = recorder.root_sampled(trace_id)
+            self.sampled = recorder.root_sampled(trace_id, self.name, attributes)
             self._trace_state = None
         elif isinstance(parent, SpanHandle):
             trace_id = parent.trace_id

@@ -28,10 +28,11 @@ from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, SpanLimits, SpanProcessor
+from opentelemetry.sdk.trace import Event, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, Status, StatusCode
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
 logger = logging.getLogger("tracing")
 
@@ -125,6 +126,7 @@ class _IdSource:
         self.getrandbits = self._random.getrandbits
 
 
+_NO_PARENT = Context()  # a new trace: no current span, whatever the thread's context
 _ids = _IdSource()
 os.register_at_fork(after_in_child=_ids.reseed)
 
@@ -144,6 +146,16 @@ def new_span_id() -> int:
     return span_id
 
 
+class PhaseIds(IdGenerator):
+    """The provider's id generator, so SDK spans and phases draw ids from one source."""
+
+    def generate_span_id(self) -> int:
+        return new_span_id()
+
+    def generate_trace_id(self) -> int:
+        return new_trace_id()
+
+
 def foreign_parent(context: Context | None) -> SpanContext | None:
     """The valid SpanContext held by an OTel Context (None: `context` starts no trace).
 
@@ -154,14 +166,16 @@ def foreign_parent(context: Context | None) -> SpanContext | None:
 
 
 class Recorder:
-    """What recording spans needs, built once by `setup`; never mutated afterwards.
+    """What recording spans needs, built by `setup`.
 
     Thread contract: `finish` runs on the thread that ends a span and never blocks;
     the handle's `to_readable` runs on an export thread (or on the ending thread for
-    `sync_processors`).
+    `sync_processors`). `add_sync_processor` swaps the tuple in one step: a span ending
+    meanwhile goes to the old or the new set, whole.
     """
 
-    __slots__ = ("bound", "resource", "scope", "limits", "sync_processors", "_appends")
+    __slots__ = ("bound", "resource", "scope", "limits", "sync_processors", "_appends",
+                 "_provider", "_built_sampler")  # fmt: skip
 
     def __init__(
         self,
@@ -169,18 +183,35 @@ class Recorder:
         resource: Resource,
         appends: Sequence[Callable[[Any], None]] = (),
         sync_processors: Sequence[SpanProcessor] = (),
+        provider: TracerProvider | None = None,
     ) -> None:
         """`appends` take ended sampled handles (a bounded processor's `on_end_record`);
-        `sync_processors` get a ReadableSpan through `on_end` at once (tests)."""
+        `sync_processors` get a ReadableSpan through `on_end` at once. `provider`: the
+        tracer provider whose sampler decides each new trace (its ratio sampler as
+        built is computed inline; one put in its place is asked)."""
         self.bound = TraceIdRatioBased.get_bound_for_rate(sample_ratio)
         self.resource = resource
         self.scope = InstrumentationScope(SCOPE_NAME, SCOPE_VERSION)
         self.limits = SpanLimits()
         self._appends = tuple(appends)
         self.sync_processors = tuple(sync_processors)
+        self._provider = provider
+        self._built_sampler = provider.sampler if provider is not None else None
 
-    def root_sampled(self, trace_id: int) -> bool:
+    def root_sampled(self, trace_id: int, name: str = "", attributes: Any = None) -> bool:
+        """The sampling decision of a new trace. Spans under it follow it, as the
+        parent-based samplers (the SDK's default) decide."""
+        provider = self._provider
+        if provider is not None and provider.sampler is not self._built_sampler:
+            result = provider.sampler.should_sample(
+                _NO_PARENT, trace_id, name, SpanKind.INTERNAL, attributes
+            )
+            return result.decision.is_sampled()
         return (trace_id & _TRACE_ID_LOW_MASK) < self.bound
+
+    def add_sync_processor(self, processor: SpanProcessor) -> None:
+        """`processor.on_end` gets every sampled phase span from now on."""
+        self.sync_processors = (*self.sync_processors, processor)
 
     def finish(self, handle: Any) -> None:
         """Hands an ended, sampled span (a SpanHandle) to every bounded processor.

@@ -10,8 +10,9 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -24,7 +25,7 @@ from tracing.config import TracingConfig
 from tracing.device import DeviceClock, EventResolver, cuda_clock_or_none
 from tracing.export.exporters import build_exporters
 from tracing.export.processor import BoundedBatchSpanProcessor, DeliveryCounts
-from tracing.record import HOOK_ERRORS, Recorder
+from tracing.record import HOOK_ERRORS, PhaseIds, Recorder
 from tracing.stats import ProfileStats
 
 logger = logging.getLogger("tracing")
@@ -230,6 +231,25 @@ class _HashOnceResource(Resource):
         return super().__eq__(other)
 
 
+class _Provider(TracerProvider):
+    """The tracer provider `setup` returns: a span processor added to it later also gets
+    every ended phase span (phases are recorded without SDK span objects, tracing.record),
+    and its sampler decides each new trace of phases."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._phase_sink: Callable[[SpanProcessor], None] | None = None
+
+    def send_phases_to(self, sink: Callable[[SpanProcessor], None]) -> None:
+        """From now on each added processor is also handed to `sink`."""
+        self._phase_sink = sink
+
+    def add_span_processor(self, span_processor: SpanProcessor) -> None:
+        super().add_span_processor(span_processor)
+        if self._phase_sink is not None:
+            self._phase_sink(span_processor)
+
+
 def build_resource(cfg: TracingConfig) -> Resource:
     """The resource of every signal of this process (traces and metrics share it)."""
     attributes = {
@@ -263,9 +283,12 @@ def setup(
 
     `exporters` are extra exporters behind bounded batch processors (counted in the
     shutdown report); `span_processors` are added as they are (e.g. a
-    SimpleSpanProcessor around an InMemorySpanExporter in tests): they get each sampled
-    phase span through `on_end`, on the ending thread (phases do not call `on_start`:
-    they are not SDK spans until they end). `device_clock`
+    SimpleSpanProcessor around an InMemorySpanExporter in tests), and so is a processor
+    added to `telemetry.provider` later: they get each sampled phase span through
+    `on_end`, on the ending thread (phases do not call `on_start`: they are not SDK
+    spans until they end), besides the provider's own SDK spans. The provider's sampler
+    (`telemetry.provider.sampler`) decides each new trace; its id generator is the
+    phases' id source. `device_clock`
     replaces the CUDA clock (a HostClock in tests). `propagate_context` (default
     cfg.propagate_context) makes each phase with a span the current OTel span while it
     runs. A phase ended by one of `stop_exceptions` (e.g. the application's "stop
@@ -288,10 +311,11 @@ def setup(
     if tracing_on and (all_exporters or span_processors):
         # The provider serves other tracers (install_global_provider) and flush/shutdown;
         # phases record through `recorder`, with the same resource, sampling and processors.
-        provider = TracerProvider(
+        provider = _Provider(
             resource=resource,
             sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
             shutdown_on_exit=False,  # its atexit hook would wait the SDK's 30 s default
+            id_generator=PhaseIds(),
         )
         for index, exporter in enumerate(all_exporters):
             processor = BoundedBatchSpanProcessor(
@@ -310,7 +334,9 @@ def setup(
             provider.resource,
             appends=[processor.on_end_record for processor in processors],
             sync_processors=span_processors,
+            provider=provider,
         )
+        provider.send_phases_to(recorder.add_sync_processor)
         if install_global_provider:
             trace.set_tracer_provider(provider)
     clock = None
