@@ -10,6 +10,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -181,6 +182,8 @@ class Telemetry:
         if self._report is not None:
             return
         runtime = spans.runtime()
+        if runtime.recorder is not None:  # the child is a process of its own
+            runtime.recorder.resource = _child_resource(runtime.recorder.resource, self.cfg)
         fresh = build_exporters(self.cfg, pid_suffix=True)
         for index, processor in enumerate(self.processors):
             processor.reinit_after_fork(fresh[index] if index < self._built_exporters else None)
@@ -248,6 +251,15 @@ class _Provider(TracerProvider):
         super().add_span_processor(span_processor)
         if self._phase_sink is not None:
             self._phase_sink(span_processor)
+
+
+def _child_resource(parent: Resource, cfg: TracingConfig) -> Resource:
+    """A forked child's resource: its own `process.pid` and a fresh `service.instance.id`
+    (unless the user named one in OTEL_RESOURCE_ATTRIBUTES)."""
+    attributes = {**parent.attributes, "process.pid": os.getpid()}
+    if "service.instance.id" not in cfg.resource_attributes:
+        attributes["service.instance.id"] = str(uuid.uuid4())
+    return _HashOnceResource(attributes, parent.schema_url)
 
 
 def build_resource(cfg: TracingConfig) -> Resource:

@@ -99,6 +99,21 @@ def test_forked_child_exports_its_own_spans(tmp_path: Path) -> None:
         for span in ss["spans"]
     ]
     assert names == ["child.work"] * 3
+    child_resource = _resource(json.loads(lines[0]))
+    parent_resource = _resource(json.loads(path.read_text().splitlines()[0]))
+    assert int(child_resource["process.pid"]) == child.pid != int(parent_resource["process.pid"])
+    assert child_resource["service.instance.id"] != parent_resource["service.instance.id"]
+    assert child_resource["service.name"] == parent_resource["service.name"]
     parent_lines = path.read_text().splitlines()
     assert report.spans_exported == 1 and "parent.work" in parent_lines[0]
     assert "child.work" not in path.read_text()
+
+
+def _resource(request: dict) -> dict[str, object]:
+    attrs = request["resourceSpans"][0]["resource"]["attributes"]
+    return {a["key"]: next(iter(a["value"].values())) for a in attrs}
+
+
+def _resource(request: dict) -> dict[str, object]:
+    attrs = request["resourceSpans"][0]["resource"]["attributes"]
+    return {a["key"]: next(iter(a["value"].values())) for a in attrs}
