@@ -125,13 +125,17 @@ class TracingConfig:
             raise TracingConfigError(f"sample_ratio must be in [0, 1], got {self.sample_ratio!r}")
         if not isinstance(self.rank, int) or self.rank < 0:
             raise TracingConfigError(f"rank must be an integer >= 0, got {self.rank!r}")
-        for name in ("export_timeout_s", "shutdown_timeout_s", "schedule_delay_s",
-                     "report_interval_s"):  # fmt: skip
+        for name in ("export_timeout_s", "shutdown_timeout_s", "report_interval_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0:
                 raise TracingConfigError(
                     f"{name} must be a positive number of seconds, got {value!r}"
                 )
+        delay = self.schedule_delay_s
+        if not isinstance(delay, (int, float)) or not delay >= 0:
+            raise TracingConfigError(
+                f"schedule_delay_s must be a non-negative number of seconds, got {delay!r}"
+            )
         for name in ("max_queue_size", "max_export_batch_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -225,7 +229,7 @@ def _env_batching(env: Mapping[str, str]) -> dict[str, Any]:
     )
     if timeout_s is not None:
         values["export_timeout_s"] = timeout_s
-    delay = read(env, otel_env.BSP_SCHEDULE_DELAY, otel_env.parse_millis)
+    delay = read(env, otel_env.BSP_SCHEDULE_DELAY, otel_env.parse_millis_or_zero)
     if delay is not None:
         values["schedule_delay_s"] = delay
     counts = {

@@ -94,13 +94,21 @@ def parse_bool(text: str) -> bool:
 
 
 def parse_millis(text: str) -> float:
+    """A positive integer number of milliseconds, returned in seconds."""
+    millis = parse_millis_or_zero(text)
+    if millis == 0:
+        raise ParseError("expected a positive number of milliseconds")
+    return millis
+
+
+def parse_millis_or_zero(text: str) -> float:
     """A non-negative integer number of milliseconds, returned in seconds."""
     try:
         millis = int(text.strip())
     except ValueError:
         raise ParseError("expected an integer number of milliseconds") from None
-    if millis <= 0:
-        raise ParseError("expected a positive number of milliseconds")
+    if millis < 0:
+        raise ParseError("expected a non-negative number of milliseconds")
     return millis / 1e3
 
 

@@ -3,8 +3,11 @@ named in docs/observability.md), against real OTLP receivers where a request sho
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from env_checks import read_warns_once
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import tracing
 from tracing import TracingConfig, TracingConfigError
@@ -187,3 +190,24 @@ def test_the_same_mistakes_in_arguments_raise_one_line(clean_env, kwargs, needle
     with pytest.raises(TracingConfigError) as info:
         TracingConfig.from_env(**kwargs)
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_schedule_delay_of_zero_exports_each_span_without_waiting(clean_env) -> None:
+    """The specification's delay is non-negative: 0 means no span waits for a round."""
+    clean_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "0")
+    cfg = TracingConfig.from_env()
+    assert cfg.schedule_delay_s == 0.0
+    exporter = InMemorySpanExporter()
+    telemetry = tracing.setup(cfg, exporters=[exporter])
+    try:
+        with tracing.phase("now", level="step"):
+            pass
+        deadline = time.monotonic() + 5.0
+        while not exporter.get_finished_spans() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [s.name for s in exporter.get_finished_spans()] == ["now"]
+    finally:
+        report = telemetry.shutdown(timeout_s=2.0)
+    assert report.spans_exported == 1
+    clean_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "-5")
+    assert TracingConfig.from_env().schedule_delay_s == 1.0  # bad: warned and ignored

@@ -143,13 +143,15 @@ class BoundedBatchSpanProcessor(SpanProcessor):
                 self._counts.dropped += 1
             return
         queue.append(span)
-        if len(queue) >= self._max_batch_size and not self._wake.is_set():
+        if (len(queue) >= self._max_batch_size or not self._schedule_delay_s) and (
+            not self._wake.is_set()
+        ):  # a batch is full, or a delay of 0: no span waits for the next round
             self._wake.set()
 
     def _run(self) -> None:
         lower_thread_priority()
         while not self._stop.is_set():
-            self._wake.wait(self._schedule_delay_s)
+            self._wake.wait(self._schedule_delay_s or None)  # 0: until a span comes
             self._wake.clear()
             self._round()
         self._round()
