@@ -9,7 +9,7 @@ from tracing.snapshot import PhaseStats, StatsSnapshot
 DEVICE_SUFFIX = "@device"
 """Names ending in this hold device time measured by the `events`/`sync` timing modes."""
 
-_COLUMNS = ("count", "total", "mean", "p50", "p95", "max", "share")
+_COLUMNS = ("count", "total", "mean", "min", "p50", "p95", "max", "share")
 
 
 def format_duration(seconds: float) -> str:
@@ -50,6 +50,7 @@ def _row(name: str, s: PhaseStats, share: str) -> list[str]:
         str(s.count),
         format_duration(s.total_s),
         format_duration(s.mean_s),
+        format_duration(s.min_s if s.count else 0.0),
         format_duration(s.p50_s),
         format_duration(s.p95_s),
         format_duration(s.max_s),
@@ -79,7 +80,7 @@ def format_table(
     title: str | None = None,
     rank_snapshots: Sequence[StatsSnapshot] | None = None,
 ) -> str:
-    """Table: phase, count, total, mean, p50, p95, max, share of its thread's wall time.
+    """Table: phase, count, total, mean, min, p50, p95, max, share of its thread's wall time.
 
     With `rank_snapshots` (one per rank, e.g. gathered under torchrun) two columns give
     the lowest and highest per-rank total of each phase, with the rank that had it.

@@ -85,9 +85,11 @@ def test_table_content_and_share():
     )
     lines = tracing.format_table(snap, title="T").splitlines()
     assert lines[0] == "T"
-    assert lines[1].split() == ["phase", "count", "total", "mean", "p50", "p95", "max", "share"]
+    header = ["phase", "count", "total", "mean", "min", "p50", "p95", "max", "share"]
+    assert lines[1].split() == header
     wait = lines[3].split()
-    assert wait[:4] == ["hs_queue.wait", "4", "2.00s", "500.00ms"] and wait[-1] == "20.0%"
+    assert wait[:5] == ["hs_queue.wait", "4", "2.00s", "500.00ms", "500.00ms"]
+    assert wait[-1] == "20.0%"
     assert lines[2].split()[-1] == "-"  # cross-thread span: no share
 
 
