@@ -23,8 +23,17 @@ DRAFTER_PHASES = (ANCHOR_SELECTION, BLOCK_PREDICTION, LOSS, BACKWARD, OPTIMIZER)
 # Traces of their own, outside any batch.
 CHECKPOINT_SAVE = "checkpoint.save"
 EVAL = "eval"
+# The run's start-up: one trace, before the first batch.
+RUN_STARTUP = "run.startup"
+RUN_RESUME = "run.resume"  # reading and checking the --resume checkpoint
+TARGET_LOAD = "target.load"  # loading (or first preparing) the target
+DATA_PREPARE = "data.prepare"  # reading, tokenizing and packing the data
+DATA_REGENERATE = "data.regenerate"  # the embedded default's regenerated text (cached)
+DRAFTER_BUILD = "drafter.build"  # the drafter, its trainer and their replicas
+STARTUP_PHASES = (RUN_RESUME, TARGET_LOAD, DATA_PREPARE, DATA_REGENERATE, DRAFTER_BUILD)
 SPANS = (BATCH, DATA_BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, TARGET_READ, HS_QUEUE_WAIT,
-         DRAFTER_STEP, *DRAFTER_PHASES, CHECKPOINT_SAVE, EVAL)  # fmt: skip
+         DRAFTER_STEP, *DRAFTER_PHASES, CHECKPOINT_SAVE, EVAL, RUN_STARTUP,
+         *STARTUP_PHASES)  # fmt: skip
 
 # --- statistics without a span ---------------------------------------------------------
 HS_QUEUE_PUT = "hs_queue.put"  # target threads blocked on a full hs_queue

@@ -6,6 +6,7 @@ import atexit
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -22,20 +23,24 @@ IntervalSource = Callable[[], "tuple[StatsSnapshot, list[StatsSnapshot]] | None"
 
 
 class _Rate:
-    """Turns a monotonically increasing counter into a per-second rate over each window."""
+    """Turns a monotonically increasing counter into a per-second rate over each window,
+    timed from when the counter was registered (what ran before, e.g. a start-up, does
+    not dilute it)."""
 
     def __init__(self, counter: Callable[[], float], unit: str) -> None:
         self.counter = counter
         self.unit = unit
         # Baseline at registration: the counter's value when the reporter starts watching.
         self.first = self.last = float(counter())
+        self.first_s = self.last_s = time.monotonic()
 
-    def sample(self, wall_s: float, cumulative: bool) -> str:
-        value = float(self.counter())
-        base = self.first if cumulative else self.last
+    def sample(self, cumulative: bool) -> str:
+        value, now_s = float(self.counter()), time.monotonic()
+        base, since_s = (self.first, self.first_s) if cumulative else (self.last, self.last_s)
         if not cumulative:
-            self.last = value
-        rate = (value - base) / wall_s if wall_s > 0 else 0.0
+            self.last, self.last_s = value, now_s
+        span_s = now_s - since_s
+        rate = (value - base) / span_s if span_s > 0 else 0.0
         return f"{rate:,.1f} {self.unit}".rstrip()
 
 
@@ -69,6 +74,7 @@ class Reporter:
         self._rates: dict[str, _Rate] = {}
         self._gauges: dict[str, tuple[Callable[[], Any], str]] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a report now (report_soon) or the stop
         self._print_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._final_printed = False
@@ -94,21 +100,31 @@ class Reporter:
         self._interval_source = source
 
     def start(self) -> Reporter:
+        """Starts the reports. The first interval holds what was timed before too (a
+        program's start-up): call `report_soon` when its first unit of work ends."""
         if self._thread is None:
-            self.stats.take_interval()  # the first interval starts now
             self._thread = threading.Thread(target=self._run, name="tracing-reporter", daemon=True)
             self._thread.start()
         return self
 
+    def report_soon(self) -> None:
+        """Asks the reporter thread for a table now (it then keeps its interval)."""
+        self._wake.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            if self._stop.is_set():
+                return
+            self._wake.clear()
             try:
                 self.report_interval()
             except Exception:  # a broken stream or table must not end the reports
                 logger.exception("tracing: interval report failed")
 
     def report_interval(self) -> str:
-        """Prints (and returns) the table of the interval since the previous one."""
+        """Prints (and returns) the table of the interval since the previous one;
+        nothing when no phase was timed in it."""
         gathered = None
         if self._interval_source is not None:
             try:
@@ -117,6 +133,8 @@ class Reporter:
                 logger.exception("tracing: reporter interval source raised")
         if gathered is None:
             snapshot = self.stats.take_interval()
+            if not snapshot.phases:
+                return ""
             return self._emit(self.render(snapshot, f"{self._title}: last {snapshot.wall_s:.1f}s"))
         snapshot, parts = gathered
         title = f"{self._title}: last {snapshot.wall_s:.1f}s, {len(parts)} ranks"
@@ -143,7 +161,7 @@ class Reporter:
         figures and verdict line, as printed."""
         lines = [format_table(snapshot, title=title, rank_snapshots=rank_snapshots)]
         figures = [
-            f"{name} {_call_text(lambda r=rate: r.sample(snapshot.wall_s, cumulative))}"
+            f"{name} {_call_text(lambda r=rate: r.sample(cumulative))}"
             for name, rate in self._rates.items()
         ]
         for name, (fn, unit) in self._gauges.items():
@@ -168,6 +186,7 @@ class Reporter:
     def stop(self, final: bool = True, timeout_s: float = 2.0) -> None:
         """Stops the thread; with `final`, prints the cumulative table (once)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         if final:

@@ -186,9 +186,9 @@ class Observer:
     ) -> None:
         """Starts the reporter (rank 0 prints to `stream`), the metrics and the timeline's
         counters on the pipeline's `snapshot`; `devices`: every stage's device."""
-        # Shares are of training time: setup (target preparation can take minutes)
-        # must not dilute the cumulative table. Nothing was timed before this point.
-        self.stats.reset()
+        # The start-up phases timed before this point (run.startup) stay in the stats:
+        # the first table, printed when the first step ends, shows them. Shares are per
+        # thread, so they do not dilute the stage threads' shares or the verdict.
         shared = bottleneck.shared_device(str(d) for d in devices) if devices else None
         self.verdict = lambda s: bottleneck.snapshot_verdict(s, shared_device=shared)
         memory = PeakMemory([torch.device(d) for d in devices])
@@ -241,6 +241,12 @@ class Observer:
         timeline.watch_rate("tokens/s", {"target": lambda: snapshot().target_tokens,
                                          "drafter": lambda: snapshot().drafter_tokens})  # fmt: skip
         timeline.start_sampling(TIMELINE_SAMPLE_S)
+
+    def first_step_done(self) -> None:
+        """The first table now: the start-up and the first step, without waiting an
+        interval (training thread; the reporter thread prints it)."""
+        if self.reporter is not None:
+            self.reporter.report_soon()
 
     def record_step(self, figures: dict[str, Any], mfu: float | None = None) -> None:
         """A logged step's figures into the metrics (the training thread, off the hot path)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+import tracing
 from dflash import names
 from dflash.config.devices import Placement, decide_placement
 from dflash.config.schema import ConfigError
@@ -235,7 +236,8 @@ def run_datasets(
     d, tok = cfg.data, target.tokenizer
     rows = d.batch_size * cfg.optim.grad_accum  # the step splits it into micro-batches
     if d.source == EMBEDDED:
-        path = embedded_regeneration(target, d.heldout_fraction, log)
+        with tracing.phase(names.DATA_REGENERATE):
+            path = embedded_regeneration(target, d.heldout_fraction, log)
         corpus = regenerated_corpus(path, tok, d.heldout_fraction)
         train, heldout = datasets_from_corpus(
             corpus, tok, d.seq_len, rows, cfg.run.seed, d.heldout_fraction,
@@ -258,23 +260,27 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     output_dir = Path(cfg.run.output_dir)
     resume = None
     if cfg.run.resume:  # check the checkpoint before spending minutes on the target
-        resume = load_checkpoint(resolve_checkpoint(cfg.run.resume, output_dir))
-        _check_resume_compatible(cfg, resume.config, resume.path)
+        with tracing.phase(names.RUN_RESUME):
+            resume = load_checkpoint(resolve_checkpoint(cfg.run.resume, output_dir))
+            _check_resume_compatible(cfg, resume.config, resume.path)
     warm = _warm_start(cfg, resuming=resume is not None)
     dtype = target_load.target_dtype(placement.target)
     # From a hidden-state cache the target never runs during training: its weights stay
     # in host memory (the drafter copies the embedding and LM head it shares) until the
     # final evaluation needs them on the target device.
     load_on = torch.device("cpu") if cfg.data.hidden_cache else placement.target
-    target = target_load.load_target(cfg.target.spec, load_on, dtype, log=log)
+    with tracing.phase(names.TARGET_LOAD):
+        target = target_load.load_target(cfg.target.spec, load_on, dtype, log=log)
     check_target_fits(cfg, target)
     target.mask_token(cfg.drafter.mask_token_id)  # no usable mask row: fail before the data
     if warm is not None:
         check_fits_target(warm[1], target, f"--init-from {warm[0]}")
     layer_ids = resolve_layer_ids(cfg, target.num_layers)
-    train, heldout = run_datasets(cfg, target, log)
-    drafter = build_drafter(cfg, target, layer_ids, placement.drafter)
-    trainer = DrafterTrainer(drafter, cfg, placement.drafter)
+    with tracing.phase(names.DATA_PREPARE):
+        train, heldout = run_datasets(cfg, target, log)
+    with tracing.phase(names.DRAFTER_BUILD):
+        drafter = build_drafter(cfg, target, layer_ids, placement.drafter)
+        trainer = DrafterTrainer(drafter, cfg, placement.drafter)
     run = Run(cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir)
     log(run.mask_token.describe())
     if warm is not None:

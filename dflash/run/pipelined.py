@@ -85,6 +85,8 @@ class _StepBook:
         run.step = self.start_step + step + 1
         run.next_batch_index = self.start_index + (step + 1) * self.batches_per_step
         self.averager.after_step(may_read=figures is not None)
+        if step == 0 and self.observer is not None:
+            self.observer.first_step_done()
         self.progress.update(run.step, batch.num_tokens * self.batches_per_step, figures)
         if figures is not None:
             self._log_step(figures)
@@ -169,7 +171,8 @@ def run_pipeline(
     _share_cpu_cores(placement, info.local_world_size)
     stuck: list[str] = []
     try:
-        setup = _setup(cfg, log, info, placement, observer, progress_stream)
+        with tracing.phase(names.RUN_STARTUP, level="step"):  # a trace of its own
+            setup = _setup(cfg, log, info, placement, observer, progress_stream)
         if observer is not None:
             observer.attach(setup.pipe.snapshot, (*placement.targets, *placement.drafters),
                             setup.book.flops, stream=setup.progress.line_stream())  # fmt: skip
@@ -212,7 +215,8 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], info: DistInfo, placeme
                             placement.drafter)  # fmt: skip
     check_same_across_ranks(run.step, "the step to resume from", placement.drafter)
     group = StageGroup()
-    replicas = build_replicas(run)
+    with tracing.phase(names.DRAFTER_BUILD):
+        replicas = build_replicas(run)
     hook = observer.ranks if observer is not None else None
     averager = GradAverager([r.drafter for r in replicas], group.stop, hook)
     for i, replica in enumerate(replicas):

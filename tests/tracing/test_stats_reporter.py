@@ -5,6 +5,7 @@ import json
 import math
 import random
 import threading
+import time
 
 import pytest
 
@@ -141,16 +142,35 @@ def test_reporter_interval_source_adds_per_rank_rows():
     alone = reporter.report_interval()
     assert "target.forward" in alone and "ranks" not in alone.splitlines()[0]
     reporter.set_interval_source(lambda: 1 / 0)
+    local.add("target.forward", 0.1)
     assert "ranks" not in reporter.report_interval().splitlines()[0]
+
+
+def test_an_interval_without_phases_prints_nothing_and_a_first_table_comes_on_request():
+    stats = ProfileStats()
+    out = io.StringIO()
+    stats.add("target.load", 1.5)  # timed before the reporter starts: a start-up
+    reporter = Reporter(stats, interval_s=3600.0, stream=out).start()
+    try:
+        reporter.report_soon()  # e.g. when the first step ends
+        deadline = time.monotonic() + 5.0
+        while "target.load" not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "target.load" in out.getvalue() and "1.50s" in out.getvalue()
+        assert reporter.report_interval() == ""  # nothing timed since: no empty table
+        assert "no phases recorded" not in out.getvalue()
+    finally:
+        reporter.stop(final=False)
 
 
 def test_reporter_thread_prints_every_interval():
     stats = ProfileStats()
     out = io.StringIO()
     reporter = Reporter(stats, interval_s=0.05, stream=out).start()
-    stats.add("x", 0.001)
-    deadline = threading.Event()
-    deadline.wait(0.3)
+    end_s = time.monotonic() + 0.3
+    while time.monotonic() < end_s:  # something timed in every interval
+        stats.add("x", 0.001)
+        time.sleep(0.01)
     reporter.stop(final=False)
     assert out.getvalue().count("tracing: last") >= 2
 

@@ -305,3 +305,20 @@ def test_two_ranks_share_a_run_id_and_outlast_a_slow_evaluation(tmp_path: Path) 
 
 if __name__ == "__main__":
     _torchrun_worker(Path(sys.argv[1]))
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_the_start_up_is_a_trace_of_its_own_and_reaches_the_tables(tmp_path) -> None:
+    obs, exporter = observer()
+    lines = traced_run(tmp_path, obs)
+    spans = exporter.get_finished_spans()
+    (startup,) = [s for s in spans if s.name == names.RUN_STARTUP]
+    assert startup.parent is None  # a trace of its own, before the first batch
+    children = {s.name for s in spans if s.parent and s.parent.span_id == startup.context.span_id}
+    assert {names.TARGET_LOAD, names.DATA_PREPARE, names.DRAFTER_BUILD} <= children
+    first_batch = min(s.start_time for s in spans if s.name == names.BATCH)
+    assert startup.end_time <= first_batch
+    final = obs.final_snapshot().phases
+    for name in (names.RUN_STARTUP, names.TARGET_LOAD, names.DATA_PREPARE, names.DRAFTER_BUILD):
+        assert final[name].count >= 1, name
+    assert not any("no phases recorded" in line for line in lines)
