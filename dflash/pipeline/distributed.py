@@ -138,13 +138,12 @@ def batch_index(
 
 def rank_batch_indices(
     num_steps: int, rank: int, world_size: int, replicas_per_rank: int, start_index: int = 0
-) -> list[int]:
-    """Every batch index `rank` trains on in `num_steps` steps, in order."""
-    return [
-        batch_index(s, k, rank, world_size, replicas_per_rank, start_index)
-        for s in range(num_steps)
-        for k in range(replicas_per_rank)
-    ]
+) -> range:
+    """Every batch index `rank` trains on in `num_steps` steps, in order: `batch_index`
+    for each step and slot, which is every world_size-th index from start_index + rank.
+    A range, so any number of steps costs nothing until the batches are drawn."""
+    first = start_index + rank
+    return range(first, first + num_steps * replicas_per_rank * world_size, world_size)
 
 
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:

@@ -9,6 +9,7 @@ finished run and for an interrupted one alike.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -355,7 +356,9 @@ def build_summary(
         "steps": run.step,
         "steps_this_run": len(stats.losses),
         "tokens_per_s": stats.num_tokens / stats.train_s if stats.train_s > 0 else 0.0,
-        "final_loss": float(last) if last is not None else float("nan"),
+        # None (JSON null), not NaN, when no step finished or the loss is not finite:
+        # summary.json stays JSON.
+        "final_loss": _finite_or_none(last),
         **figures,
         "wall_s": time.perf_counter() - started_s,
         "train_s": stats.train_s,
@@ -374,6 +377,13 @@ def build_summary(
     if interrupted is not None:
         summary["interrupted"] = interrupted
     return {**summary, **(extra or {})}
+
+
+def _finite_or_none(value: Any) -> float | None:
+    if value is None:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
 
 
 def write_summary(run: Run, summary: dict[str, Any], log: Callable[[str], None]) -> None:

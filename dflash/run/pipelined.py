@@ -235,7 +235,7 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], info: DistInfo, placeme
     pipe = Pipeline.build(
         make_batch=run.train_data.batch,
         indices=indices,
-        forwards=target_forwards(run, max(indices, default=0)),
+        forwards=target_forwards(run, indices[-1] if indices else 0),
         target_phase=names.TARGET_READ if cfg.data.hidden_cache else names.TARGET_FORWARD,
         steps=[(r.device, _step_fn(r, i, metrics, window), mover(r.device))
                for i, r in enumerate(replicas)],

@@ -53,13 +53,18 @@ def format_run_config(cfg: TrainConfig, target_desc: str, device: str) -> str:
     )
 
 
+def _loss_text(summary: dict[str, Any]) -> str:
+    loss = summary.get("final_loss")
+    return f"{loss:.4f}" if isinstance(loss, float) else "n/a (no finished step)"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """Human summary of summary.json's figures."""
     tau = summary.get("tau")
     tau_txt = f"{tau:.3f}" if isinstance(tau, float) else "n/a"
     lines = [
         f"summary: {summary['steps']} steps, {summary['wall_s']:.1f} s in all, "
-        f"{summary['tokens_per_s']:,.0f} tokens/s training, final loss {summary['final_loss']:.4f}",
+        f"{summary['tokens_per_s']:,.0f} tokens/s training, final loss {_loss_text(summary)}",
         f"summary: τ on held-out {tau_txt} (block size {summary.get('block_size', '?')})",
     ]
     if isinstance(summary.get("tau_pooled"), float):

@@ -53,7 +53,7 @@ def test_bad_torchrun_env(env: dict[str, str], message: str) -> None:
 def test_rank_r_reads_r_then_r_plus_world_size() -> None:
     world, replicas = 2, 2
     for rank in range(world):
-        assert rank_batch_indices(3, rank, world, replicas) == list(range(rank, 12, world))
+        assert list(rank_batch_indices(3, rank, world, replicas)) == list(range(rank, 12, world))
     # Every batch of a step goes to exactly one (rank, replica), whatever the world size.
     for world in (1, 2, 3, 5):
         got = sorted(i for r in range(world) for i in rank_batch_indices(2, r, world, 2, 7))
@@ -61,7 +61,16 @@ def test_rank_r_reads_r_then_r_plus_world_size() -> None:
 
 
 def test_single_rank_single_replica_is_the_reference_order() -> None:
-    assert rank_batch_indices(4, 0, 1, 1, start_index=10) == [10, 11, 12, 13]
+    assert list(rank_batch_indices(4, 0, 1, 1, start_index=10)) == [10, 11, 12, 13]
+    # Every (step, slot) in order, as batch_index numbers them:
+    for world, replicas, start in ((1, 1, 0), (2, 3, 5), (4, 2, 9)):
+        for rank in range(world):
+            expected = [batch_index(s, k, rank, world, replicas, start)
+                        for s in range(5) for k in range(replicas)]  # fmt: skip
+            assert list(rank_batch_indices(5, rank, world, replicas, start)) == expected
+    # Any number of steps is free until the batches are drawn (it was a list).
+    huge = rank_batch_indices(10**22, 1, 2, 2)
+    assert (huge[0], huge[1], bool(huge), huge[-1]) == (1, 3, True, 4 * 10**22 - 1)
     assert batch_index(3, 1, 1, 3, 2, start_index=5) == 5 + 3 * 6 + 1 + 3
 
 

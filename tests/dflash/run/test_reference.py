@@ -147,3 +147,18 @@ def test_tiny_hugging_face_target_on_chat_data_end_to_end(tmp_path) -> None:
     assert meta["target"] == str(model_dir) and meta["mask_token_source"] == "spare-row"
     # The first spare embedding row past the tokenizer's vocabulary (8 spare rows).
     assert saved["dflash_config"]["mask_token_id"] == saved["vocab_size"] - 8
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_a_summary_before_any_finished_step_holds_null_not_nan(tmp_path) -> None:
+    """Interrupted at step 0 (or diverged), summary.json must stay JSON."""
+    from dflash.run.lifecycle import RunStats, build_summary
+    from dflash.run.progress import format_summary
+
+    run = cpu_run(small_cfg(tmp_path))
+    summary = build_summary(run, RunStats([], 0, 0.0), 0.0, interrupted="SIGINT")
+    assert summary["final_loss"] is None
+    json.dumps(summary, allow_nan=False)  # raises on NaN or inf
+    nan_run = build_summary(run, RunStats([float("nan")], 1, 1.0), 0.0)
+    assert nan_run["final_loss"] is None
+    assert "final loss n/a" in format_summary(summary)
