@@ -228,6 +228,8 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], info: DistInfo, placeme
                         stream=progress_stream if info.is_main else io.StringIO())  # fmt: skip
     metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
                           Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip
+    if info.is_main and run.resumed_from is not None:
+        metrics.continue_file()
     book = _StepBook(run, progress, info, len(replicas), metrics, averager, observer)
     window = observer.profile if observer is not None else None
     indices = rank_batch_indices(cfg.run.steps - run.step, info.rank, info.world_size,

@@ -41,6 +41,8 @@ def train_reference(
     progress = Progress(cfg.run.steps, run.step, stream=progress_stream, log=None)
     metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
                           Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip
+    if run.resumed_from is not None:
+        metrics.continue_file()
     losses: list[torch.Tensor] = []
     num_tokens, train_start_s = 0, time.perf_counter()
     soft = cfg.loss.use_soft_labels

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dflash import names
+from dflash.files import write_text_atomic
 from dflash.train.step import StepResult
 
 
@@ -37,6 +38,22 @@ class StepMetrics:
     def __init__(self, log_every: int, first_step: int, total_steps: int, path: Path | None):
         self.log_every, self.first_step, self.total_steps = log_every, first_step, total_steps
         self.path = path
+
+    def continue_file(self) -> None:
+        """A resumed run's metrics.jsonl keeps the whole lines of the steps up to its
+        first step: a line cut by a crash, or the lines of steps after the checkpoint it
+        resumes from (an earlier one), would be glued to or repeat the new ones."""
+        if self.path is None or not self.path.exists():
+            return
+        kept = []
+        for line in self.path.read_text(encoding="utf-8").splitlines(keepends=True):
+            try:
+                record = json.loads(line) if line.endswith("\n") else None
+            except ValueError:
+                record = None
+            if isinstance(record, dict) and record.get("step", 0) <= self.first_step:
+                kept.append(line)
+        write_text_atomic(self.path, "".join(kept))
 
     def due(self, step: int) -> bool:
         """Whether `step` (1-based, global) is logged: every log_every, the first and last."""

@@ -162,3 +162,17 @@ def test_a_summary_before_any_finished_step_holds_null_not_nan(tmp_path) -> None
     nan_run = build_summary(run, RunStats([float("nan")], 1, 1.0), 0.0)
     assert nan_run["final_loss"] is None
     assert "final loss n/a" in format_summary(summary)
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_a_resume_continues_metrics_jsonl_without_glued_or_repeated_lines(tmp_path) -> None:
+    out = tmp_path / "out"
+    opts = {"log_every": 1, "save_every": 2, "keep_checkpoints": 5}
+    train_reference(small_cfg(tmp_path, out, **opts), log=lambda _: None)
+    path = out / "metrics.jsonl"
+    with path.open("a") as f:
+        f.write('{"step": 7, "lo')  # a crash mid-line
+    earlier = sorted((out / "checkpoints").iterdir())[0]  # step 2
+    train_reference(small_cfg(tmp_path, out, resume=str(earlier), **opts), log=lambda _: None)
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
