@@ -184,16 +184,22 @@ def check_target_fits(cfg: TrainConfig, target: TargetModel) -> None:
         )
 
 
+# What batch i is made of: a resume with another value would continue on other batches.
+_RESUMED_DATA_KEYS = ("source", "seq_len", "batch_size", "heldout_fraction", "packing")
+
+
 def _check_resume_compatible(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> None:
-    """A checkpoint continues only the same drafter on the same target."""
+    """A checkpoint continues only the same drafter on the same target and data (the
+    hidden-state cache may come or go: it holds the same batches' features)."""
     current = cfg.to_dict()
-    for section in ("target", "drafter"):
-        for key, value in current[section].items():
-            old = saved.get(section, {}).get(key)
-            if old != value:
-                raise CheckpointError(
-                    f"--resume {path}: checkpoint has {section}.{key}={old!r}, this run {value!r}"
-                )
+    keys = [(section, key) for section in ("target", "drafter") for key in current[section]]
+    keys += [("data", key) for key in _RESUMED_DATA_KEYS]
+    for section, key in keys:
+        value, old = current[section][key], saved.get(section, {}).get(key)
+        if old != value:
+            raise CheckpointError(
+                f"--resume {path}: checkpoint has {section}.{key}={old!r}, this run {value!r}"
+            )
 
 
 def check_init_settings(cfg: TrainConfig, saved: DrafterConfig, where: str) -> None:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dflash.nn.schedule import warmup_cosine
+from dflash.run.checkpoint import CheckpointError
 from dflash.run.lifecycle import RunStats, save_run_checkpoint
 from dflash.run.reference import train_reference
 from dflash.train.step import DrafterTrainer, anchor_seed
@@ -121,8 +122,6 @@ def test_unused_stats_type_is_constructible() -> None:
 
 @pytest.mark.usefixtures("tiny_target")
 def test_resume_refuses_another_drafter_shape(tmp_path) -> None:
-    from dflash.run.checkpoint import CheckpointError
-
     train_reference(small_cfg(tmp_path, steps=1), log=lambda s: None)
     with pytest.raises(CheckpointError, match="block_size"):
         cpu_run(small_cfg(tmp_path, resume="latest", block_size=6))
@@ -176,3 +175,14 @@ def test_a_resume_continues_metrics_jsonl_without_glued_or_repeated_lines(tmp_pa
     train_reference(small_cfg(tmp_path, out, resume=str(earlier), **opts), log=lambda _: None)
     steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_resume_refuses_other_data(tmp_path) -> None:
+    train_reference(small_cfg(tmp_path, steps=2), log=lambda s: None)
+    other = tmp_path / "other.txt"
+    other.write_text("x = [i * i for i in range(10)]\n" * 300)
+    with pytest.raises(CheckpointError, match="checkpoint has data.source="):
+        cpu_run(small_cfg(tmp_path, resume="latest", data=str(other)))
+    with pytest.raises(CheckpointError, match="checkpoint has data.seq_len=32, this run 48"):
+        cpu_run(small_cfg(tmp_path, resume="latest", seq_len=48))
