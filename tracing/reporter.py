@@ -132,12 +132,13 @@ class Reporter:
             except Exception:
                 logger.exception("tracing: reporter interval source raised")
         if gathered is None:
-            snapshot = self.stats.take_interval()
-            if not snapshot.phases:
-                return ""
-            return self._emit(self.render(snapshot, f"{self._title}: last {snapshot.wall_s:.1f}s"))
-        snapshot, parts = gathered
-        title = f"{self._title}: last {snapshot.wall_s:.1f}s, {len(parts)} ranks"
+            snapshot, parts = self.stats.take_interval(), None
+            title = f"{self._title}: last {snapshot.wall_s:.1f}s"
+        else:
+            snapshot, parts = gathered
+            title = f"{self._title}: last {snapshot.wall_s:.1f}s, {len(parts)} ranks"
+        if not snapshot.phases:
+            return ""
         return self._emit(self.render(snapshot, title, rank_snapshots=parts))
 
     def report_final(self, note: str = "") -> str:

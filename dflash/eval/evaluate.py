@@ -213,7 +213,7 @@ def evaluate_drafter_dir(
     """`dflash-train eval`: τ of a saved drafter, and its speedup against greedy decoding."""
     dev = resolve_device(device, "--device")
     source = _PromptSource(settings, log)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = target_mod.target_dtype(dev)
     target = target_mod.load_target(target_spec, dev, dtype, log=log) if target_spec else None
     drafter, target = load_drafter(drafter_dir, target=target, device=dev)
     prompts, where = source.prompts(target.tokenizer)
