@@ -188,9 +188,7 @@ def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
     """The settings the OTEL_* variables give; malformed ones are warned and left out."""
     read = otel_env.read
     values: dict[str, Any] = {}
-    protocol = read(env, otel_env.TRACES_PROTOCOL, env_parser(parse_protocol)) or read(
-        env, otel_env.PROTOCOL, env_parser(parse_protocol)
-    )
+    protocol = read_protocol(env, otel_env.TRACES_PROTOCOL) or read_protocol(env, otel_env.PROTOCOL)
     if protocol:
         values["otlp_protocol"] = protocol
     protocol_now = str(protocol or TracingConfig.otlp_protocol)
@@ -284,6 +282,23 @@ def parse_protocol(value: object, setting: str = "otlp_protocol") -> str:
     normalized = {"http/protobuf": "http"}.get(str(value).strip().lower(), value)
     check_choice(setting, normalized, PROTOCOLS)
     return str(normalized)
+
+
+def read_protocol(env: Mapping[str, str], variable: str) -> str | None:
+    """An OTEL_*_PROTOCOL variable. `http/json` is what a user sets for a collector's HTTP
+    port; the Python OTLP exporters encode protobuf only, which every OTLP/HTTP receiver
+    also takes on that port: it is sent as http/protobuf, warned once (not as gRPC)."""
+    text = env.get(variable, "")
+    if text.strip().lower() == "http/json":
+        otel_env.warn_once(
+            variable,
+            text,
+            "the Python OTLP exporters encode protobuf only",
+            "sending http/protobuf to the same endpoint",
+        )
+        return "http"
+    value = otel_env.read(env, variable, env_parser(parse_protocol))
+    return None if value is None else str(value)
 
 
 def parse_header_argument(value: object, setting: str = "otlp_headers") -> dict[str, str]:

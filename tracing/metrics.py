@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics import Counter, MeterProvider, ObservableCounter
+from opentelemetry.sdk.metrics import Histogram as HistogramInstrument
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
     ConsoleMetricExporter,
@@ -96,8 +97,13 @@ class _StatsExporter(MetricExporter):
     Runs on the reader's thread; never raises (an exporter error is a failed export).
     """
 
-    def __init__(self, inner: MetricExporter, owner: Metrics) -> None:
-        super().__init__(preferred_temporality=inner._preferred_temporality)
+    def __init__(
+        self,
+        inner: MetricExporter,
+        owner: Metrics,
+        temporality: dict[type, AggregationTemporality],
+    ) -> None:
+        super().__init__(preferred_temporality=temporality)
         self.inner = inner
         self.owner = owner
         self.ok = self.failed = self.points_failed = 0
@@ -216,7 +222,8 @@ class Metrics:
         exporters: Sequence[MetricExporter] = (),
     ) -> None:
         self.cfg = cfg
-        self._wrapped = [_StatsExporter(e, self) for e in exporters]
+        temporality = preferred_temporality(cfg.temporality)
+        self._wrapped = [_StatsExporter(e, self, temporality) for e in exporters]
         readers = [_Reader(w, cfg.export_interval_s, cfg.export_timeout_s) for w in self._wrapped]
         self.resource = resource
         self.provider = MeterProvider(readers, resource=resource, shutdown_on_exit=False)
@@ -337,12 +344,26 @@ class Metrics:
         return self._report
 
 
+def preferred_temporality(name: str) -> dict[type, AggregationTemporality]:
+    """The temporality of each instrument kind under a preference of
+    OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE (the metrics SDK specification's
+    table; a kind not named stays cumulative); a reader takes it from its exporter's
+    constructor, the one public way."""
+    delta_kinds: tuple[type, ...] = {
+        "delta": (Counter, HistogramInstrument, ObservableCounter),
+        "lowmemory": (Counter, HistogramInstrument),
+    }.get(name, ())
+    return dict.fromkeys(delta_kinds, AggregationTemporality.DELTA)
+
+
 def build_metric_exporters(cfg: MetricsConfig) -> list[MetricExporter]:
     """The exporters `cfg.exporter` names; imports each SDK exporter only when used."""
     exporters: list[MetricExporter] = []
     for name in cfg.exporter:
         if name == "console":
-            exporters.append(ConsoleMetricExporter())
+            exporters.append(
+                ConsoleMetricExporter(preferred_temporality=preferred_temporality(cfg.temporality))
+            )
         elif name == "otlp":
             exporters.append(_otlp_metric_exporter(cfg))
     return exporters
@@ -351,7 +372,14 @@ def build_metric_exporters(cfg: MetricsConfig) -> list[MetricExporter]:
 def _otlp_metric_exporter(cfg: MetricsConfig) -> MetricExporter:
     quiet_otlp_loggers("opentelemetry.exporter.otlp.proto.http.metric_exporter")
     url = otlp_metrics_url(cfg)
-    return otlp_exporter("metric", cfg.otlp_protocol, url, cfg.otlp_headers, cfg.export_timeout_s)
+    return otlp_exporter(
+        "metric",
+        cfg.otlp_protocol,
+        url,
+        cfg.otlp_headers,
+        cfg.export_timeout_s,
+        preferred_temporality=preferred_temporality(cfg.temporality),
+    )
 
 
 def start_metrics(

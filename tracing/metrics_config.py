@@ -20,14 +20,17 @@ from tracing.config import (
     DEFAULT_ENDPOINTS,
     TracingConfig,
     TracingConfigError,
+    check_choice,
     env_parser,
     parse_endpoint,
     parse_exporters,
     parse_header_argument,
     parse_protocol,
+    read_protocol,
 )
 
 METRICS_EXPORTERS = ("none", "otlp", "console")
+TEMPORALITIES = ("cumulative", "delta", "lowmemory")
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,9 @@ class MetricsConfig:
     """Default bound on `Metrics.shutdown` (final export, exporter close)."""
     namespace: str = ""
     """Prefix of every instrument name (`myapp` makes `tokens` into `myapp.tokens`)."""
+    temporality: str = "cumulative"
+    """cumulative, delta or lowmemory, as OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE
+    defines them; every exporter, a user's own included, is read with it."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen dataclass: normalize in place once
@@ -68,6 +74,7 @@ class MetricsConfig:
                 raise TracingConfigError(
                     f"metrics {name} must be a positive number of seconds, got {value!r}"
                 )
+        set_(self, "temporality", parse_temporality(self.temporality))
         if not isinstance(self.namespace, str):
             raise TracingConfigError(f"metrics namespace must be a string, got {self.namespace!r}")
         if self.otlp_endpoint is not None:
@@ -113,14 +120,20 @@ class MetricsConfig:
         return cls(**values)
 
 
+def parse_temporality(value: object, setting: str = "metrics temporality") -> str:
+    name = str(value).strip().lower()
+    check_choice(setting, name, TEMPORALITIES)
+    return name
+
+
 def _env_values(env: Mapping[str, str], base: TracingConfig | None) -> dict[str, Any]:
     """The settings the variables (and `base`) give; malformed variables are left out."""
     read = otel_env.read
     values: dict[str, Any] = {}
     protocol = (
-        read(env, otel_env.METRICS_PROTOCOL, env_parser(parse_protocol))
+        read_protocol(env, otel_env.METRICS_PROTOCOL)
         or _shared_protocol(env, base)
-        or read(env, otel_env.PROTOCOL, env_parser(parse_protocol))
+        or read_protocol(env, otel_env.PROTOCOL)
     )
     if protocol:
         values["otlp_protocol"] = protocol
@@ -144,6 +157,13 @@ def _env_values(env: Mapping[str, str], base: TracingConfig | None) -> dict[str,
     headers = _headers(env, base)
     if headers:
         values["otlp_headers"] = headers
+    temporality = read(
+        env,
+        otel_env.METRICS_TEMPORALITY,
+        env_parser(parse_temporality),
+    )
+    if temporality:
+        values["temporality"] = temporality
     values.update(_env_timing(env))
     return values
 
@@ -152,7 +172,7 @@ def _shared_protocol(env: Mapping[str, str], base: TracingConfig | None) -> str 
     """The traces' protocol, unless it is the one OTEL_EXPORTER_OTLP_TRACES_PROTOCOL set."""
     if base is None:
         return None
-    traces_only = otel_env.read(env, otel_env.TRACES_PROTOCOL, env_parser(parse_protocol))
+    traces_only = read_protocol(env, otel_env.TRACES_PROTOCOL)
     return None if traces_only == base.otlp_protocol else base.otlp_protocol
 
 

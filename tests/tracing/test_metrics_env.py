@@ -122,7 +122,8 @@ MALFORMED = [
     ("OTEL_METRIC_EXPORT_TIMEOUT", "-5", "export_timeout_s", 2.0),
     ("OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "1.5s", "export_timeout_s", 2.0),
     ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "localhost:4317", "otlp_endpoint", None),
-    ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "http/json", "otlp_protocol", "grpc"),
+    ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "thrift", "otlp_protocol", "grpc"),
+    ("OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", "http/json", "otlp_protocol", "http"),
     ("OTEL_EXPORTER_OTLP_METRICS_HEADERS", "novalue", "otlp_headers", {}),
     ("OTEL_SDK_DISABLED", "1", "exporter", ("otlp",)),
 ]

@@ -154,13 +154,26 @@ MALFORMED = [
     ("OTEL_EXPORTER_OTLP_TIMEOUT", "soon", "export_timeout_s", 2.0),
     ("OTEL_BSP_MAX_QUEUE_SIZE", "-3", "max_queue_size", 8192),
     ("OTEL_BSP_SCHEDULE_DELAY", "1.5s", "schedule_delay_s", 1.0),
-    ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json", "otlp_protocol", "grpc"),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "thrift", "otlp_protocol", "grpc"),
     ("OTEL_EXPORTER_OTLP_ENDPOINT", "notaurl", "otlp_endpoint", None),
     ("OTEL_EXPORTER_OTLP_ENDPOINT", "localhost:4317", "otlp_endpoint", None),
     ("OTEL_TRACES_EXPORTER", "zipkin", "exporter", ("none",)),
     ("OTEL_SDK_DISABLED", "yes", "level", "phase"),
     ("OTEL_EXPORTER_OTLP_HEADERS", "novalue", "otlp_headers", {}),
 ]
+
+
+@pytest.mark.parametrize(
+    "variable", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"]
+)
+def test_http_json_is_sent_as_http_protobuf_not_grpc(clean_env, caplog, variable) -> None:
+    """http/json means "the collector's HTTP port": protobuf goes there, never gRPC."""
+    clean_env.setenv(variable, "http/json")
+    clean_env.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    cfg = read_warns_once(caplog, variable, "http/json", TracingConfig.from_env)
+    assert cfg.otlp_protocol == "http"
+    assert cfg.otlp_endpoint == "http://localhost:4318"
+    assert "http/protobuf" in caplog.text
 
 
 @pytest.mark.parametrize(("variable", "value", "field", "default"), MALFORMED)

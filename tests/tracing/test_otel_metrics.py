@@ -187,3 +187,29 @@ def test_dead_collector_costs_nothing_and_is_counted(protocol: str) -> None:
     assert report.exports_ok == 0 and report.exports_failed >= 1 and report.points_failed >= 2
     assert "failed" in report.summary() and "\n" not in report.summary()
     assert metrics.shutdown() is report
+
+
+@pytest.mark.parametrize(("preference", "second"), [("cumulative", 15), ("delta", 5)])
+def test_temporality_preference_reaches_every_exporter(preference, second) -> None:
+    """The reader takes its temporality from the config (the public constructor
+    argument), also for an exporter the user built with none."""
+    memory = MemoryMetricExporter()
+    cfg = MetricsConfig(export_interval_s=3600, temporality=preference)
+    metrics = start_metrics(cfg, tracing.TracingConfig(), exporters=[memory])
+    total = {"n": 10.0}
+    metrics.observe("counter", "tokens", lambda: total["n"], unit="{token}")
+    metrics.force_flush()
+    total["n"] = 15.0
+    metrics.force_flush()
+    assert [p.value for p in memory.points()["tokens"][1]] == [second]
+    metrics.shutdown()
+
+
+def test_temporality_from_the_environment_and_bad_values(monkeypatch) -> None:
+    variable = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
+    assert MetricsConfig.from_env(None, environ={variable: "LowMemory"}).temporality == "lowmemory"
+    assert MetricsConfig.from_env(None, environ={variable: "sometimes"}).temporality == (
+        "cumulative"
+    )
+    with pytest.raises(tracing.TracingConfigError, match="'sometimes'"):
+        MetricsConfig(temporality="sometimes")

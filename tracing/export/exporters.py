@@ -163,9 +163,11 @@ def otlp_exporter(
     url: str,
     headers: Mapping[str, str],
     timeout_s: float,
+    **options: Any,
 ) -> Any:
     """The SDK's OTLP exporter of `signal` over gRPC (`protocol` "grpc") or HTTP; its
-    module is imported only here, so a transport that is not used need not be installed."""
+    module is imported only here, so a transport that is not used need not be installed.
+    `options`: further keyword arguments of the exporter's constructor."""
     transport = "grpc" if protocol == "grpc" else "http"
     module = importlib.import_module(
         f"opentelemetry.exporter.otlp.proto.{transport}.{signal}_exporter"
@@ -173,7 +175,9 @@ def otlp_exporter(
     exporter_cls = module.OTLPSpanExporter if signal == "trace" else module.OTLPMetricExporter
     # gRPC needs TLS switched off explicitly for a plain-text collector.
     tls = {"insecure": url.startswith("http://")} if transport == "grpc" else {}
-    return exporter_cls(endpoint=url, headers=dict(headers) or None, timeout=timeout_s, **tls)
+    return exporter_cls(
+        endpoint=url, headers=dict(headers) or None, timeout=timeout_s, **tls, **options
+    )
 
 
 def build_exporters(cfg: TracingConfig, *, pid_suffix: bool = False) -> list[SpanExporter]:
