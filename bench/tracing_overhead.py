@@ -133,7 +133,7 @@ def with_metrics(telemetry: tracing.Telemetry, port: int, on: bool) -> Metrics |
     metrics = start_metrics(cfg, telemetry.cfg)
     metrics.observe_stats(telemetry.stats)
     metrics.observe("counter", "tokens", lambda: 1.0, unit="{token}")
-    metrics.observe("gauge", "queue.depth", lambda: 2.0, unit="{batch}")
+    metrics.observe("updowncounter", "queue.size", lambda: 2.0, unit="{batch}")
     return metrics
 
 

@@ -486,7 +486,7 @@ def app_metrics(stack: Stack) -> tuple[set[str], set[str]]:
         return set(), set()
     exporter = prometheus_exporter(stack)
     names: set[str] = set()
-    labels = {label for spec in METRICS for label in spec.labels}
+    labels = {re.sub(r"[^a-zA-Z0-9_]", "_", label) for spec in METRICS for label in spec.labels}
     for spec in METRICS:
         base = prometheus_name(exporter, f"{NAMESPACE}.{spec.name}", spec.unit, spec.kind)
         if spec.kind == "histogram":
@@ -560,7 +560,7 @@ def dashboard_problems(stack: Stack) -> list[str]:
         for phase in re.findall(r'span_name\s*=\s*"([^"]*)"', query):
             if phase not in PHASES:
                 problems.append(f"{where}: span_name {phase!r} is not a dflash-train phase")
-        for phase in re.findall(r'\bphase\s*=\s*"([^"]*)"', query):
+        for phase in re.findall(r'\bdflash_phase\s*=\s*"([^"]*)"', query):
             if phase not in PHASES + STATS_ONLY_PHASES:
                 problems.append(f"{where}: phase {phase!r} is not a dflash-train phase")
     for file_name, dashboard in stack["dashboards"].items():
@@ -698,7 +698,7 @@ def test_dashboard_covers_required_views(stack: Stack) -> None:
     assert "histogram_quantile(0.5" in queries and "histogram_quantile(0.95" in queries
     assert 'span_name="batch"' in queries  # batches per second
     assert 'span_name="hs_queue.wait"' in queries and 'span_name="batch_queue.wait"' in queries
-    assert 'phase="hs_queue.put"' in queries  # a full hs_queue is no span: only the metrics
+    assert 'dflash_phase="hs_queue.put"' in queries  # a full hs_queue is no span: only the metrics
 
 
 def test_pipeline_check_catches_undefined_components(stack: Stack) -> None:
@@ -848,14 +848,15 @@ def test_emitted_names_follow_connector_and_exporter(stack: Stack) -> None:
         "traces_span_metrics_duration_milliseconds_count",
         "dflash_tokens_total",
         "dflash_steps_total",
-        "dflash_queue_depth",
+        "dflash_queue_size",
         "dflash_phase_duration_seconds_bucket",
         "dflash_train_loss",
         "dflash_train_acceptance_length",
         "dflash_train_mfu_ratio",
         "dflash_device_memory_peak_bytes",
     } <= names
-    assert {"service_name", "span_name", "status_code", "le", "stage", "queue", "phase"} <= labels
+    assert {"service_name", "span_name", "status_code", "le", "dflash_stage"} <= labels
+    assert {"dflash_queue", "dflash_phase", "dflash_device"} <= labels
     assert "dflash_run_id" in labels
 
 
@@ -868,7 +869,7 @@ def test_app_metrics_need_the_metrics_pipeline_and_resource_labels(stack: Stack)
     assert any("label dflash_run_id is not emitted" in p for p in dashboard_problems(broken))
     broken = copy.deepcopy(stack)
     panel = next(iter(broken["dashboards"].values()))["panels"][-1]
-    panel["targets"][0]["expr"] = 'max(dflash_train_loss{phase="drafter.lose"})'
+    panel["targets"][0]["expr"] = 'max(dflash_train_loss{dflash_phase="drafter.lose"})'
     assert any("phase 'drafter.lose' is not" in p for p in dashboard_problems(broken))
 
 
@@ -881,7 +882,7 @@ def test_dashboard_shows_the_run_metrics_with_a_run_selector(stack: Stack) -> No
     queries = " ".join(q for _, q in prometheus_queries(stack))
     for metric in (
         "dflash_tokens_total",
-        "dflash_queue_depth",
+        "dflash_queue_size",
         "dflash_train_loss",
         "dflash_train_acceptance_length",
         "dflash_phase_duration_seconds_sum",

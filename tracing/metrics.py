@@ -4,8 +4,9 @@ per logged step, and a phase-duration histogram taken from the unsampled Profile
     cfg = MetricsConfig.from_env(tracing_cfg, namespace="myapp")   # OTEL_METRICS_* honoured
     metrics = start_metrics(cfg, tracing_cfg)
     metrics.observe("counter", "tokens", lambda: n, unit="{token}", attributes={"stage": "x"})
-    metrics.observe("gauge", "queue.depth", q.qsize, unit="{item}", attributes={"queue": "q"})
-    metrics.observe_stats(telemetry.stats, "phase.duration")      # seconds, explicit buckets
+    metrics.observe("updowncounter", "queue.size", q.qsize, unit="{item}",
+                    attributes={"myapp.queue": "q"})
+    metrics.observe_stats(telemetry.stats, "phase.duration")      # seconds; myapp.phase
     metrics.gauge("train.loss", unit="{nat}")
     metrics.record({"train.loss": 2.1})                            # once per logged step
     report = metrics.shutdown()                                    # bounded; MetricsReport
@@ -164,8 +165,9 @@ def _count_points(data: MetricsData) -> int:
 class _StatsHistogram:
     """Cumulative histogram of one ProfileStats, one point per phase name."""
 
-    def __init__(self, stats: ProfileStats, name: str, description: str) -> None:
+    def __init__(self, stats: ProfileStats, name: str, description: str, phase_key: str) -> None:
         self.stats, self.name, self.description = stats, name, description
+        self.phase_key = phase_key
         self.start_ns = now_ns()
         self._last_total = 0
 
@@ -178,7 +180,7 @@ class _StatsHistogram:
         time_ns = now_ns()
         points = [
             HistogramDataPoint(
-                attributes={"phase": name},
+                attributes={self.phase_key: name},
                 start_time_unix_nano=self.start_ns,
                 time_unix_nano=time_ns,
                 count=s.count,
@@ -243,7 +245,7 @@ class Metrics:
 
     def observe(
         self,
-        kind: Literal["counter", "gauge"],
+        kind: Literal["counter", "updowncounter", "gauge"],
         name: str,
         fn: Callable[[], float],
         *,
@@ -251,17 +253,21 @@ class Metrics:
         description: str = "",
         attributes: Mapping[str, Any] | None = None,
     ) -> None:
-        """A monotonic counter or a gauge (queue depths, memory) read through `fn()` at
-        each collection; series of one name differ by `attributes`."""
-        if kind not in ("counter", "gauge"):
-            raise ValueError(f"metric kind must be counter or gauge, got {kind!r}")
+        """A monotonic counter, an up-down counter (a count that rises and falls: a
+        queue's size) or a gauge (a reading that is not a count: peak memory) read
+        through `fn()` at each collection; series of one name differ by `attributes`."""
+        creators = {
+            "counter": self._meter.create_observable_counter,
+            "updowncounter": self._meter.create_observable_up_down_counter,
+            "gauge": self._meter.create_observable_gauge,
+        }
+        if kind not in creators:
+            raise ValueError(f"metric kind must be one of {', '.join(creators)}, got {kind!r}")
         with self._lock:
             series = self._observed.get(name)
             if series is None:
                 series = self._observed[name] = []
-                create = (self._meter.create_observable_counter if kind == "counter"
-                          else self._meter.create_observable_gauge)  # fmt: skip
-                create(self.full_name(name), [self._callback(name)], unit, description)
+                creators[kind](self.full_name(name), [self._callback(name)], unit, description)
             series.append((fn, dict(attributes or {})))
 
     def _callback(self, name: str) -> Callable[[CallbackOptions], list[Observation]]:
@@ -296,9 +302,10 @@ class Metrics:
     def observe_stats(
         self, stats: ProfileStats, name: str = "phase.duration", description: str = ""
     ) -> None:
-        """Exports `stats` as a histogram in seconds with attribute `phase`."""
+        """Exports `stats` as a histogram in seconds with attribute `<namespace>.phase`."""
         desc = description or "Duration of each phase, from every phase (sampled or not)."
-        self._histograms.append(_StatsHistogram(stats, self.full_name(name), desc))
+        key = self.full_name("phase")
+        self._histograms.append(_StatsHistogram(stats, self.full_name(name), desc, key))
 
     def _with_stats(self, data: MetricsData) -> MetricsData:
         if not self._histograms:

@@ -26,26 +26,38 @@ class MetricSpec:
     name: str
     """Without the namespace: `tokens` is exported as `dflash.tokens`."""
     kind: str
-    """counter (monotonic, read by callback), gauge (callback or per logged step), histogram."""
+    """counter (monotonic, read by callback), updowncounter (a count that rises and falls,
+    read by callback), gauge (a reading: callback or per logged step), histogram."""
     unit: str
     description: str
     labels: tuple[str, ...] = ()
+    """Attribute keys, namespaced as the semantic conventions ask of an application's own."""
 
 
 METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec("tokens", "counter", "{token}", "Tokens through each stage.", ("stage",)),
-    MetricSpec("steps", "counter", "{step}", "Batches (target) and steps (drafter).", ("stage",)),
-    MetricSpec("queue.depth", "gauge", "{batch}", "Items waiting in each queue.", ("queue",)),
-    MetricSpec("phase.duration", "histogram", "s", "Every phase, sampled or not.", ("phase",)),
+    MetricSpec("tokens", "counter", "{token}", "Tokens through each stage.", ("dflash.stage",)),
+    MetricSpec(
+        "steps", "counter", "{step}", "Batches (target) and steps (drafter).", ("dflash.stage",)
+    ),
+    MetricSpec(
+        "queue.size", "updowncounter", "{batch}", "Items waiting in each queue.", ("dflash.queue",)
+    ),
+    MetricSpec(
+        "phase.duration", "histogram", "s", "Every phase, sampled or not.", ("dflash.phase",)
+    ),
     MetricSpec("train.loss", "gauge", "{nat}", "Training loss at the last logged step."),
     MetricSpec(
         "train.acceptance_length", "gauge", "{token}", "τ estimate at the last logged step."
     ),
-    MetricSpec("train.learning_rate", "gauge", "", "Learning rate at the last logged step."),
-    MetricSpec("train.grad_norm", "gauge", "", "Gradient norm at the last logged step."),
+    MetricSpec("train.learning_rate", "gauge", "1", "Learning rate at the last logged step."),
+    MetricSpec("train.grad_norm", "gauge", "1", "Gradient norm at the last logged step."),
     MetricSpec("train.mfu", "gauge", "1", "Model FLOPs utilization of the drafter devices."),
     MetricSpec(
-        "device.memory.peak", "gauge", "By", "Peak device memory since the last read.", ("device",)
+        "device.memory.peak",
+        "gauge",
+        "By",
+        "Peak device memory since the last read.",
+        ("dflash.device",),
     ),
 )
 SPECS = {spec.name: spec for spec in METRICS}
@@ -82,13 +94,13 @@ def start_run_metrics(
     cfg = MetricsConfig.from_env(tracing_cfg, environ, namespace=NAMESPACE, **cfg_overrides)
     metrics = start_metrics(cfg, tracing_cfg, exporters=exporters)
     for stage, fn in tokens.items():
-        _observe(metrics, "tokens", fn, stage=stage)
+        _observe(metrics, "tokens", fn, stage)
     for stage, fn in steps.items():
-        _observe(metrics, "steps", fn, stage=stage)
+        _observe(metrics, "steps", fn, stage)
     for queue, fn in queues.items():
-        _observe(metrics, "queue.depth", fn, queue=queue)
+        _observe(metrics, "queue.size", fn, queue)
     for device, fn in (memory or {}).items():
-        _observe(metrics, "device.memory.peak", fn, device=device)
+        _observe(metrics, "device.memory.peak", fn, device)
     spec = SPECS["phase.duration"]
     metrics.observe_stats(stats, spec.name, spec.description)
     for name in STEP_GAUGES.values():
@@ -97,11 +109,16 @@ def start_run_metrics(
     return metrics
 
 
-def _observe(metrics: Metrics, name: str, fn: Reader, **attributes: str) -> None:
+def _observe(metrics: Metrics, name: str, fn: Reader, label_value: str) -> None:
     spec = SPECS[name]
-    kind = "counter" if spec.kind == "counter" else "gauge"
+    (label,) = spec.labels
     metrics.observe(
-        kind, name, fn, unit=spec.unit, description=spec.description, attributes=attributes
+        spec.kind,  # type: ignore[arg-type]
+        name,
+        fn,
+        unit=spec.unit,
+        description=spec.description,
+        attributes={label: label_value},
     )
 
 

@@ -52,8 +52,10 @@ def test_instruments_carry_namespace_units_and_values() -> None:
     metrics.observe(
         "counter", "tokens", lambda: tokens["b"], unit="{token}", attributes={"stage": "b"}
     )
-    metrics.observe("gauge", "queue.depth", lambda: 1 / 0, unit="{item}", attributes={"queue": "x"})
-    metrics.observe("gauge", "queue.depth", lambda: 3, unit="{item}", attributes={"queue": "y"})
+    metrics.observe("updowncounter", "queue.size", lambda: 1 / 0, unit="{item}",
+                    attributes={"queue": "x"})  # fmt: skip
+    metrics.observe("updowncounter", "queue.size", lambda: 3, unit="{item}",
+                    attributes={"queue": "y"})  # fmt: skip
     metrics.gauge("train.loss", unit="{nat}")
     metrics.record({"train.loss": 2.5, "unknown": 1.0, "train.loss_none": None})
     assert metrics.force_flush()
@@ -61,7 +63,7 @@ def test_instruments_carry_namespace_units_and_values() -> None:
     assert points["app.tokens"][0] == "{token}"
     assert {p.attributes["stage"]: p.value for p in points["app.tokens"][1]} == {"a": 10, "b": 20}
     # The broken callback loses its own value only.
-    assert [(p.attributes, p.value) for p in points["app.queue.depth"][1]] == [({"queue": "y"}, 3)]
+    assert [(p.attributes, p.value) for p in points["app.queue.size"][1]] == [({"queue": "y"}, 3)]
     assert [p.value for p in points["app.train.loss"][1]] == [2.5]
     resource = memory.exports[-1].resource_metrics[0].resource.attributes
     assert resource["tracing.run.id"] == "r1" and resource["service.instance.id"]
