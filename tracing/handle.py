@@ -75,6 +75,11 @@ class SpanHandle:
             trace_id = parent.trace_id
             self.sampled = parent.trace_flags.sampled
             self._trace_state = parent.trace_state
+        if parent is not None:
+            sampler = recorder.child_sampler()
+            if sampler is not None:
+                under = parent if isinstance(parent, SpanContext) else span_context(parent)
+                self.sampled = recorder.child_sampled(sampler, under, self.name, attributes)
         self.trace_id = trace_id
         self.span_id = _new_span_id()
         self._parent_link = parent

@@ -10,7 +10,8 @@ scope kept here, and calls the real exporters.
 
 Sampling is the SDK's ParentBased(TraceIdRatioBased(ratio)), computed inline: a root
 is sampled when the low 64 bits of its trace id are below round(ratio * 2**64); a child
-follows its parent's sampled flag, local or remote.
+follows its parent's sampled flag, local or remote. A sampler put in the provider's
+place is asked instead: for roots, and for children too unless it is parent-based.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode
 
@@ -208,6 +209,25 @@ class Recorder:
             )
             return result.decision.is_sampled()
         return (trace_id & _TRACE_ID_LOW_MASK) < self.bound
+
+    def child_sampler(self) -> Sampler | None:
+        """The sampler to ask for a span with a parent: None when the parent's decision
+        is the answer (the sampler as built, or any ParentBased one)."""
+        provider = self._provider
+        if provider is None or provider.sampler is self._built_sampler:
+            return None
+        sampler = provider.sampler
+        return None if isinstance(sampler, ParentBased) else sampler
+
+    @staticmethod
+    def child_sampled(
+        sampler: Sampler, parent: SpanContext, name: str, attributes: Any = None
+    ) -> bool:
+        context = trace.set_span_in_context(trace.NonRecordingSpan(parent))
+        result = sampler.should_sample(
+            context, parent.trace_id, name, SpanKind.INTERNAL, attributes
+        )
+        return result.decision.is_sampled()
 
     def add_sync_processor(self, processor: SpanProcessor) -> None:
         """`processor.on_end` gets every sampled phase span from now on."""

@@ -8,9 +8,17 @@ import sys
 import textwrap
 from pathlib import Path
 
+from opentelemetry import trace
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+)
 
 import tracing
 
@@ -74,5 +82,36 @@ def test_the_providers_sampler_decides_new_traces() -> None:
         names = sorted(s.name for s in exporter.get_finished_spans())
         assert names == ["kept", "kept.child"]
         assert telemetry.stats.get("dropped").count == 1  # the tables count it anyway
+    finally:
+        telemetry.shutdown(timeout_s=2.0)
+
+
+def test_a_sampler_that_is_not_parent_based_decides_children_too() -> None:
+    """The specification's ALWAYS_OFF drops every span; a custom sampler sees each child
+    with its parent's context; a ParentBased one leaves children to their parent."""
+    seen: list[tuple[str, bool]] = []
+
+    class ChildrenOnly(Sampler):
+        def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None,
+                          links=None, trace_state=None):  # fmt: skip
+            parent = trace.get_current_span(parent_context).get_span_context()
+            seen.append((name, parent.is_valid))
+            decision = Decision.RECORD_AND_SAMPLE if parent.is_valid else Decision.DROP
+            return SamplingResult(decision, attributes)
+
+        def get_description(self) -> str:
+            return "children only"
+
+    telemetry, exporter = _setup_with_an_exporter()
+    try:
+        telemetry.provider.sampler = ChildrenOnly()
+        with tracing.phase("root"), tracing.phase("root.child"):
+            pass
+        assert seen == [("root", False), ("root.child", True)]
+        assert [s.name for s in exporter.get_finished_spans()] == ["root.child"]
+        telemetry.provider.sampler = ParentBased(ALWAYS_ON)
+        with tracing.phase("kept"), tracing.phase("kept.child"):
+            pass
+        assert len(seen) == 2  # children of a ParentBased sampler follow their parent
     finally:
         telemetry.shutdown(timeout_s=2.0)
