@@ -50,6 +50,9 @@ class ShutdownReport:
     duration_s: float
     hook_errors: int = 0
     """Exceptions raised by phase hooks while this Telemetry was installed (skipped)."""
+    spans_late: int = 0
+    """Ended after shutdown began, before this report (a phase still open then): not
+    exported. Later ones are counted by `Telemetry.delivery_counts().late`."""
 
     @property
     def spans_not_delivered(self) -> int:
@@ -57,7 +60,10 @@ class ShutdownReport:
 
     @property
     def clean(self) -> bool:
-        return not (self.spans_dropped or self.spans_not_delivered or self.device_unresolved)
+        return not (
+            self.spans_dropped or self.spans_not_delivered or self.device_unresolved
+            or self.spans_late
+        )  # fmt: skip
 
     def summary(self) -> str:
         """One line for the log."""
@@ -70,6 +76,8 @@ class ShutdownReport:
             text += f", device timings unresolved {self.device_unresolved}"
         if self.hook_errors:
             text += f", phase hook errors {self.hook_errors}"
+        if self.spans_late:
+            text += f", ended after shutdown {self.spans_late}"
         return text
 
     def __str__(self) -> str:
@@ -166,6 +174,7 @@ class Telemetry:
             device_unresolved=unresolved,
             duration_s=time.monotonic() - started,
             hook_errors=HOOK_ERRORS.count - self._hook_errors_before,
+            spans_late=total.late,
         )
 
     def _shutdown_at_exit(self) -> None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 
@@ -112,3 +113,22 @@ def test_bounded_shutdown_against_closed_port():
     assert report.spans_dropped + report.spans_not_delivered == 300
     assert "not delivered" in report.summary()
     assert telemetry.stats.get("work").count == 300
+
+
+def test_a_span_ended_after_shutdown_is_counted_and_warned_once(caplog):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    telemetry = tracing.setup(TracingConfig(), exporters=[exporter])
+    with tracing.phase("before"):
+        pass
+    open_phases = [tracing.start_span(f"open.{i}") for i in range(3)]
+    report = telemetry.shutdown(timeout_s=2.0)
+    assert report.spans_exported == 1 and report.spans_late == 0 and report.clean
+    with caplog.at_level(logging.WARNING, logger="tracing"):
+        for span in open_phases:
+            span.end()
+    warnings = [r.getMessage() for r in caplog.records if "after" in r.getMessage()]
+    assert len(warnings) == 1 and "'open.0'" in warnings[0]
+    assert telemetry.delivery_counts().late == 3
+    assert [s.name for s in exporter.get_finished_spans()] == ["before"]

@@ -41,12 +41,15 @@ class DeliveryCounts:
     """Handed to the exporter, which reported an error."""
     pending: int = 0
     """Still queued or in flight when shutdown gave up."""
+    late: int = 0
+    """Ended after shutdown began (a phase still open then): never exported."""
 
     def __iadd__(self, other: DeliveryCounts) -> DeliveryCounts:
         self.exported += other.exported
         self.dropped += other.dropped
         self.failed += other.failed
         self.pending += other.pending
+        self.late += other.late
         return self
 
 
@@ -136,6 +139,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
     def on_end_record(self, span: ReadableSpan | SpanHandle) -> None:
         """Queues an ended, sampled span: an SDK span or a handle from `tracing.spans`."""
         if self._stopping:
+            self._count_late(span)
             return
         queue = self._queue
         if len(queue) >= self._max_queue_size:
@@ -147,6 +151,18 @@ class BoundedBatchSpanProcessor(SpanProcessor):
             not self._wake.is_set()
         ):  # a batch is full, or a delay of 0: no span waits for the next round
             self._wake.set()
+
+    def _count_late(self, span: ReadableSpan | SpanHandle) -> None:
+        with self._counts_lock:
+            self._counts.late += 1
+            first = self._counts.late == 1
+        if first:
+            logger.warning(
+                "tracing: span %r ended after %s began shutting down; it and any later "
+                "ones are not exported (counted as late)",
+                span.name,
+                self._name,
+            )
 
     def _run(self) -> None:
         lower_thread_priority()
