@@ -116,6 +116,10 @@ class ProfileStats:
         self._live: dict[str, _Live] = {}
         self._done: dict[str, PhaseStats] = {}
         self._thread_start_s: dict[str, float] = {}
+        # A thread's pending lists go once it has ended (and been folded); its wall time
+        # stops at the fold that saw it gone.
+        self._threads: dict[str, weakref.ref[threading.Thread]] = {}
+        self._thread_end_s: dict[str, float] = {}
         self._start_s = time.monotonic()
         self._interval_start_s = self._start_s
 
@@ -146,6 +150,7 @@ class ProfileStats:
         if not hasattr(local, "pending"):
             key = f"{get_ident()}.{next(_thread_serials)}"
             self._thread_start_s[key] = time.monotonic() - max(0.0, seconds)
+            self._threads[key] = weakref.ref(threading.current_thread())
             local.key = key
             local.pending = self._pending.setdefault(key, {})
         return local.pending
@@ -172,6 +177,17 @@ class ProfileStats:
         for thread, by_name in list(self._pending.items()):
             for name, values in list(by_name.items()):
                 self._fold(thread, name, values)
+        self._prune_ended_threads()
+
+    def _prune_ended_threads(self) -> None:
+        """Drops the (folded, empty) pending lists of threads that have ended: a program
+        that starts a thread per task must not grow them for ever."""
+        for key, ref in list(self._threads.items()):
+            thread = ref()
+            if thread is None or not thread.is_alive():
+                del self._threads[key]
+                self._pending.pop(key, None)
+                self._thread_end_s[key] = time.monotonic()
 
     def snapshot(self) -> StatsSnapshot:
         """Cumulative figures since creation (or `reset`)."""
@@ -188,10 +204,12 @@ class ProfileStats:
         )
 
     def _thread_walls(self, window_start_s: float, now_s: float) -> dict[str, float]:
-        return {
-            key: now_s - max(window_start_s, start_s)
-            for key, start_s in list(self._thread_start_s.items())
-        }
+        walls = {}
+        for key, start_s in list(self._thread_start_s.items()):
+            end_s = min(now_s, self._thread_end_s.get(key, now_s))
+            if end_s > window_start_s:  # a thread gone before the window has no wall in it
+                walls[key] = end_s - max(window_start_s, start_s)
+        return walls
 
     def take_interval(self) -> StatsSnapshot:
         """Figures since the previous call (or creation); the next interval starts now."""
@@ -215,6 +233,9 @@ class ProfileStats:
             self._live.clear()
             self._done.clear()
             self._start_s = self._interval_start_s = time.monotonic()
+            for key in self._thread_end_s:  # ended threads have no wall from now on
+                self._thread_start_s.pop(key, None)
+            self._thread_end_s.clear()
 
     def get(self, name: str) -> PhaseStats | None:
         """Cumulative figures of one name, or None if never recorded."""

@@ -234,3 +234,20 @@ def test_thread_keys_stay_distinct_when_idents_are_reused():
         thread.start()
         thread.join()
     assert len(stats.get("x").threads) == 4
+
+
+def test_ended_threads_leave_no_pending_lists_and_their_wall_stops():
+    stats = ProfileStats()
+    for _ in range(50):  # a thread per task, as a pool of short-lived workers
+        thread = threading.Thread(target=stats.add, args=("task", 0.01))
+        thread.start()
+        thread.join()
+    stats.add("main", 0.01)
+    snap = stats.take_interval()
+    assert snap.phases["task"].count == 50
+    assert list(stats._pending) == [stats.thread_key()]  # only this (living) thread's
+    time.sleep(0.05)
+    stats.add("main", 0.01)
+    later = stats.take_interval()
+    assert set(later.thread_wall_s) == {stats.thread_key()}  # the ended ones have none now
+    assert stats.snapshot().phases["task"].count == 50
