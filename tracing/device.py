@@ -20,8 +20,8 @@ logger = logging.getLogger("tracing")
 
 
 class DeviceClock(Protocol):
-    """Thread contract: `record`/`synchronize` run on the phase's thread, `query` and
-    `elapsed_s` on the resolver thread."""
+    """Thread contract: `record`/`synchronize` run on the phase's thread, `query`,
+    `elapsed_s` and `release` (the events may be recorded again) on the resolver thread."""
 
     def applies_to(self, device: object) -> bool:
         """Whether phases on `device` get device timing (False for e.g. a CPU device)."""
@@ -33,17 +33,26 @@ class DeviceClock(Protocol):
 
     def elapsed_s(self, start: Any, end: Any) -> float: ...
 
+    def release(self, device: object, *events: Any) -> None: ...
+
     def synchronize(self, device: object) -> None: ...
 
 
+EVENT_POOL_SIZE = 256
+"""Free events kept per device for reuse: creating a CUDA event costs a driver call
+at every device-timed phase, re-recording a completed one does not."""
+
+
 class CudaClock:
-    """torch.cuda events on the device's current stream."""
+    """torch.cuda events on the device's current stream, reused once resolved."""
 
     def __init__(self) -> None:
         import torch
 
         self._torch = torch
         self._applies: dict[object, bool] = {}
+        # device -> completed events; deque append/pop are atomic across the two threads.
+        self._free: dict[object, deque[Any]] = {}
 
     def applies_to(self, device: object) -> bool:
         known = self._applies.get(device)
@@ -52,9 +61,18 @@ class CudaClock:
         return known
 
     def record(self, device: object) -> Any:
-        event = self._torch.cuda.Event(enable_timing=True)
+        free = self._free.get(device)
+        try:
+            event = free.pop()  # type: ignore[union-attr]
+        except (AttributeError, IndexError):
+            event = self._torch.cuda.Event(enable_timing=True)
         event.record(self._torch.cuda.current_stream(device))
         return event
+
+    def release(self, device: object, *events: Any) -> None:
+        free = self._free.setdefault(device, deque())
+        if len(free) < EVENT_POOL_SIZE:
+            free.extend(events)
 
     def query(self, event: Any) -> bool:
         return bool(event.query())
@@ -81,6 +99,7 @@ class HostClock:
         self.auto_complete = auto_complete
         self.events: list[HostEvent] = []
         self.synchronize_calls = 0
+        self.released = 0
 
     def applies_to(self, device: object) -> bool:
         return device is not None
@@ -99,6 +118,9 @@ class HostClock:
 
     def elapsed_s(self, start: HostEvent, end: HostEvent) -> float:
         return (end.time_ns - start.time_ns) / 1e9
+
+    def release(self, device: object, *events: HostEvent) -> None:
+        self.released += len(events)
 
     def synchronize(self, device: object) -> None:
         self.synchronize_calls += 1
@@ -133,12 +155,18 @@ class EventResolver:
 
     `submit` never blocks. Callbacks run on the resolver thread, with the device
     duration in seconds, or None when the pair could not be resolved before `stop`.
+    Pairs wait in one queue per device: a device's events complete in the order they
+    were recorded (one stream), so each queue is polled at its head, and a busy device
+    never holds up the timings of another.
     """
 
     def __init__(self, clock: DeviceClock, poll_interval_s: float = 0.001) -> None:
         self.clock = clock
+        # A clock written before `release` existed keeps working, without reuse.
+        self._release = getattr(clock, "release", None) or (lambda device, *events: None)
         self._poll_interval_s = poll_interval_s
-        self._pending: deque[_Pending] = deque()
+        self._queues: dict[object, deque[_Pending]] = {}
+        self._queues_lock = threading.Lock()  # adding a device's queue (rare)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.resolved = 0
@@ -148,18 +176,28 @@ class EventResolver:
         )
         self._thread.start()
 
-    def submit(self, start: Any, end: Any, on_resolved: Callable[[float | None], None]) -> None:
-        self._pending.append((start, end, on_resolved))
+    def submit(
+        self,
+        start: Any,
+        end: Any,
+        on_resolved: Callable[[float | None], None],
+        device: object = None,
+    ) -> None:
+        queue = self._queues.get(device)
+        if queue is None:
+            with self._queues_lock:
+                queue = self._queues.setdefault(device, deque())
+        queue.append((start, end, on_resolved))
         if not self._wake.is_set():
             self._wake.set()
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return sum(len(queue) for queue in list(self._queues.values()))
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self._pending:
+            if not self.pending:
                 self._wake.wait(0.1)
                 self._wake.clear()
                 continue
@@ -167,21 +205,24 @@ class EventResolver:
                 time.sleep(self._poll_interval_s)
 
     def _resolve_ready(self) -> bool:
-        """Resolves completed pairs in submission order; False when the oldest is not done."""
+        """Resolves the completed pairs at the head of every device's queue; False when
+        no queue had one."""
         progressed = False
-        while self._pending:
-            start, end, callback = self._pending[0]
-            try:
-                if not self.clock.query(end):
-                    return progressed
-                device_s = self.clock.elapsed_s(start, end)
-            except Exception:  # a broken event must not stall the others
-                logger.exception("tracing: device event could not be resolved")
-                device_s = None
-            self._pending.popleft()
-            self.resolved += device_s is not None
-            _call(callback, device_s)
-            progressed = True
+        for device, queue in list(self._queues.items()):
+            while queue:
+                start, end, callback = queue[0]
+                try:
+                    if not self.clock.query(end):
+                        break
+                    device_s = self.clock.elapsed_s(start, end)
+                    self._release(device, start, end)
+                except Exception:  # a broken event must not stall the others
+                    logger.exception("tracing: device event could not be resolved")
+                    device_s = None
+                queue.popleft()
+                self.resolved += device_s is not None
+                _call(callback, device_s)
+                progressed = True
         return progressed
 
     def stop(self, timeout_s: float) -> int:
@@ -190,16 +231,17 @@ class EventResolver:
         Returns how many pairs stayed unresolved.
         """
         deadline = time.monotonic() + timeout_s
-        while self._pending and time.monotonic() < deadline:
+        while self.pending and time.monotonic() < deadline:
             time.sleep(self._poll_interval_s)
         self._stop.set()
         self._wake.set()
         self._thread.join(max(0.0, deadline - time.monotonic()))
         left = 0
-        while self._pending:
-            _, _, callback = self._pending.popleft()
-            _call(callback, None)
-            left += 1
+        for queue in list(self._queues.values()):
+            while queue:
+                _, _, callback = queue.popleft()
+                _call(callback, None)
+                left += 1
         self.unresolved += left
         return left
 

@@ -321,7 +321,9 @@ class Phase(SpanHandle):
                 self._ended = True
                 self._finish(end_ns)
 
-        self._rt.resolver.submit(self._start_event, end_event, on_resolved)  # type: ignore[union-attr]
+        self._rt.resolver.submit(  # type: ignore[union-attr]
+            self._start_event, end_event, on_resolved, self._device
+        )
 
     def end(self, end_time_ns: int | None = None) -> None:
         record.warn_once("phase.end", "a phase ends when its `with` block exits; end() ignored")

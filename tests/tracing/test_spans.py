@@ -134,6 +134,26 @@ def test_events_timing_through_host_clock(memory):
     assert span.end_time - span.start_time == pytest.approx(host.total_s * 1e9, rel=1e-6)
 
 
+def test_a_busy_device_does_not_hold_up_another_and_events_are_released(memory):
+    clock = tracing.HostClock(auto_complete=False)
+    setup_memory(memory, cuda_timing="events", device_clock=clock)
+    with tracing.phase("slow", device="cuda:0"):
+        pass
+    with tracing.phase("fast", device="cuda:1"):
+        pass
+    for event in clock.events[2:]:  # cuda:1's pair completes, cuda:0's (older) does not
+        event.done = True
+    deadline = time.monotonic() + 2.0
+    while not memory.get_finished_spans() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert [s.name for s in memory.get_finished_spans()] == ["fast"]
+    assert clock.released == 2  # the resolved pair goes back to the clock for reuse
+    clock.complete_all()
+    while len(memory.get_finished_spans()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert [s.name for s in memory.get_finished_spans()] == ["fast", "slow"]
+
+
 def test_unresolved_events_are_reported_at_shutdown(memory):
     clock = tracing.HostClock(auto_complete=False)
     telemetry = setup_memory(memory, cuda_timing="events", device_clock=clock)
