@@ -25,6 +25,7 @@ from tracing import spans
 from tracing.config import TracingConfig
 from tracing.device import DeviceClock, EventResolver, cuda_clock_or_none
 from tracing.export.exporters import build_exporters
+from tracing.export.ledger import ForkLedger
 from tracing.export.processor import BoundedBatchSpanProcessor, DeliveryCounts
 from tracing.record import HOOK_ERRORS, PhaseIds, Recorder
 from tracing.stats import ProfileStats
@@ -53,6 +54,10 @@ class ShutdownReport:
     spans_late: int = 0
     """Ended after shutdown began, before this report (a phase still open then): not
     exported. Later ones are counted by `Telemetry.delivery_counts().late`."""
+    children_lost: int = 0
+    """Forked children that ended without flushing (killed: `Pool.__exit__` terminates)."""
+    spans_lost_in_children: int = 0
+    """Spans those children queued and never exported (tracing.export.ledger)."""
 
     @property
     def spans_not_delivered(self) -> int:
@@ -62,7 +67,7 @@ class ShutdownReport:
     def clean(self) -> bool:
         return not (
             self.spans_dropped or self.spans_not_delivered or self.device_unresolved
-            or self.spans_late
+            or self.spans_late or self.spans_lost_in_children
         )  # fmt: skip
 
     def summary(self) -> str:
@@ -78,6 +83,11 @@ class ShutdownReport:
             text += f", phase hook errors {self.hook_errors}"
         if self.spans_late:
             text += f", ended after shutdown {self.spans_late}"
+        if self.children_lost:
+            text += (
+                f", lost in {self.children_lost} forked children killed before flushing "
+                f"{self.spans_lost_in_children}"
+            )
         return text
 
     def __str__(self) -> str:
@@ -107,6 +117,7 @@ class Telemetry:
         self._report: ShutdownReport | None = None
         self._shutdown_lock = threading.Lock()
         self._hook_errors_before = HOOK_ERRORS.count
+        self.ledger = ForkLedger() if processors else None
 
     @property
     def tracing_spans(self) -> bool:
@@ -166,6 +177,9 @@ class Telemetry:
         if self.provider is not None:
             # Our processors return at once now; others (e.g. a test's) get what is left.
             _shutdown_provider(self.provider, max(0.0, deadline - time.monotonic()))
+        children_lost, spans_lost = self.ledger.lost() if self.ledger is not None else (0, 0)
+        if self.ledger is not None and self.ledger.slot is not None:
+            self.ledger.slot.close()  # this child reported its own spans
         return ShutdownReport(
             spans_exported=total.exported,
             spans_dropped=total.dropped,
@@ -175,6 +189,8 @@ class Telemetry:
             duration_s=time.monotonic() - started,
             hook_errors=HOOK_ERRORS.count - self._hook_errors_before,
             spans_late=total.late,
+            children_lost=children_lost,
+            spans_lost_in_children=spans_lost,
         )
 
     def _shutdown_at_exit(self) -> None:
@@ -194,8 +210,13 @@ class Telemetry:
         if runtime.recorder is not None:  # the child is a process of its own
             runtime.recorder.resource = _child_resource(runtime.recorder.resource, self.cfg)
         fresh = build_exporters(self.cfg, pid_suffix=True)
+        slot = self.ledger.slot_for_this_child() if self.ledger is not None else None
         for index, processor in enumerate(self.processors):
             processor.reinit_after_fork(fresh[index] if index < self._built_exporters else None)
+            processor.ledger_slot = slot
+        if self.ledger is not None:
+            self.ledger = ForkLedger()  # this child's own children
+            self.ledger.slot = slot
         self.resolver = None
         spans.install(
             spans.Runtime(
@@ -413,7 +434,23 @@ def shutdown(timeout_s: float | None = None) -> ShutdownReport | None:
     return None if telemetry is None else telemetry.shutdown(timeout_s)
 
 
+def _before_fork() -> None:
+    telemetry = _active
+    if telemetry is not None and telemetry.ledger is not None:
+        telemetry.ledger.before_fork()
+        _forking.append(telemetry.ledger)
+
+
+def _after_fork_in_parent() -> None:
+    while _forking:
+        _forking.pop().after_fork_in_parent()
+
+
+_forking: list[ForkLedger] = []
+
+
 def _after_fork_in_child() -> None:
+    _forking.clear()
     global _lock
     _lock = threading.Lock()  # the parent may have held it while forking
     telemetry = _active
@@ -424,4 +461,8 @@ def _after_fork_in_child() -> None:
             logger.exception("tracing: could not restart tracing in the forked child")
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(
+    before=_before_fork,
+    after_in_parent=_after_fork_in_parent,
+    after_in_child=_after_fork_in_child,
+)

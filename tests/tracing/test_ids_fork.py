@@ -114,6 +114,33 @@ def _resource(request: dict) -> dict[str, object]:
     return {a["key"]: next(iter(a["value"].values())) for a in attrs}
 
 
-def _resource(request: dict) -> dict[str, object]:
-    attrs = request["resourceSpans"][0]["resource"]["attributes"]
-    return {a["key"]: next(iter(a["value"].values())) for a in attrs}
+
+def _pool_task(i: int) -> int:
+    with tracing.phase("pool.task"):
+        return os.getpid()
+
+
+def test_spans_of_pool_workers_terminated_by_pool_exit_are_counted_as_lost(tmp_path) -> None:
+    """`with Pool() as p:` kills its workers (SIGTERM) before they flush: the parent's
+    report says how many children and spans were lost; a closed and joined pool's
+    workers flush at exit, and nothing is counted."""
+    cfg = tracing.TracingConfig(
+        exporter="file", trace_file=str(tmp_path / "t.jsonl"), schedule_delay_s=30.0
+    )
+    telemetry = tracing.setup(cfg)
+    ctx = multiprocessing.get_context("fork")
+    try:
+        with ctx.Pool(2) as pool:
+            killed = set(pool.map(_pool_task, range(6), chunksize=1))
+        clean_pool = ctx.Pool(2)
+        clean = set(clean_pool.map(_pool_task, range(4), chunksize=1))
+        clean_pool.close()
+        clean_pool.join()
+    finally:
+        report = telemetry.shutdown(timeout_s=2.0)
+    assert report.children_lost == len(killed) and report.spans_lost_in_children == 6
+    assert "lost in" in report.summary() and not report.clean
+    flushed = sum(
+        len((tmp_path / f"t.jsonl.pid{pid}").read_text().splitlines()) > 0 for pid in clean
+    )
+    assert flushed == len(clean)

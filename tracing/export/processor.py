@@ -25,6 +25,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from tracing.export.ledger import ChildSlot
 from tracing.handle import readable_spans
 
 logger = logging.getLogger("tracing")
@@ -106,6 +107,7 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         self._stop = threading.Event()
         self._stopping = False  # mirrors _stop for the hot path: a bool reads faster
         self._flush_waiters: list[_FlushWaiter] = []
+        self.ledger_slot: ChildSlot | None = None  # set in a forked child
         self._name = name
         self._worker = threading.Thread(target=self._run, name=name, daemon=True)
         self._worker.start()
@@ -141,6 +143,8 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         if self._stopping:
             self._count_late(span)
             return
+        if self.ledger_slot is not None:
+            self.ledger_slot.queued()
         queue = self._queue
         if len(queue) >= self._max_queue_size:
             with self._counts_lock:
@@ -199,6 +203,8 @@ class BoundedBatchSpanProcessor(SpanProcessor):
         with self._counts_lock:
             if ok:
                 self._counts.exported += len(batch)
+                if self.ledger_slot is not None:
+                    self.ledger_slot.exported(len(batch))
             else:
                 self._counts.failed += len(batch)
             self._in_flight = 0
