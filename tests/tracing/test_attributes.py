@@ -75,5 +75,6 @@ def test_phase_spans_export_what_the_sdk_exports_for_the_meant_value() -> None:
     # Spelled out for the values the SDK alone would drop or keep as objects:
     assert (ours["v6"], ours["v7"], ours["v9"], ours["v10"]) == (2.0, 3, True, (1, 2))
     assert type(ours["v7"]) is int and type(ours["v12"]) is str and ours["v12"] == "red"
-    # The SDK alone turns a numpy integer into its text: the rule is what makes it a number.
-    assert _sdk_attributes({"x": np.int64(3)}) == {"x": "3"}
+    # The SDK alone turns a numpy integer into its text (1.45; earlier releases drop it):
+    # the rule is what makes it a number.
+    assert _sdk_attributes({"x": np.int64(3)}) in ({"x": "3"}, {})

@@ -114,16 +114,16 @@ def _resource(request: dict) -> dict[str, object]:
     return {a["key"]: next(iter(a["value"].values())) for a in attrs}
 
 
-
 def _pool_task(i: int) -> int:
     with tracing.phase("pool.task"):
         return os.getpid()
 
 
 def test_spans_of_pool_workers_terminated_by_pool_exit_are_counted_as_lost(tmp_path) -> None:
-    """`with Pool() as p:` kills its workers (SIGTERM) before they flush: the parent's
-    report says how many children and spans were lost; a closed and joined pool's
-    workers flush at exit, and nothing is counted."""
+    """`with Pool() as p:` terminates its workers (SIGTERM): a worker killed before it
+    flushed has its spans counted as lost in the parent's report; one that took the
+    pool's stop sentinel first exits and flushes. Every span is one or the other. A
+    closed and joined pool's workers all flush, and nothing is counted."""
     cfg = tracing.TracingConfig(
         exporter="file", trace_file=str(tmp_path / "t.jsonl"), schedule_delay_s=30.0
     )
@@ -132,15 +132,28 @@ def test_spans_of_pool_workers_terminated_by_pool_exit_are_counted_as_lost(tmp_p
     try:
         with ctx.Pool(2) as pool:
             killed = set(pool.map(_pool_task, range(6), chunksize=1))
+        lost_in_killed = telemetry.ledger.lost() if telemetry.ledger else (0, 0)
         clean_pool = ctx.Pool(2)
         clean = set(clean_pool.map(_pool_task, range(4), chunksize=1))
         clean_pool.close()
         clean_pool.join()
     finally:
         report = telemetry.shutdown(timeout_s=2.0)
-    assert report.children_lost == len(killed) and report.spans_lost_in_children == 6
-    assert "lost in" in report.summary() and not report.clean
-    flushed = sum(
-        len((tmp_path / f"t.jsonl.pid{pid}").read_text().splitlines()) > 0 for pid in clean
+    flushed = {pid: _span_count(tmp_path / f"t.jsonl.pid{pid}") for pid in killed | clean}
+    assert report.spans_lost_in_children + sum(flushed[pid] for pid in killed) == 6
+    assert (report.children_lost, report.spans_lost_in_children) == lost_in_killed
+    assert report.children_lost == sum(flushed[pid] == 0 for pid in killed)
+    if report.children_lost:
+        assert "lost in" in report.summary() and not report.clean
+    assert sum(flushed[pid] for pid in clean) == 4
+
+
+def _span_count(path: Path) -> int:
+    if not path.exists():
+        return 0
+    return sum(
+        len(ss["spans"])
+        for line in path.read_text().splitlines()
+        for rs in json.loads(line)["resourceSpans"]
+        for ss in rs["scopeSpans"]
     )
-    assert flushed == len(clean)
