@@ -11,13 +11,17 @@
             current OTel span while it runs (one context attach + detach more)
   *.hot     the same loops, clock stopped when the loop ends (export work still queued:
             what the training thread itself sees while the exporter keeps up)
+  traced.cpu the CPU time of the traced process, all its threads, over `traced` (the
+            export thread's encoding included). Spans leave in-process: no child process
+            of the traced program exists to count (the sink is the collector's stand-in)
 
 With --metrics the OTel metrics signal runs through every mode as an application would
 run it: a phase-duration histogram of the same ProfileStats and two callback gauges,
 exported every 0.2 s over OTLP/gRPC to the same sink (its cost is on the reader thread).
 
 Usage: python bench/tracing_overhead.py [--phases N] [--repeats R] [--metrics]
-Goals: off <= 1 us, traced <= 25 us (also with --metrics); propagate is printed beside them.
+Goals (issue 21): off <= 1 us, traced.hot <= 10 us on the training thread, traced.cpu <= 20 us
+of CPU in all processes; traced (wall until exported) and propagate are printed beside them.
 """
 
 from __future__ import annotations
@@ -68,15 +72,17 @@ def bench_phase(n: int, parent: object = None) -> float:
 
 
 def bench_traced(n: int, telemetry: tracing.Telemetry, root: tracing.SpanHandle) -> Timing:
-    """(loop only, loop + export of all its spans) in ns per phase."""
+    """(loop only, loop + export of all its spans, process CPU of both) in ns per phase."""
     phase = tracing.phase
+    cpu_start = time.process_time_ns()
     start = time.perf_counter_ns()
     for _ in range(n):
         with phase("phase", parent=root):
             pass
     loop_end = time.perf_counter_ns()
     assert telemetry.force_flush(60.0), "export did not finish"
-    return (loop_end - start) / n, (time.perf_counter_ns() - start) / n
+    cpu = (time.process_time_ns() - cpu_start) / n
+    return (loop_end - start) / n, (time.perf_counter_ns() - start) / n, cpu
 
 
 def bench_nested(n: int, telemetry: tracing.Telemetry, root: tracing.SpanHandle) -> Timing:
@@ -91,11 +97,11 @@ def bench_nested(n: int, telemetry: tracing.Telemetry, root: tracing.SpanHandle)
         return (loop_end - start) / n, (time.perf_counter_ns() - start) / n
 
 
-Timing = tuple[float, float]
+Timing = tuple[float, ...]
 
 
 def _best(runs: list[Timing]) -> Timing:
-    return min(hot for hot, _ in runs), min(full for _, full in runs)
+    return tuple(min(run[i] for run in runs) for i in range(len(runs[0])))
 
 
 def main() -> None:
@@ -116,8 +122,10 @@ def main() -> None:
             continue
         print(f"{mode:<10} {ns:>10.0f} {ns / classic:>10.1f}")
     print(
-        f"goals: off {results['off'] / 1e3:.2f} us (<= 1), traced {results['traced'] / 1e3:.1f} us "
-        f"(<= 25), propagate {results['propagate'] / 1e3:.1f} us "
+        f"goals: off {results['off'] / 1e3:.2f} us (<= 1), traced.hot "
+        f"{results['traced.hot'] / 1e3:.1f} us (<= 10), traced.cpu "
+        f"{results['traced.cpu'] / 1e3:.1f} us (<= 20); traced {results['traced'] / 1e3:.1f} us "
+        f"wall, propagate {results['propagate'] / 1e3:.1f} us "
         f"(+{(results['propagate.hot'] - results['nested.hot']) / 1e3:.2f} us on the hot path); "
         f"exported {results['_exported']:.0f}, dropped {results['_dropped']:.0f}, "
         f"shutdown {results['_shutdown_s']:.2f}s" + (", metrics on" if args.metrics else "")
@@ -153,7 +161,7 @@ def run_all(n: int, repeats: int, port: int, metrics_on: bool = False) -> dict[s
     root = tracing.start_span("batch")
     bench_phase(1000, parent=root)  # warm up: gRPC channel, code paths
     telemetry.force_flush(5.0)
-    results["traced.hot"], results["traced"] = _best(
+    results["traced.hot"], results["traced"], results["traced.cpu"] = _best(
         [bench_traced(n, telemetry, root) for _ in range(repeats)]
     )
     results["nested.hot"], results["nested"] = _best(
