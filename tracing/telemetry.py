@@ -4,6 +4,7 @@ and installs them for `phase`; `Telemetry.shutdown` undoes it within a time boun
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
 import logging
 import os
 import socket
@@ -16,7 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import (
+    TELEMETRY_SDK_LANGUAGE,
+    TELEMETRY_SDK_NAME,
+    TELEMETRY_SDK_VERSION,
+    Resource,
+)
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
@@ -303,10 +309,16 @@ def build_resource(cfg: TracingConfig) -> Resource:
         f"{cfg.attribute_namespace}.rank": cfg.rank,
         f"{cfg.attribute_namespace}.run.id": cfg.run_id,
     }
-    # Resource.create adds telemetry.sdk.* and the SDK's detectors; the config already
-    # merged OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME, and these values win.
-    resource = Resource.create(attributes)
-    return _HashOnceResource(dict(resource.attributes), resource.schema_url)
+    # Not Resource.create: it reads os.environ again, so a malformed OTEL_RESOURCE_ATTRIBUTES
+    # the config warned about and left out, or the process environment under an explicit
+    # config or `from_env(environ=...)`, would still reach the resource. The config has
+    # merged OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME already.
+    sdk = {
+        TELEMETRY_SDK_LANGUAGE: "python",
+        TELEMETRY_SDK_NAME: "opentelemetry",
+        TELEMETRY_SDK_VERSION: importlib.metadata.version("opentelemetry-sdk"),
+    }
+    return _HashOnceResource({**sdk, **attributes})
 
 
 def setup(

@@ -224,3 +224,16 @@ def test_a_schedule_delay_of_zero_exports_each_span_without_waiting(clean_env) -
     assert report.spans_exported == 1
     clean_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "-5")
     assert TracingConfig.from_env().schedule_delay_s == 1.0  # bad: warned and ignored
+
+
+def test_the_resource_holds_what_the_config_says_not_the_process_environment(clean_env) -> None:
+    clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "team=ml,broken")
+    clean_env.setenv("OTEL_SERVICE_NAME", "from-env")
+    for cfg in (TracingConfig(), TracingConfig.from_env(environ={})):
+        attributes = tracing.telemetry.build_resource(cfg).attributes
+        assert "team" not in attributes and attributes["service.name"] != "from-env"
+        assert attributes["telemetry.sdk.name"] == "opentelemetry"
+        assert attributes["telemetry.sdk.version"]
+    # Read from the environment, the malformed variable is warned about and left out whole.
+    attributes = tracing.telemetry.build_resource(TracingConfig.from_env()).attributes
+    assert "team" not in attributes and attributes["service.name"] == "from-env"
