@@ -92,6 +92,7 @@ class Timeline:
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
         self._closed = False
+        self._written = False
 
     # --- PhaseHook (hot path) ---------------------------------------------------------
 
@@ -190,14 +191,17 @@ class Timeline:
 
     # --- output ---------------------------------------------------------------------
 
-    def close(self) -> Path | None:
-        """Stops sampling and writes the file (atomically). Idempotent; never raises."""
+    def close(self, write: bool = True) -> Path | None:
+        """Stops sampling and writes the file (atomically; not when `write` is False: the
+        events are discarded). Idempotent; never raises. The path written, or None."""
         if self._closed:
-            return self.path
+            return self.path if self._written else None
         self._closed = True
         self._stop.set()
         if self._sampler is not None:
             self._sampler.join(2.0)
+        if not write:
+            return None
         try:
             return self.write()
         except OSError as exc:
@@ -210,6 +214,7 @@ class Timeline:
         with open(tmp, "w", encoding="utf-8") as out:
             json.dump(doc, out, separators=(",", ":"))
         os.replace(tmp, self.path)
+        self._written = True
         if self.dropped:
             logger.warning("tracing: timeline dropped %d events (max_events)", self.dropped)
         return self.path

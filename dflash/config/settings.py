@@ -219,6 +219,12 @@ class RunConfig(Section):
         "Continue from a checkpoint directory, or `latest` for the newest one under "
         "OUTPUT_DIR/checkpoints.",
     )
+    overwrite: bool = setting(
+        False,
+        "Replace the earlier run that OUTPUT_DIR holds (its config, metrics, checkpoints, "
+        "drafter, summary and report are deleted once this run has passed its checks); "
+        "without it such a folder is refused unless --resume continues the run.",
+    )
     init_from: str | None = setting(
         None,
         "Start the drafter from the weights of a DFlash drafter directory (a published "

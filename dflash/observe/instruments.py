@@ -59,10 +59,11 @@ class Instruments:
         """The phase hooks `tracing.setup` installs."""
         return [h for h in (self.timeline, self.nvtx) if h is not None]
 
-    def close(self) -> dict[str, str]:
-        """Writes the timeline and stops the profiler (idempotent); the files written."""
+    def close(self, write: bool = True) -> dict[str, str]:
+        """Writes the timeline (unless not `write`) and stops the profiler (idempotent);
+        the files written."""
         files = {}
-        if self.timeline is not None and (path := self.timeline.close()) is not None:
+        if self.timeline is not None and (path := self.timeline.close(write)) is not None:
             files["timeline"] = str(path)
         if self.profile is not None and (path := self.profile.close()) is not None:
             files["profile"] = str(path)

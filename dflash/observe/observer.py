@@ -161,6 +161,9 @@ class Observer:
         self.world_size = world_size
         self.instruments = instruments or Instruments()
         self.output_dir = output_dir
+        # A run sets it once its folder holds the run (dflash.run.folder): a run refused
+        # before that leaves no stats.json or timeline behind.
+        self.folder_written = True
         self.reporter: Reporter | None = None
         self.metrics: Metrics | None = None
         self.verdict: Callable[[StatsSnapshot], str | None] = bottleneck.snapshot_verdict
@@ -295,12 +298,13 @@ class Observer:
             else:
                 title = f"interval: total {final.wall_s:.1f}s, {len(finals)} ranks"
                 log(reporter.render(final, title, cumulative=True, rank_snapshots=finals))
-        files = self.instruments.close()
+        files = self.instruments.close(write=self.folder_written)
         metrics = self.metrics.shutdown() if self.metrics is not None else None
         report = self.telemetry.shutdown()
         if self.is_main:
             log(f"telemetry: {report.summary()}" + (f"; {metrics.summary()}" if metrics else ""))
-            files.update(self._write_stats(final))
+            if self.folder_written:
+                files.update(self._write_stats(final))
         self._closed = {
             "spans_exported": report.spans_exported,
             "spans_dropped": report.spans_dropped,
@@ -358,7 +362,9 @@ def start_observer(
     instruments = build_instruments(tel, output_dir, rank, log)
     cfg = tracing_config(tel, rank, run_id)
     telemetry = setup_tracing(cfg, phase_hooks=instruments.hooks)
-    return Observer(cfg, telemetry, world_size, instruments=instruments, output_dir=output_dir)
+    observer = Observer(cfg, telemetry, world_size, instruments=instruments, output_dir=output_dir)
+    observer.folder_written = False  # until the run has passed its checks
+    return observer
 
 
 def setup_tracing(cfg: TracingConfig, **options: Any) -> tracing.Telemetry:

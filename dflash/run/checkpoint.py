@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,7 +124,8 @@ def save_checkpoint(
     (tmp / _CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
     names = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
     files = {name: sha256_file(tmp / name) for name in names}
-    (tmp / _MANIFEST).write_text(json.dumps({"step": step, "sha256": files}, indent=2))
+    manifest = {"step": step, "written_ns": time.time_ns(), "sha256": files}
+    (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=2))
     for name in (*files, _MANIFEST):
         _fsync_file(tmp / name)
     for directory in {(tmp / name).parent for name in files}:
@@ -137,11 +139,28 @@ def save_checkpoint(
 
 
 def list_checkpoints(checkpoints_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary directories are ignored)."""
+    """Complete checkpoints, in the order they were written (temporary directories are
+    ignored). Write order, not step order: a run resumed from an earlier checkpoint
+    writes lower steps than the continuation it abandoned, and its own are the newest
+    (`latest`), the ones pruning keeps."""
     if not checkpoints_dir.is_dir():
         return []
     found = [p for p in checkpoints_dir.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=_write_order)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a `step-<n>` directory (by its name)."""
+    return int(_STEP_DIR.match(path.name).group(1))  # type: ignore[union-attr]
+
+
+def _write_order(path: Path) -> tuple[int, int]:
+    step = checkpoint_step(path)
+    try:
+        written_ns = int(json.loads((path / _MANIFEST).read_text()).get("written_ns", 0))
+    except (OSError, ValueError, AttributeError, TypeError):
+        written_ns = 0  # no readable manifest (older or damaged): by step, before the others
+    return written_ns, step
 
 
 def _prune(checkpoints_dir: Path, keep: int) -> None:

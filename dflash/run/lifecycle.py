@@ -38,6 +38,8 @@ from dflash.offline.regenerate import embedded_regeneration, regenerated_corpus
 from dflash.pipeline.distributed import DistInfo, dist_info_from_env, init_distributed
 from dflash.run.checkpoint import (
     CheckpointError,
+    checkpoint_step,
+    list_checkpoints,
     load_checkpoint,
     load_trainable_weights,
     resolve_checkpoint,
@@ -45,6 +47,7 @@ from dflash.run.checkpoint import (
     save_checkpoint,
 )
 from dflash.run.estimate import estimate_for_config
+from dflash.run.folder import FolderLock, claim_output_dir, write_run_start
 from dflash.run.progress import format_loss_config, format_run_config, format_summary
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.model import (
@@ -56,8 +59,6 @@ from dflash.target.model import (
     validate_target_layers,
 )
 from dflash.train.step import DrafterTrainer, PhaseFn, null_phase
-
-METRICS_FILE = "metrics.jsonl"
 
 
 @dataclass
@@ -110,39 +111,40 @@ class RunStats:
     train_s: float
 
 
-def prepare_output_dir(cfg: TrainConfig) -> None:
-    """Creates OUTPUT_DIR and writes config.json first: a folder that cannot be created
-    or written is one ConfigError before any work. A fresh run starts a new metrics.jsonl."""
-    output_dir = Path(cfg.run.output_dir)
-    try:
-        write_json_atomic(output_dir / "config.json", cfg.to_dict())
-        if cfg.run.resume is None:
-            (output_dir / METRICS_FILE).unlink(missing_ok=True)
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise ConfigError(
-            f"--output-dir {cfg.run.output_dir!r} is invalid: cannot create or write it ({reason})"
-        ) from None
-
-
 @dataclass(frozen=True)
 class Start:
-    """Where this process stands in a run, decided once: its rank and its devices."""
+    """Where this process stands in a run, decided once: its rank, its devices and (rank
+    0) the lock on the output folder, held until `end`."""
 
     info: DistInfo
     placement: Placement
+    lock: FolderLock | None = None
+
+    def begin_training(self, cfg: TrainConfig, log: Callable[[str], None]) -> None:
+        """Every check has passed: rank 0 writes the run's start into its folder."""
+        if self.info.is_main:
+            write_run_start(cfg, log)
+
+    def end(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 def start_run(cfg: TrainConfig, info: DistInfo | None = None) -> Start:
     """Once per run and process: the rank (torchrun's variables unless `info` is given),
-    the rank's devices, OUTPUT_DIR/config.json (rank 0: an unwritable folder is named
-    before anything else) and the process group."""
+    the rank's devices, the output folder's lock (rank 0: a folder that cannot be written,
+    is in use or holds another run is named before anything else; nothing is written into
+    it yet) and the process group."""
     info = dist_info_from_env() if info is None else info
     placement = decide_placement(cfg.pipeline, info.local_rank, info.local_world_size)
-    if info.is_main:
-        prepare_output_dir(cfg)
-    init_distributed(info, placement.drafter)
-    return Start(info, placement)
+    lock = claim_output_dir(cfg) if info.is_main else None
+    try:
+        init_distributed(info, placement.drafter)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Start(info, placement, lock)
 
 
 def build_drafter(
@@ -301,6 +303,11 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
         run.step, run.next_batch_index = resume.step, resume.next_batch_index
         run.resumed_from = resume.path
         log(f"resumed from {resume.path} at step {resume.step}")
+        later = [p.name for p in list_checkpoints(output_dir / "checkpoints")
+                 if checkpoint_step(p) > resume.step]  # fmt: skip
+        if later:
+            log(f"checkpoints of later steps ({', '.join(later)}) are of the continuation "
+                "abandoned here: this run's own replace them as it writes them")  # fmt: skip
     run.setup_s = time.perf_counter() - start_s
     return run
 

@@ -35,8 +35,8 @@ from dflash.pipeline.distributed import (
 )
 from dflash.pipeline.queues import PipelineError, SignalStop, StageGroup, TrainingInterrupted
 from dflash.pipeline.stages import Pipeline, StepFn
+from dflash.run.folder import METRICS_FILE
 from dflash.run.lifecycle import (
-    METRICS_FILE,
     Run,
     RunStats,
     Start,
@@ -144,6 +144,7 @@ def run_training(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
         return run_pipeline(cfg, log=log, start=start, observer=observer)
     finally:
         observer.close(log)  # no-op after a normal finish
+        start.end()  # the folder's lock: after the last file the run writes
 
 
 def run_pipeline(
@@ -166,13 +167,14 @@ def run_pipeline(
     SIGINT/SIGTERM, once the checkpoint and the summary are written.
     """
     started_s = time.perf_counter()
+    own_start = start is None
     start = start_run(cfg) if start is None else start
     info, placement = start.info, start.placement
     _share_cpu_cores(placement, info.local_world_size)
     stuck: list[str] = []
     try:
         with tracing.phase(names.RUN_STARTUP, level="step"):  # a trace of its own
-            setup = _setup(cfg, log, info, placement, observer, progress_stream)
+            setup = _setup(cfg, log, start, observer, progress_stream)
         if observer is not None:
             observer.attach(setup.pipe.snapshot, (*placement.targets, *placement.drafters),
                             setup.book.flops, stream=setup.progress.line_stream())  # fmt: skip
@@ -190,6 +192,8 @@ def run_pipeline(
     finally:
         if not stuck:  # a thread stuck in a collective would hang the teardown
             destroy_distributed()
+        if own_start:
+            start.end()
 
 
 def _share_cpu_cores(placement: Placement, local_world_size: int) -> None:
@@ -207,8 +211,9 @@ def _share_cpu_cores(placement: Placement, local_world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_threads))
 
 
-def _setup(cfg: TrainConfig, log: Callable[[str], None], info: DistInfo, placement: Placement,
+def _setup(cfg: TrainConfig, log: Callable[[str], None], start: Start,
            observer: Observer | None, progress_stream: Any) -> _Setup:  # fmt: skip
+    info, placement = start.info, start.placement
     quiet = log if info.is_main else (lambda _: None)
     run = build_run(cfg, placement, quiet)
     check_same_across_ranks(len(placement.drafters), "the number of drafter devices",
@@ -224,6 +229,9 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], info: DistInfo, placeme
     ranks = f" x {info.world_size} ranks" if info.enabled else ""
     telemetry_line = observer.describe() if observer is not None else None
     log_startup(run, quiet, placement.describe() + ranks, telemetry_line)
+    start.begin_training(cfg, quiet)
+    if observer is not None:
+        observer.folder_written = True  # stats.json and the timeline may go there now
     progress = Progress(cfg.run.steps, run.step, log=None,
                         stream=progress_stream if info.is_main else io.StringIO())  # fmt: skip
     metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,

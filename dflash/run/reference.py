@@ -16,9 +16,10 @@ import torch
 
 from dflash.config.settings import TrainConfig
 from dflash.pipeline.distributed import DistInfo
+from dflash.run.folder import METRICS_FILE
 from dflash.run.lifecycle import (
-    METRICS_FILE,
     RunStats,
+    Start,
     build_run,
     finish_run,
     log_startup,
@@ -35,9 +36,19 @@ def train_reference(
 ) -> dict[str, Any]:
     """Trains `cfg` in this thread on the first target and drafter device; the summary."""
     started_s = time.perf_counter()
-    placement = start_run(cfg, DistInfo()).placement  # one process: no rank, no group
+    start = start_run(cfg, DistInfo())  # one process: no rank, no group
+    try:
+        return _train(cfg, start, log, progress_stream, started_s)
+    finally:
+        start.end()
+
+
+def _train(cfg: TrainConfig, start: Start, log: Callable[[str], None], progress_stream: Any,
+           started_s: float) -> dict[str, Any]:  # fmt: skip
+    placement = start.placement
     run = build_run(cfg, placement, log)
     log_startup(run, log, f"target {placement.target}, drafter {placement.drafter}")
+    start.begin_training(cfg, log)
     progress = Progress(cfg.run.steps, run.step, stream=progress_stream, log=None)
     metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
                           Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip

@@ -51,6 +51,18 @@ def test_keeps_the_newest_and_latest_resolves(tmp_path) -> None:
     assert resolve_checkpoint(str(tmp_path / "checkpoints"), tmp_path).name == "step-00000004"
 
 
+def test_a_run_resumed_from_an_earlier_checkpoint_keeps_and_resumes_its_own(tmp_path) -> None:
+    """Resumed from step 2 of a run that reached step 6, the new checkpoints (3, 5) are
+    the newest: pruning keeps them and `latest` is theirs, not the abandoned step 6."""
+    ckpts = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 3, 5):
+        _save(ckpts, step, keep=3)
+    assert [p.name for p in list_checkpoints(ckpts)] == [
+        "step-00000006", "step-00000003", "step-00000005",
+    ]  # fmt: skip
+    assert resolve_checkpoint("latest", tmp_path).name == "step-00000005"
+
+
 def test_interrupted_write_is_invisible(tmp_path) -> None:
     ckpts = tmp_path / "checkpoints"
     _save(ckpts, 1)

@@ -1,0 +1,162 @@
+"""A run owns its output folder.
+
+While a run lives it holds an exclusive lock on OUTPUT_DIR/.dflash-run.lock (flock: the
+kernel drops it when the process dies, however it dies), so a second run into the folder
+is refused at once, naming the first. A folder that holds an earlier run is refused
+unless the new run continues it (--resume) or replaces it (--overwrite). Nothing of the
+run is written into the folder until every check has passed (`write_run_start`); until
+then a refused command leaves the folder as it found it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dflash.config.schema import ConfigError
+from dflash.config.settings import TrainConfig
+from dflash.files import write_json_atomic
+
+LOCK_FILE = ".dflash-run.lock"
+METRICS_FILE = "metrics.jsonl"
+# What a run writes into its folder (the hidden-state cache lives elsewhere and is
+# keyed by its data: --overwrite leaves it).
+RUN_FILES = (
+    "config.json", "summary.json", "stats.json", "timeline.json", METRICS_FILE,
+    "report.html", "pipeline-error.log",
+)  # fmt: skip
+RUN_DIRS = ("checkpoints", "drafter", "profile")
+
+
+class FolderLock:
+    """The exclusive lock of one output folder, held from `acquire` to `release`."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self.path = output_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Takes the lock or raises ConfigError naming the process that holds it."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise ConfigError(
+                f"--output-dir {str(self.path.parent)!r} is in use by another run ({holder}): "
+                "wait for it to end or choose another folder"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Idempotent. The file stays: removing it would let a waiting run lock a file
+        that a third one no longer sees."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)  # closing the last descriptor drops the flock
+
+    def __enter__(self) -> FolderLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder["since"])))
+        return f"pid {int(holder['pid'])} on {holder['host']}, since {started}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that is starting"
+
+
+def earlier_run(output_dir: Path) -> list[str]:
+    """What of an earlier run the folder holds (names, in a fixed order)."""
+    if not output_dir.is_dir():
+        return []
+    found = [name for name in RUN_FILES if (output_dir / name).is_file()]
+    found += [f"{name}/" for name in RUN_DIRS if (output_dir / name).is_dir()]
+    return found
+
+
+def claim_output_dir(cfg: TrainConfig) -> FolderLock:
+    """Rank 0, before any work: the folder exists and is writable, this run holds its
+    lock, and it holds no earlier run unless --resume or --overwrite says what to do with
+    it. Raises ConfigError (one line) otherwise; writes nothing of the run."""
+    output_dir = Path(cfg.run.output_dir)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        lock = FolderLock(output_dir)
+        lock.acquire()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ConfigError(
+            f"--output-dir {cfg.run.output_dir!r} is invalid: cannot create or write it ({reason})"
+        ) from None
+    try:
+        found = earlier_run(output_dir)
+        if found and cfg.run.resume is None and not cfg.run.overwrite:
+            raise ConfigError(
+                f"--output-dir {cfg.run.output_dir!r} holds an earlier run "
+                f"({', '.join(found)}): --resume latest continues it, --overwrite replaces "
+                "it, or choose another folder"
+            )
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def write_run_start(cfg: TrainConfig, log: Callable[[str], None]) -> None:
+    """Once every check has passed: --overwrite removes the earlier run, then the run's
+    config.json is written (and a fresh run starts without metrics.jsonl)."""
+    output_dir = Path(cfg.run.output_dir)
+    if cfg.run.resume is None:
+        found = earlier_run(output_dir)
+        if found:  # claim_output_dir let it through: --overwrite
+            remove_run(output_dir)
+            log(f"--overwrite: removed the earlier run in {output_dir} ({', '.join(found)})")
+    write_json_atomic(output_dir / "config.json", cfg.to_dict())
+
+
+def remove_run(output_dir: Path) -> None:
+    for name in RUN_FILES:
+        (output_dir / name).unlink(missing_ok=True)
+    for name in RUN_DIRS:
+        shutil.rmtree(output_dir / name, ignore_errors=True)
+
+
+def holder_of(output_dir: Path) -> dict[str, Any] | None:
+    """Who holds the folder's lock now (None: no one), for tests and tools."""
+    path = output_dir / LOCK_FILE
+    if not path.exists():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return json.loads(os.pread(fd, 4096, 0) or b"{}")
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

@@ -1,0 +1,154 @@
+"""A run owns its output folder: one run at a time, an earlier run kept unless --resume or
+--overwrite, and a refused command leaves the folder as it found it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dflash import cli as cli_mod
+from dflash.config.schema import ConfigError
+from dflash.run.folder import LOCK_FILE, FolderLock, claim_output_dir
+from tests.dflash.app_fixtures import (  # noqa: F401 - fixture
+    ROOT,
+    script_env,
+    small_cfg,
+    small_options,
+    tiny_target,
+)
+
+
+def invoke(args: list[str]):
+    return CliRunner().invoke(cli_mod.cli, args, catch_exceptions=False)
+
+
+def train_args(tmp_path: Path, output_dir: Path, **extra: object) -> list[str]:
+    options = {**small_options(tmp_path, output_dir), **extra}
+    args = ["train"]
+    for key, value in options.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            args.append(flag)
+        else:
+            args += [flag, str(value)]
+    return args
+
+
+def folder_state(folder: Path) -> dict[str, str]:
+    """Every file under `folder` (the lock file aside) and a hash of its bytes."""
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != LOCK_FILE
+    }
+
+
+def one_error_line(result) -> str:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    return line
+
+
+def test_a_held_folder_is_refused_naming_the_holder(tmp_path) -> None:
+    cfg = small_cfg(tmp_path, tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    with FolderLock(tmp_path / "run"):
+        with pytest.raises(ConfigError, match=rf"in use by another run \(pid {os.getpid()} on "):
+            claim_output_dir(cfg)
+    claim_output_dir(cfg).release()  # free again once released
+
+
+def test_a_folder_that_cannot_be_created_is_one_error(tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="cannot create or write it"):
+        claim_output_dir(small_cfg(tmp_path, blocker / "run"))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("tiny_target")
+def test_an_earlier_run_is_kept_unless_resumed_or_overwritten(tmp_path) -> None:
+    run = tmp_path / "run"
+    assert invoke(train_args(tmp_path, run, save_every=2)).exit_code == 0
+    before = folder_state(run)
+    assert {"config.json", "summary.json", "metrics.jsonl", "stats.json"} <= set(before)
+
+    line = one_error_line(invoke(train_args(tmp_path, run, steps=4)))
+    assert "holds an earlier run" in line and "--resume latest" in line and "--overwrite" in line
+    # Refused at once, and by checks after the folder's: nothing in the folder changed.
+    one_error_line(invoke(train_args(tmp_path, run, data=str(tmp_path / "missing.txt"))))
+    one_error_line(invoke(train_args(tmp_path, run, resume="latest", block_size=8)))
+    assert folder_state(run) == before
+
+    result = invoke(train_args(tmp_path, run, steps=4, overwrite=True))
+    assert result.exit_code == 0, result.output
+    assert "--overwrite: removed the earlier run" in result.output
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] == 4
+    checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert checkpoints == ["step-00000004"]  # the earlier run's are gone, not pruned later
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+
+
+_LONG_RUN = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from tests.dflash.app_fixtures import small_cfg, small_target_everywhere
+small_target_everywhere()
+from dflash.run.pipelined import run_training
+cfg = small_cfg(Path({tmp!r}), Path({out!r}), steps={steps}, log_every=1)
+run_training(cfg, log=lambda line: None)
+"""
+
+
+def _run_in_child(tmp_path: Path, out: Path, steps: int) -> subprocess.Popen:
+    code = textwrap.dedent(_LONG_RUN).format(
+        root=str(ROOT), tmp=str(tmp_path), out=str(out), steps=steps
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=script_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _losses(folder: Path) -> list[tuple[int, float]]:
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return [(json.loads(line)["step"], json.loads(line)["loss"]) for line in lines]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("tiny_target")
+def test_a_second_run_into_a_running_folder_is_refused_and_the_first_is_unharmed(
+    tmp_path,
+) -> None:
+    shared, lone = tmp_path / "shared", tmp_path / "lone"
+    first = _run_in_child(tmp_path, shared, steps=40)
+    deadline = time.monotonic() + 120
+    while not (shared / "config.json").exists():  # written once its checks have passed
+        assert first.poll() is None, first.stdout.read() if first.stdout else ""
+        assert time.monotonic() < deadline, "the first run never started"
+        time.sleep(0.05)
+    started = time.monotonic()
+    result = invoke(train_args(tmp_path, shared))
+    refused_s = time.monotonic() - started
+    line = one_error_line(result)
+    assert f"in use by another run (pid {first.pid} on " in line and refused_s < 2.0
+    assert first.wait(timeout=300) == 0, first.stdout.read() if first.stdout else ""
+    alone = _run_in_child(tmp_path, lone, steps=40)
+    assert alone.wait(timeout=300) == 0
+    assert _losses(shared) == _losses(lone)  # the same figures as a run that was alone
+    assert json.loads((shared / "summary.json").read_text())["steps"] == 40
