@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dflash.errors import DFlashError
+from dflash.errors import DFlashError, first_line
 from dflash.files import sha256_file
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -41,6 +41,29 @@ _WEIGHTS, _STATE, _CONFIG, _MANIFEST = (
 
 class CheckpointError(DFlashError):
     """A checkpoint is missing or damaged; the message is one line naming the path."""
+
+
+class SaveError(CheckpointError):
+    """A save failed (a full disk, a folder gone read-only): one line naming the path,
+    the space left there and what of the run is complete."""
+
+
+SAVE_FAILURES = (OSError, RuntimeError, SafetensorError)
+"""What a failed write raises: OSError, SafetensorError, or RuntimeError from torch.save,
+whose zip writer reports a short write (a full disk) as "unexpected pos"."""
+
+
+def save_failure(exc: BaseException, path: Path, complete: str) -> SaveError:
+    """The SaveError of `exc` raised while writing `path`; `complete` says what remains."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = f"{shutil.disk_usage(probe).free / 2**30:.2f} GiB free there"
+    except OSError:
+        free = "free space unknown"
+    reason = getattr(exc, "strerror", None) or first_line(exc)
+    return SaveError(f"could not write {path} ({reason}; {free}): {complete}")
 
 
 @dataclass
@@ -115,6 +138,38 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    try:
+        _write_checkpoint(tmp, weights, write_drafter, trainer_state, step, next_batch_index,
+                          config)  # fmt: skip
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
+        raise
+    replace_dir(tmp, final)  # re-saving a step (resume, then save at once) replaces it
+    _fsync_dir(checkpoints_dir)
+    _prune(checkpoints_dir, keep)
+    return final
+
+
+def replace_dir(new: Path, final: Path) -> None:
+    """Puts the complete directory `new` at `final`; an old `final` is moved aside first
+    and removed last, so at every moment one complete directory is there or aside."""
+    old = final.with_name(f".old-{final.name}-{os.getpid()}")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(new, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_checkpoint(
+    tmp: Path,
+    weights: dict[str, torch.Tensor] | None,
+    write_drafter: Callable[[Path], Any] | None,
+    trainer_state: dict[str, Any],
+    step: int,
+    next_batch_index: int,
+    config: dict[str, Any],
+) -> None:
     if write_drafter is not None:
         write_drafter(tmp / "drafter")
     else:
@@ -130,12 +185,6 @@ def save_checkpoint(
         _fsync_file(tmp / name)
     for directory in {(tmp / name).parent for name in files}:
         _fsync_dir(directory)
-    if final.exists():  # re-saving the same step (resume then save at once) replaces it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(checkpoints_dir)
-    _prune(checkpoints_dir, keep)
-    return final
 
 
 def list_checkpoints(checkpoints_dir: Path) -> list[Path]:

@@ -10,6 +10,8 @@ finished run and for an interrupted one alike.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,14 +39,17 @@ from dflash.files import write_json_atomic
 from dflash.offline.regenerate import embedded_regeneration, regenerated_corpus
 from dflash.pipeline.distributed import DistInfo, dist_info_from_env, init_distributed
 from dflash.run.checkpoint import (
+    SAVE_FAILURES,
     CheckpointError,
     checkpoint_step,
     list_checkpoints,
     load_checkpoint,
     load_trainable_weights,
+    replace_dir,
     resolve_checkpoint,
     restore_rng_state,
     save_checkpoint,
+    save_failure,
 )
 from dflash.run.estimate import estimate_for_config
 from dflash.run.folder import FolderLock, claim_output_dir, write_run_start
@@ -340,11 +345,36 @@ def save_run_checkpoint(run: Run) -> Path:
     )
 
 
+def save_final(run: Run) -> None:
+    """The final checkpoint, then OUTPUT_DIR/drafter/, each written aside and renamed into
+    place: a full disk leaves the last complete checkpoint and drafter as they were, and
+    is one SaveError naming the path, the space left and what is complete."""
+    checkpoints = run.output_dir / "checkpoints"
+    try:
+        final = save_run_checkpoint(run)
+    except SAVE_FAILURES as exc:
+        earlier = list_checkpoints(checkpoints)
+        complete = "no checkpoint of this run is complete"
+        if earlier:
+            complete = (f"the last complete checkpoint is {earlier[-1]} (--resume latest "
+                        "continues from it once there is room)")  # fmt: skip
+        raise save_failure(exc, checkpoints / f"step-{run.step:08d}", complete) from None
+    drafter_dir = run.output_dir / "drafter"
+    tmp = run.output_dir / f".tmp-drafter-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_drafter_dir(run, tmp)
+        replace_dir(tmp, drafter_dir)
+    except SAVE_FAILURES as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        complete = f"the final checkpoint {final} is complete; its drafter/ is the trained drafter"
+        raise save_failure(exc, drafter_dir, complete) from None
+
+
 def complete_run(run: Run, phase: PhaseFn = null_phase) -> tuple[dict[str, Any], float]:
     """Final checkpoint and drafter, then τ on held-out: (its figures, seconds spent)."""
     with phase(names.CHECKPOINT_SAVE):
-        save_run_checkpoint(run)
-        save_drafter_dir(run, run.output_dir / "drafter")
+        save_final(run)
     eval_start_s = time.perf_counter()
     with phase(names.EVAL):
         if run.cfg.run.eval_prompts and run.target.device != run.placement.target:

@@ -152,3 +152,46 @@ def test_a_second_run_into_a_running_folder_is_refused_and_the_first_is_unharmed
     assert alone.wait(timeout=300) == 0
     assert _losses(shared) == _losses(lone)  # the same figures as a run that was alone
     assert json.loads((shared / "summary.json").read_text())["steps"] == 40
+
+
+_LIMITED_RUN = """
+import resource, signal, sys
+sys.path.insert(0, {root!r})
+from tests.dflash.app_fixtures import small_target_everywhere
+small_target_everywhere()
+from dflash import cli
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead
+resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+cli.cli({args!r})
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("tiny_target")
+def test_a_final_save_that_cannot_be_written_keeps_the_last_complete_checkpoint(tmp_path) -> None:
+    """A file-size limit makes the final checkpoint's write fail as a full disk does: one
+    line naming the path and the space left, exit 2, the earlier checkpoint and drafter
+    intact."""
+    run = tmp_path / "run"
+    assert invoke(train_args(tmp_path, run, save_every=2)).exit_code == 0
+    complete = run / "checkpoints" / "step-00000006"
+    kept = {
+        **folder_state(complete),
+        **{f"drafter/{k}": v for k, v in folder_state(run / "drafter").items()},
+    }
+    limit = (complete / "trainer.pt").stat().st_size // 2
+    args = train_args(tmp_path, run, steps=8, resume="latest")[1:]
+    code = textwrap.dedent(_LIMITED_RUN).format(root=str(ROOT), limit=limit, args=["train", *args])
+    child = subprocess.run([sys.executable, "-c", code], env=script_env(), capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert child.returncode == 2, child.stdout + child.stderr
+    errors = [line for line in child.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in child.stderr, child.stderr
+    assert "step-00000008" in errors[0] and "GiB free there" in errors[0]
+    assert f"the last complete checkpoint is {complete}" in errors[0]
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # its space given back
+    after = {
+        **folder_state(complete),
+        **{f"drafter/{k}": v for k, v in folder_state(run / "drafter").items()},
+    }
+    assert after == kept
