@@ -6,9 +6,12 @@ options and calls one entry point of the library.
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from dflash.cli import data, results, train
+from dflash.pipeline.queues import Interrupted, StopSignals
 
 
 class _DefaultGroup(click.Group):
@@ -18,6 +21,24 @@ class _DefaultGroup(click.Group):
         if not args or (args[0].startswith("-") and args[0] not in ("--help", "-h", "--version")):
             args = ["train", *args]
         return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> object:
+        signals = StopSignals(_main_phase).install()
+        try:
+            return super().invoke(ctx)
+        except Interrupted as exc:  # one line, and the exit code (130, 143) it carries
+            click.echo(f"Error: {exc.describe()}", err=True)
+            raise
+        finally:
+            signals.restore()
+
+
+def _main_phase() -> str | None:
+    """The phase the main thread is in (target.load, data.regenerate, eval, ...). Looked
+    up, not imported: before a run's telemetry is set up no phase is watched, and --help
+    stays quick."""
+    instruments = sys.modules.get("dflash.observe.instruments")
+    return None if instruments is None else instruments.MAIN_THREAD_PHASE.current()
 
 
 @click.group(cls=_DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -9,6 +9,7 @@ that cannot be written is one line (ObserveError) before work starts.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,37 @@ class _LineHandler(logging.Handler):
         self._log(record.getMessage())
 
 
+class MainThreadPhase:
+    """The innermost phase the main thread is in, traced or not: a signal's one-line
+    message names it ("stopped by SIGTERM during data.prepare"). A phase hook; other
+    threads' phases cost it one comparison."""
+
+    def __init__(self) -> None:
+        self._names: list[str] = []
+        self._main = threading.main_thread().ident
+
+    def phase_started(self, phase: Any) -> None:
+        if threading.get_ident() == self._main:
+            self._names.append(phase.name)
+
+    def phase_ended(self, phase: Any, exc: BaseException | None) -> None:
+        if threading.get_ident() == self._main and self._names:
+            self._names.pop()
+
+    def span_started(self, handle: Any) -> None:
+        pass
+
+    def span_ended(self, handle: Any, end_time_ns: int) -> None:
+        pass
+
+    def current(self) -> str | None:
+        names = self._names
+        return names[-1] if names else None
+
+
+MAIN_THREAD_PHASE = MainThreadPhase()
+
+
 @dataclass
 class Instruments:
     timeline: Timeline | None = None
@@ -57,7 +89,7 @@ class Instruments:
     @property
     def hooks(self) -> list[object]:
         """The phase hooks `tracing.setup` installs."""
-        return [h for h in (self.timeline, self.nvtx) if h is not None]
+        return [h for h in (self.timeline, self.nvtx, MAIN_THREAD_PHASE) if h is not None]
 
     def close(self, write: bool = True) -> dict[str, str]:
         """Writes the timeline (unless not `write`) and stops the profiler (idempotent);

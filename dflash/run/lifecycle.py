@@ -84,6 +84,7 @@ class Run:
     setup_s: float = 0.0
     resumed_from: Path | None = None
     initialized_from: Path | None = None
+    final_saved: bool = False  # the final checkpoint and OUTPUT_DIR/drafter are written
     _fingerprint: str | None = None
 
     @property
@@ -369,6 +370,7 @@ def save_final(run: Run) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         complete = f"the final checkpoint {final} is complete; its drafter/ is the trained drafter"
         raise save_failure(exc, drafter_dir, complete) from None
+    run.final_saved = True
 
 
 def complete_run(run: Run, phase: PhaseFn = null_phase) -> tuple[dict[str, Any], float]:
@@ -415,7 +417,7 @@ def build_summary(
         "mask_token_source": run.mask_token.source,
         "packing": run.cfg.data.packing,
         "initialized_from": None if run.initialized_from is None else str(run.initialized_from),
-        "drafter_dir": str(run.output_dir / "drafter") if evaluation is not None else None,
+        "drafter_dir": str(run.output_dir / "drafter") if run.final_saved else None,
     }
     if interrupted is not None:
         summary["interrupted"] = interrupted

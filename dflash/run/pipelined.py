@@ -33,7 +33,13 @@ from dflash.pipeline.distributed import (
     destroy_distributed,
     rank_batch_indices,
 )
-from dflash.pipeline.queues import PipelineError, SignalStop, StageGroup, TrainingInterrupted
+from dflash.pipeline.queues import (
+    Interrupted,
+    PipelineError,
+    SignalStop,
+    StageGroup,
+    TrainingInterrupted,
+)
 from dflash.pipeline.stages import Pipeline, StepFn
 from dflash.run.folder import METRICS_FILE
 from dflash.run.lifecycle import (
@@ -229,15 +235,10 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], start: Start,
     ranks = f" x {info.world_size} ranks" if info.enabled else ""
     telemetry_line = observer.describe() if observer is not None else None
     log_startup(run, quiet, placement.describe() + ranks, telemetry_line)
-    start.begin_training(cfg, quiet)
-    if observer is not None:
-        observer.folder_written = True  # stats.json and the timeline may go there now
     progress = Progress(cfg.run.steps, run.step, log=None,
                         stream=progress_stream if info.is_main else io.StringIO())  # fmt: skip
     metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
                           Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip
-    if info.is_main and run.resumed_from is not None:
-        metrics.continue_file()
     book = _StepBook(run, progress, info, len(replicas), metrics, averager, observer)
     window = observer.profile if observer is not None else None
     indices = rank_batch_indices(cfg.run.steps - run.step, info.rank, info.world_size,
@@ -258,6 +259,12 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], start: Start,
         first_step=run.step,
     )  # fmt: skip
     book.rates = StageRates(_stage_tokens(pipe, info.world_size))
+    # Every check has passed (the hidden-state cache's among them): the run's files now.
+    start.begin_training(cfg, quiet)
+    if observer is not None:
+        observer.folder_written = True  # stats.json and the timeline may go there now
+    if info.is_main and run.resumed_from is not None:
+        metrics.continue_file()
     return _Setup(run, pipe, book, progress, placement)
 
 
@@ -335,7 +342,14 @@ def _finish(setup: _Setup, info: DistInfo, observer: Observer | None, log: Calla
     if not info.is_main:
         close()
         return {"rank": info.rank, "steps": run.step, "pipeline": figures}
-    evaluation = complete_run(run, phase=lambda n: tracing.phase(n, level="step"))
+    try:
+        evaluation = complete_run(run, phase=lambda n: tracing.phase(n, level="step"))
+    except Interrupted as exc:  # during the final save or evaluation: record what is known
+        summary = build_summary(run, stats, started_s, interrupted=exc.describe(),
+                                extra=_extra(figures, close()))  # fmt: skip
+        write_summary(run, summary, log)
+        _write_report(run.output_dir, log)
+        raise
     summary = build_summary(run, stats, started_s, evaluation=evaluation,
                             extra=_extra(figures, close()))  # fmt: skip
     write_summary(run, summary, log)

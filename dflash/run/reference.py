@@ -48,7 +48,9 @@ def _train(cfg: TrainConfig, start: Start, log: Callable[[str], None], progress_
     placement = start.placement
     run = build_run(cfg, placement, log)
     log_startup(run, log, f"target {placement.target}, drafter {placement.drafter}")
-    start.begin_training(cfg, log)
+    last_index = run.next_batch_index + cfg.run.steps - run.step - 1
+    read = cache_reader(run, last_index)[1] if cfg.data.hidden_cache else None
+    start.begin_training(cfg, log)  # every check has passed, the cache's among them
     progress = Progress(cfg.run.steps, run.step, stream=progress_stream, log=None)
     metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
                           Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip
@@ -57,8 +59,6 @@ def _train(cfg: TrainConfig, start: Start, log: Callable[[str], None], progress_
     losses: list[torch.Tensor] = []
     num_tokens, train_start_s = 0, time.perf_counter()
     soft = cfg.loss.use_soft_labels
-    last_index = run.next_batch_index + cfg.run.steps - run.step - 1
-    read = cache_reader(run, last_index)[1] if cfg.data.hidden_cache else None
     try:
         while run.step < cfg.run.steps:
             batch = run.train_data.batch(run.next_batch_index)

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -169,7 +170,8 @@ def test_train_from_the_cache_gives_the_online_losses_through_the_pipeline(
     assert names.TARGET_READ in cached_spans and names.TARGET_FORWARD not in cached_spans
     assert names.TARGET_FORWARD in online_spans and names.TARGET_READ not in online_spans
     seen[:] = []
-    reference = train_reference(cfg, log=lambda _: None)
+    reference = train_reference(dataclasses.replace(cfg, run=dataclasses.replace(
+        cfg.run, output_dir=str(tmp_path / "cached-reference"))), log=lambda _: None)  # fmt: skip
     assert seen == online_losses and reference["final_loss"] == online["final_loss"]
 
 

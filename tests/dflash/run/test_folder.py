@@ -195,3 +195,58 @@ def test_a_final_save_that_cannot_be_written_keeps_the_last_complete_checkpoint(
         **{f"drafter/{k}": v for k, v in folder_state(run / "drafter").items()},
     }
     assert after == kept
+
+
+_SIGNALLED_RUN = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+from tests.dflash.app_fixtures import small_target_everywhere
+small_target_everywhere()
+import dflash.run.lifecycle as lifecycle
+real = getattr(lifecycle, {function!r})
+
+def signalled(*args, **kwargs):  # the signal arrives while the main thread is in there
+    os.kill(os.getpid(), signal.{signal_name})
+    time.sleep(5)
+    return real(*args, **kwargs)
+
+setattr(lifecycle, {function!r}, signalled)
+from dflash import cli
+cli.cli({args!r}, prog_name="dflash-train")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("tiny_target")
+@pytest.mark.parametrize(
+    ("function", "signal_name", "code", "phase"),
+    [
+        ("run_datasets", "SIGTERM", 143, "data.prepare"),
+        ("run_datasets", "SIGINT", 130, "data.prepare"),
+        ("evaluate_run", "SIGTERM", 143, "eval"),
+    ],
+)
+def test_a_signal_outside_the_training_loop_is_one_line_and_keeps_what_is_known(
+    tmp_path, function, signal_name, code, phase
+) -> None:
+    run = tmp_path / "run"
+    args = ["train", *train_args(tmp_path, run)[1:]]
+    source = textwrap.dedent(_SIGNALLED_RUN).format(
+        root=str(ROOT), function=function, signal_name=signal_name, args=args
+    )
+    started = time.monotonic()
+    child = subprocess.run([sys.executable, "-c", source], env=script_env(),
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert child.returncode == code, child.stderr
+    assert time.monotonic() - started < 60
+    errors = [line for line in child.stderr.splitlines() if line.startswith("Error:")]
+    assert errors == [f"Error: stopped by {signal_name} during {phase}"], child.stderr
+    assert "Traceback" not in child.stderr and "Aborted!" not in child.stderr
+    if phase == "data.prepare":  # before its checks passed: the folder holds nothing of it
+        assert folder_state(run) == {}
+        return
+    summary = json.loads((run / "summary.json").read_text())  # valid JSON: null, not NaN
+    assert summary["interrupted"] == f"stopped by {signal_name} during eval"
+    assert summary["tau"] is None and summary["steps"] == 6
+    assert summary["drafter_dir"] == str(run / "drafter")
+    assert (run / "stats.json").is_file() and (run / "report.html").is_file()

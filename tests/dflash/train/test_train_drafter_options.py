@@ -33,7 +33,8 @@ def invoke(args):
 def train_args(tmp_path, **extra):
     args = ["train"]
     for key, value in {**small_options(tmp_path), "steps": 2, **extra}.items():
-        args += ["--" + key.replace("_", "-"), str(value)]
+        flag = "--" + key.replace("_", "-")
+        args += [flag] if value is True else [flag, str(value)]
     return args
 
 
@@ -259,7 +260,7 @@ def test_partial_noise_scores_only_masked_positions_and_anneals(tmp_path) -> Non
 def test_drafter_intermediate_size_defaults_to_the_targets(tmp_path) -> None:
     assert invoke(train_args(tmp_path)).exit_code == 0
     assert saved_drafter(tmp_path)[0]["intermediate_size"] == SMALL_LM.intermediate_size
-    result = invoke(train_args(tmp_path, drafter_intermediate_size=40))
+    result = invoke(train_args(tmp_path, drafter_intermediate_size=40, overwrite=True))
     assert result.exit_code == 0, result.output
     config, meta = saved_drafter(tmp_path)
     assert config["intermediate_size"] == 40
