@@ -1,29 +1,46 @@
 #!/usr/bin/env bash
-# Source me: creates (once) and activates the cached virtual environment.
-# The venv lives outside the clone because PyTorch is a multi-GiB install; it is
-# keyed by the pinned constraints so a dependency change builds a fresh one.
+# Source me: creates (once) and activates this checkout's virtual environment.
+# Two layers, both outside the clone:
+#   deps      the third-party packages (PyTorch is a multi-GiB install), shared by every
+#             checkout and keyed by the pinned constraints and pyproject; the project
+#             itself is never installed there
+#   checkout  a small venv of this checkout alone, keyed by its path: its site-packages
+#             adds the deps' (a .pth file) and holds the editable install of this
+#             checkout, so two clones used in turn each run their own code
 # The work runs in a subshell with its own `set -euo pipefail`: sourcing this file
 # changes only DFLASH_VENV and PATH of the calling shell, never its options.
 _dflash_venv=$(
   set -euo pipefail
   root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
   python=${PYTHON:-python3}
-  key=$(sha256sum < "$root/constraints.txt" | cut -c1-12)
   cache=${DFLASH_CACHE_DIR:-$HOME/.cache/dflash-train}
-  venv=${DFLASH_VENV:-$cache/venv-$key}
-  # Editable installs point at one checkout; re-install when this checkout is another one.
-  stamp="$venv/.dflash-stamp"
-  want="$(cat "$root/constraints.txt" "$root/pyproject.toml" | sha256sum | cut -c1-12) $root"
-  if [ ! -x "$venv/bin/python" ]; then
-    echo "bootstrap: creating $venv (first run downloads PyTorch, a few minutes)" >&2
-    "$python" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --upgrade "pip>=24" >&2
+  key=$(cat "$root/constraints.txt" "$root/pyproject.toml" | sha256sum | cut -c1-12)
+  deps=${DFLASH_DEPS_VENV:-$cache/venv-$(sha256sum < "$root/constraints.txt" | cut -c1-12)}
+  venv=${DFLASH_VENV:-$cache/checkouts/$(printf %s "$root" | sha256sum | cut -c1-12)}
+  if [ ! -x "$deps/bin/python" ]; then
+    echo "bootstrap: creating $deps (first run downloads PyTorch, a few minutes)" >&2
+    "$python" -m venv "$deps"
+    "$deps/bin/python" -m pip install -q --upgrade "pip>=24" >&2
   fi
-  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    "$venv/bin/python" -m pip install -q -c "$root/constraints.txt" -e "$root[dev,hf]" >&2
-    echo "$want" > "$stamp"
+  if [ "$(cat "$deps/.dflash-deps-stamp" 2>/dev/null)" != "$key" ]; then
+    # The project's requirements through its own metadata, then the project out again.
+    "$deps/bin/python" -m pip install -q -c "$root/constraints.txt" -e "$root[dev,hf]" >&2
+    "$deps/bin/python" -m pip uninstall -q -y dflash-train >&2
+    echo "$key" > "$deps/.dflash-deps-stamp"
   fi
-  echo "$venv"
+  want="$key $deps $root"
+  if [ "$(cat "$venv/.dflash-stamp" 2>/dev/null)" != "$want" ]; then
+    rm -rf "$venv"
+    "$deps/bin/python" -m venv --without-pip "$venv"
+    purelib() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+    # addsitedir, not a bare path: the deps' own .pth files (setuptools' among them) apply.
+    printf 'import site; site.addsitedir(%s)\n' "'$(purelib "$deps/bin/python")'" \
+      > "$(purelib "$venv/bin/python")/_dflash_deps.pth"
+    "$deps/bin/python" -m pip --python "$venv/bin/python" install -q --no-deps \
+      --no-build-isolation -e "$root" >&2
+    echo "$want" > "$venv/.dflash-stamp"
+  fi
+  echo "$venv:$deps"
 )
 # Not `$(...) || ...`: that context would switch errexit off inside the subshell.
 if [ $? -ne 0 ]; then
@@ -31,6 +48,6 @@ if [ $? -ne 0 ]; then
   unset _dflash_venv
   return 1 2>/dev/null || exit 1
 fi
-export DFLASH_VENV=$_dflash_venv
-export PATH="$DFLASH_VENV/bin:$PATH"
+export DFLASH_VENV=${_dflash_venv%%:*}
+export PATH="$DFLASH_VENV/bin:${_dflash_venv#*:}/bin:$PATH"
 unset _dflash_venv
