@@ -248,6 +248,12 @@ class RunConfig(Section):
     eval_new_tokens: int = setting(64, "Tokens generated per evaluation prompt.", min=1)
     eval_prompt_tokens: int = setting(64, "Length of each evaluation prompt, in tokens.", min=1)
     debug: bool = setting(False, "Show full tracebacks instead of one-line errors.")
+    allow_over_memory: bool = setting(
+        False,
+        "Start even when the estimated peak memory of a step (see --dry-run) exceeds the "
+        "drafter device's memory (the host's RAM on a CPU); without it such a run is refused "
+        "before any model loads.",
+    )
     dry_run: bool = setting(
         False,
         "Print the estimated peak memory and FLOPs of one optimizer step and exit, "

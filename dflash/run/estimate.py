@@ -58,6 +58,7 @@ class StepShape:
     target_bytes: int = 2  # bf16 target
     activation_bytes: int = 2  # bf16 autocast
     num_target_features: int | None = None  # K; None: drafter_layers
+    document_masks: bool = False  # --packing docs: the target attends through a [T, T] mask
 
     def __post_init__(self) -> None:
         for name in ("drafter_layers", "block_size", "num_anchors", "seq_len", "batch_size",
@@ -137,6 +138,11 @@ def _memory(s: StepShape) -> dict[str, float]:
     if s.soft_labels and s.loss_chunk_size is None:
         queue += rows_all * v * s.target_bytes  # dense soft labels ship logits
     target_act = rows_all * (4 * d + 2 * i) * s.target_bytes
+    if s.document_masks:  # one layer's [T, T] mask, and its fp32 scores off the GPU kernels
+        per_row = s.seq_len * s.seq_len
+        target_act += (
+            rows_all / s.seq_len * per_row * (1 + (4 * g.num_heads if s.attention != "flex" else 0))
+        )
     per_layer = q * (10 * d + 4 * i) + rows_t * 2 * g.num_kv_heads * g.head_dim
     if s.attention != "flex":  # scores and probabilities kept in fp32
         per_layer += q * g.num_heads * s.keys_per_query() * 4 / s.activation_bytes
@@ -230,6 +236,7 @@ def shape_for_config(cfg: TrainConfig, geometry: TargetGeometry, device_type: st
         activation_checkpointing=cfg.optim.activation_checkpointing,
         attention="flex" if on_gpu else "grouped", target_bytes=width, activation_bytes=width,
         num_target_features=len(layer_ids) if layer_ids else None,
+        document_masks=cfg.data.packing == "docs",
     )  # fmt: skip
 
 
@@ -257,6 +264,53 @@ def estimate_for_config(
     limit = device_bytes if device_bytes is not None else device_memory_bytes(device)
     warning = None if limit is None else estimate.warning(limit)
     return [warning or f"estimate on {device} ({precision}): {estimate.format()}"]
+
+
+def local_limits(spec: str) -> tuple[TargetGeometry, int | None] | None:
+    """(geometry, stated position limit) of a target known without weights or network:
+    builtin:tiny, a local directory's config.json, a published shape; else None."""
+    if spec.startswith("builtin:"):
+        return TinyLMConfig().geometry(), None  # plain rope: no stated limit
+    path = Path(spec).expanduser() / "config.json"
+    if path.is_file():
+        try:
+            raw = json.loads(path.read_text())
+            text = raw.get("text_config") or raw
+            limit = text.get("max_position_embeddings")
+            return geometry_from_hf_config(raw), limit if isinstance(limit, int) else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None  # the target's own loading names what is wrong with it
+    if spec in KNOWN_SHAPES:
+        return KNOWN_SHAPES[spec], KNOWN_SHAPES[spec].max_position_embeddings
+    return None
+
+
+def check_sizes_before_work(
+    cfg: TrainConfig, device: Any, device_bytes: float | None = None
+) -> None:
+    """Before any model loads: --seq-len within the target's positions, and the step's
+    estimated peak memory within the drafter device's (or the host's) memory unless
+    --allow-over-memory. A target known only through the hub is checked once loaded."""
+    known = local_limits(cfg.target.spec)
+    if known is None:
+        return
+    geometry, positions = known
+    if positions is not None and cfg.data.seq_len > positions:
+        raise EstimateError(
+            f"--seq-len {cfg.data.seq_len} is invalid: target {cfg.target.spec} has "
+            f"max_position_embeddings {positions}"
+        )
+    device = torch.device(device)
+    limit = device_bytes if device_bytes is not None else device_memory_bytes(device)
+    estimate = estimate_step(shape_for_config(cfg, geometry, device.type))
+    if limit is None or cfg.run.allow_over_memory or estimate.total_bytes <= limit:
+        return
+    raise EstimateError(
+        f"this config needs about {estimate.total_bytes / GIB:,.1f} GiB on {device}, more "
+        f"than its {limit / GIB:.1f} GiB: lower --batch-size (raise --grad-accum), --seq-len, "
+        "--num-anchors or --drafter-layers, set --activation-checkpointing, or pass "
+        "--allow-over-memory if the estimate is wrong for this machine"
+    )
 
 
 def dry_run_lines(cfg: TrainConfig) -> list[str]:

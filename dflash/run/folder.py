@@ -39,8 +39,9 @@ RUN_DIRS = ("checkpoints", "drafter", "profile")
 class FolderLock:
     """The exclusive lock of one output folder, held from `acquire` to `release`."""
 
-    def __init__(self, output_dir: Path) -> None:
+    def __init__(self, output_dir: Path, created: bool = False) -> None:
         self.path = output_dir / LOCK_FILE
+        self.created = created  # this run made the folder: a refused run removes it again
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -67,10 +68,15 @@ class FolderLock:
         """Idempotent. The file stays: removing it would let a waiting run lock a file
         that a third one no longer sees."""
         fd, self._fd = self._fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)
-            os.close(fd)  # closing the last descriptor drops the flock
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+            folder = self.path.parent
+            if self.created and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
+                self.path.unlink()  # nothing of the run was written: leave no trace
+                folder.rmdir()
+        os.close(fd)  # closing the last descriptor drops the flock
 
     def __enter__(self) -> FolderLock:
         self.acquire()
@@ -104,8 +110,9 @@ def claim_output_dir(cfg: TrainConfig) -> FolderLock:
     it. Raises ConfigError (one line) otherwise; writes nothing of the run."""
     output_dir = Path(cfg.run.output_dir)
     try:
+        created = not output_dir.exists()
         output_dir.mkdir(parents=True, exist_ok=True)
-        lock = FolderLock(output_dir)
+        lock = FolderLock(output_dir, created)
         lock.acquire()
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__

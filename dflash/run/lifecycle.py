@@ -51,7 +51,7 @@ from dflash.run.checkpoint import (
     save_checkpoint,
     save_failure,
 )
-from dflash.run.estimate import estimate_for_config
+from dflash.run.estimate import check_sizes_before_work, estimate_for_config
 from dflash.run.folder import FolderLock, claim_output_dir, write_run_start
 from dflash.run.progress import format_loss_config, format_run_config, format_summary
 from dflash.target import load as target_load  # by module: tests swap load_target
@@ -279,6 +279,7 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
             resume = load_checkpoint(resolve_checkpoint(cfg.run.resume, output_dir))
             _check_resume_compatible(cfg, resume.config, resume.path)
     warm = _warm_start(cfg, resuming=resume is not None)
+    check_sizes_before_work(cfg, placement.drafter)
     dtype = target_load.target_dtype(placement.target)
     # From a hidden-state cache the target never runs during training: its weights stay
     # in host memory (the drafter copies the embedding and LM head it shares) until the

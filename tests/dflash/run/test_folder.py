@@ -250,3 +250,42 @@ def test_a_signal_outside_the_training_loop_is_one_line_and_keeps_what_is_known(
     assert summary["tau"] is None and summary["steps"] == 6
     assert summary["drafter_dir"] == str(run / "drafter")
     assert (run / "stats.json").is_file() and (run / "report.html").is_file()
+
+
+@pytest.mark.usefixtures("tiny_target")
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"drafter_layers": 100000}, "GiB on cpu, more than its"),
+        ({"seq_len": 1000000}, "--allow-over-memory"),
+        ({"seq_len": 100000000000}, "--allow-over-memory"),
+    ],
+)
+def test_a_run_too_big_for_the_machine_is_refused_before_any_work(tmp_path, extra, fragment):
+    run = tmp_path / "new" / "run"
+    started = time.monotonic()
+    line = one_error_line(invoke(train_args(tmp_path, run, **extra)))
+    assert fragment in line and time.monotonic() - started < 10
+    assert not run.exists()  # the folder it made for the run is gone again
+
+
+def test_a_target_position_limit_is_checked_before_loading(tmp_path) -> None:
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3",
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 128,
+                "vocab_size": 1000,
+                "max_position_embeddings": 256,
+            }
+        )
+    )  # fmt: skip  (no weights: a load would fail, the check comes first)
+    line = one_error_line(invoke(train_args(tmp_path, tmp_path / "run", target=str(target),
+                                            seq_len=512)))  # fmt: skip
+    assert "--seq-len 512" in line and "max_position_embeddings 256" in line
