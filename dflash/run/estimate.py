@@ -29,6 +29,7 @@ from dflash.config.devices import DeviceError, decide_placement
 from dflash.config.settings import LossConfig, TrainConfig
 from dflash.errors import DFlashError
 from dflash.target.geometry import TargetGeometry, geometry_from_hf_config
+from dflash.target.hf import hub_unreachable
 from dflash.target.synthetic import KNOWN_SHAPES
 from dflash.target.tiny import TinyLMConfig
 
@@ -213,7 +214,9 @@ def geometry_for_spec(spec: str) -> tuple[TargetGeometry, str]:
             return KNOWN_SHAPES[spec], f"the published shape of {spec}"
         from transformers import AutoConfig  # deferred: an optional dependency
 
-        return geometry_from_hf_config(AutoConfig.from_pretrained(spec)), spec
+        cached_only = hub_unreachable() is not None
+        config = AutoConfig.from_pretrained(spec, local_files_only=cached_only)
+        return geometry_from_hf_config(config), spec
     except (OSError, ValueError, KeyError, ImportError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise EstimateError(

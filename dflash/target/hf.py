@@ -6,8 +6,11 @@ transformers is imported only when such a target loads, so it stays optional.
 from __future__ import annotations
 
 import re
+import socket
+import threading
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -16,7 +19,11 @@ from dflash.errors import first_line
 from dflash.target.geometry import TargetError, geometry_from_hf_config
 from dflash.target.model import TargetModel
 
-__all__ = ["hf_stop_token_ids", "load_hf_target"]
+__all__ = ["hf_stop_token_ids", "hub_unreachable", "load_hf_target"]
+
+HUB_PROBE_S = 3.0
+"""How long a hub lookup waits to learn whether the hub can be reached at all: without
+network, transformers' own retries take about half a minute and a dozen log lines."""
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # "org/name" or a legacy "name"
 
@@ -45,15 +52,24 @@ def load_hf_target(spec: str, device: torch.device | str, dtype: torch.dtype | N
             "Hugging Face targets need transformers: pip install 'dflash-train[hf]'"
         ) from err
     source = str(path) if path.exists() else spec
+    unreachable = None if path.exists() else hub_unreachable()
+    cached_only = {"local_files_only": True} if unreachable else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype or torch.float32, **cached_only
+        )
     except (ValueError, KeyError) as err:
         raise TargetError(f"target {spec} is not a causal LM: {first_line(err)}") from err
     except OSError as err:
+        if unreachable:
+            raise TargetError(
+                f"cannot load target {spec}: no such local directory, not in the Hugging Face "
+                f"cache, and the hub cannot be reached from here ({unreachable})"
+            ) from None
         where = "" if path.exists() else " (no such local directory; tried the hub)"
         raise TargetError(f"cannot load target {spec}{where}: {first_line(err)}") from err
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, **cached_only)
     except (ValueError, OSError, KeyError) as err:
         raise TargetError(f"cannot load the tokenizer of target {spec}: {first_line(err)}") from err
     if not isinstance(model.get_output_embeddings(), nn.Linear):
@@ -69,6 +85,31 @@ def load_hf_target(spec: str, device: torch.device | str, dtype: torch.dtype | N
         stop_token_ids=hf_stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
     )
     return target.to(device)
+
+
+def hub_unreachable(timeout_s: float = HUB_PROBE_S) -> str | None:
+    """Why the Hugging Face hub cannot be reached now (offline mode, no DNS, no route), or
+    None when a TCP connection to it opens within `timeout_s`."""
+    from huggingface_hub import constants  # with transformers: optional
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    url = urlparse(constants.ENDPOINT)
+    host = url.hostname or "huggingface.co"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    outcome: list[str | None] = []
+
+    def probe() -> None:  # getaddrinfo has no timeout of its own: a thread bounds it
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            outcome.append(None)
+        except OSError as exc:
+            outcome.append(f"{host}: {exc.strerror or type(exc).__name__}")
+
+    thread = threading.Thread(target=probe, name="hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return outcome[0] if outcome else f"{host}: no answer within {timeout_s:.0f} s"
 
 
 def _as_ids(value: Any) -> list[int]:

@@ -128,6 +128,21 @@ def test_missing_target_path(tmp_path) -> None:
 
 
 @pytest.mark.slow  # imports transformers
+def test_a_hub_id_that_cannot_be_reached_fails_within_seconds(tmp_path, monkeypatch) -> None:
+    """Offline (HF_HUB_OFFLINE here; no DNS or no route take the same path after the
+    probe): one line at once, not half a minute of retries."""
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    started = time.monotonic()
+    result = invoke(_train_args(tmp_path, target="no-such-org/no-such-model"))
+    assert_one_line_error(result, "no-such-org/no-such-model", "cannot be reached")
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.slow  # imports transformers
 def test_target_that_is_not_a_causal_lm(tmp_path) -> None:
     model_dir = tmp_path / "t5"
     model_dir.mkdir()
