@@ -21,6 +21,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash-train")
 
 
+def unwritable(path: Path | str, folder: bool = False) -> str | None:
+    """Why `path` could not be written as a file (`folder`: as a folder to write into),
+    found without writing anything; None when it can be. The parents a write would
+    create need a writable existing ancestor."""
+    target = Path(path).expanduser()
+    if not folder and target.is_dir():
+        return "it is a folder"
+    if folder and target.exists() and not target.is_dir():
+        return "it is a file, not a folder"
+    if not folder and target.exists() and not os.access(target, os.W_OK):
+        return "it is read-only"
+    probe = target if folder else target.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
 @contextmanager
 def replacing(path: Path | str) -> Iterator[Path]:
     """Yields a temporary sibling of `path` to write; renamed over `path` when the block

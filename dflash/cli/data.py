@@ -12,6 +12,8 @@ from dflash.cli.options import (
     CommaList,
     FiniteFloat,
     build_config,
+    check_cache_dir,
+    check_output,
     debug_option,
     device_option,
     echo_err,
@@ -94,6 +96,8 @@ def regenerate_command(
     """Regenerate training data with the target's own replies (the recommended recipe)."""
     from dflash.run.offline import regenerate_data  # deferred: torch, so --help answers at once
 
+    check_output(output, "--output")
+    check_cache_dir()
     bar = _RegenBar()
 
     def go() -> Any:
@@ -167,6 +171,9 @@ def cache_hidden_command(
     """Run the target once over the training batches and write their hidden states, for
     `train --hidden-cache DIR` with the same target, layer and data options."""
     from dflash.run.offline import write_run_cache  # deferred: torch
+
+    check_output(output, "--output", folder=True)
+    check_cache_dir()
 
     def go() -> Any:
         cfg = build_config(config_file, given)

@@ -25,6 +25,7 @@ from dflash.config.settings import (
     values_from_mapping,
 )
 from dflash.errors import DFlashError, first_line
+from dflash.files import cache_dir, unwritable
 
 
 class InputError(click.ClickException):
@@ -133,6 +134,24 @@ def report_errors(debug: bool, run: Callable[[], Any]) -> Any:
         if debug:
             raise
         raise InputError(first_line(exc)) from None
+
+
+def check_output(value: str | None, flag: str, folder: bool = False) -> None:
+    """An output path the command will write, checked before any model loads: one line
+    naming it (exit 2) when it cannot be written. `-` (standard output) and None pass."""
+    if value is None or value == "-":
+        return
+    why = unwritable(value, folder=folder)
+    if why is not None:
+        raise InputError(f"{flag} {value!r} cannot be written: {why}")
+
+
+def check_cache_dir() -> None:
+    """The cache folder (built-in targets, regenerated data) must take writes: found out
+    now, not after minutes of target preparation."""
+    why = unwritable(cache_dir(), folder=True)
+    if why is not None:
+        raise InputError(f"DFLASH_CACHE_DIR {str(cache_dir())!r} cannot be written: {why}")
 
 
 def train_options(func: Callable) -> Callable:

@@ -10,6 +10,8 @@ import click
 
 from dflash.cli.options import (
     FiniteFloat,
+    check_cache_dir,
+    check_output,
     debug_option,
     device_option,
     echo_err,
@@ -81,6 +83,9 @@ def eval_command(
     per block position, and the wall-clock speedup against plain greedy decoding."""
     from dflash.eval.evaluate import evaluate_drafter_dir  # deferred: torch
 
+    check_output(json_path, "--json")
+    check_cache_dir()
+
     def go() -> dict[str, Any]:
         cfg = config_from_options(given)
         settings = EvalSettings(
@@ -125,6 +130,8 @@ def export_command(
 ) -> None:
     """Convert an older run's drafter into the standard DFlash format serving engines load."""
     from dflash.drafter.io import export_drafter  # deferred: torch
+
+    check_output(output_dir, "--output", folder=True)
 
     def go() -> Path:
         return export_drafter(drafter_dir, output_dir, num_target_layers=num_target_layers)

@@ -8,6 +8,8 @@ import click
 
 from dflash.cli.options import (
     build_config,
+    check_cache_dir,
+    check_output,
     debug_option,
     echo_err,
     report_errors,
@@ -35,6 +37,11 @@ def train(config_file: str | None, **given: Any) -> None:
 
     debug = bool(given.get("debug"))
     cfg = report_errors(debug, lambda: build_config(config_file, given))
+    if not cfg.run.dry_run:  # every file the run writes besides OUTPUT_DIR's own
+        check_output(cfg.telemetry.trace_file, "--trace-file")
+        if cfg.telemetry.timeline not in (None, "off"):
+            check_output(cfg.telemetry.timeline, "--timeline")
+        check_cache_dir()
     if cfg.run.dry_run:
         from dflash.run.estimate import dry_run_lines  # deferred: torch
 
@@ -60,6 +67,8 @@ def train(config_file: str | None, **given: Any) -> None:
 def prepare_target(target: str | None, debug: bool) -> None:
     """Prepare (train or download) and cache a target so that `train` starts at once."""
     from dflash.target.load import prepare_target_spec  # deferred: torch
+
+    check_cache_dir()
 
     def go() -> None:
         spec = config_from_options({"target": target}).target.spec

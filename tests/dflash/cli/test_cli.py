@@ -333,3 +333,37 @@ def test_train_writes_the_report_and_report_rebuilds_it(tmp_path) -> None:
     assert result.exit_code == 0 and result.output.strip() == str(tmp_path / "report.html")
     html = (tmp_path / "report.html").read_text()
     assert 'data-chart="timeline"' in html and "drafter.step" in html
+
+
+@pytest.mark.parametrize(
+    ("command", "fragments"),
+    [
+        (["eval", "--drafter", "{tmp}", "--json", "{file}/e.json"], ["--json", "not a folder"]),
+        (["regenerate", "--output", "{file}/out.jsonl"], ["--output", "is a file, not a folder"]),
+        (["cache-hidden", "--output", "{file}/c"], ["--output", "is a file, not a folder"]),
+        (["export", "--drafter", "{tmp}", "--output", "{file}/d"], ["--output", "not a folder"]),
+        (["train", "--trace-file", "{tmp}"], ["--trace-file", "it is a folder"]),
+        (["train", "--timeline", "{file}/t.json"], ["--timeline", "is a file, not a folder"]),
+    ],
+)
+def test_every_output_path_is_checked_before_any_model_loads(tmp_path, command, fragments):
+    import time
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    args = [a.format(tmp=tmp_path, file=blocker) for a in command]
+    started = time.monotonic()
+    assert_one_line_error(invoke(args), *fragments)
+    assert time.monotonic() - started < 5  # refused before a target or drafter loads
+
+
+@pytest.mark.parametrize("command", [["train"], ["prepare-target"], ["regenerate", "--output",
+                                                                     "{tmp}/r.jsonl"]])  # fmt: skip
+def test_a_cache_folder_that_cannot_be_written_is_refused_at_once(tmp_path, command) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    args = [a.format(tmp=tmp_path) for a in command]
+    if command == ["train"]:
+        args = _train_args(tmp_path)
+    result = invoke(args, env={"DFLASH_CACHE_DIR": str(blocker)})
+    assert_one_line_error(result, "DFLASH_CACHE_DIR", "it is a file, not a folder")
