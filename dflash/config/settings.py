@@ -61,6 +61,14 @@ class DataConfig(Section):
     heldout_fraction: float = setting(
         0.05, "Share of documents kept out of training for evaluation.", gt=0.0, lt=1.0
     )
+    max_dropped_share: float = setting(
+        0.5,
+        "Stop before training when packing drops more than this share of the conversations "
+        "(their first reply does not fit --seq-len): a run on the few left would report "
+        "success having learned little.",
+        min=0.0,
+        max=1.0,
+    )
     packing: Literal["docs", "concat"] = setting(
         "docs",
         "How documents fill rows: `docs` keeps each document to itself (the target, the "

@@ -288,6 +288,13 @@ def local_limits(spec: str) -> tuple[TargetGeometry, int | None] | None:
     return None
 
 
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:,.1f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
 def check_sizes_before_work(
     cfg: TrainConfig, device: Any, device_bytes: float | None = None
 ) -> None:
@@ -309,8 +316,8 @@ def check_sizes_before_work(
     if limit is None or cfg.run.allow_over_memory or estimate.total_bytes <= limit:
         return
     raise EstimateError(
-        f"this config needs about {estimate.total_bytes / GIB:,.1f} GiB on {device}, more "
-        f"than its {limit / GIB:.1f} GiB: lower --batch-size (raise --grad-accum), --seq-len, "
+        f"this config needs about {_size(estimate.total_bytes)} on {device}, more "
+        f"than its {_size(limit)}: lower --batch-size (raise --grad-accum), --seq-len, "
         "--num-anchors or --drafter-layers, set --activation-checkpointing, or pass "
         "--allow-over-memory if the estimate is wrong for this machine"
     )

@@ -27,6 +27,7 @@ from dflash.config.schema import ConfigError
 from dflash.config.settings import TrainConfig
 from dflash.data.corpus import EMBEDDED
 from dflash.data.datasets import PackedDataset, build_datasets, datasets_from_corpus
+from dflash.data.sources import DataError
 from dflash.drafter.io import (
     check_fits_target,
     init_drafter_from,
@@ -265,7 +266,28 @@ def run_datasets(
         )  # fmt: skip
     if cfg.drafter.mask_token_id is not None:
         check_mask_token_unused(cfg.drafter.mask_token_id, (train.ids, heldout.ids, heldout.stream))
+    check_trainable(train, cfg)
     return train, heldout
+
+
+def check_trainable(train: PackedDataset, cfg: TrainConfig) -> None:
+    """Data that cannot train stops the run before step 1: a run whose rows hold no
+    position to learn from trains with loss 0 and exits 0; one that dropped most of its
+    conversations learns from a few."""
+    pack, seq_len = train.report.pack, cfg.data.seq_len
+    if pack.documents and pack.dropped_chats / pack.documents > cfg.data.max_dropped_share:
+        raise DataError(
+            f"--seq-len {seq_len} drops {pack.dropped_chats} of {pack.documents} conversations "
+            "(their first reply does not fit a row): raise --seq-len, or --max-dropped-share "
+            f"{pack.dropped_chats / pack.documents:.2f} to train on the rest"
+        )
+    mask = train.mask
+    if not (mask[:, :-1] & mask[:, 1:]).any():  # an anchor and its next token both learnable
+        raise DataError(
+            f"no training row has two learnable tokens in a row at --seq-len {seq_len}: every "
+            "loss position is masked (prompts only, or replies cut off); check the data "
+            "or raise --seq-len"
+        )
 
 
 def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None] = print) -> Run:

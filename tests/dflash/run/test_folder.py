@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -289,3 +290,18 @@ def test_a_target_position_limit_is_checked_before_loading(tmp_path) -> None:
     line = one_error_line(invoke(train_args(tmp_path, tmp_path / "run", target=str(target),
                                             seq_len=512)))  # fmt: skip
     assert "--seq-len 512" in line and "max_position_embeddings 256" in line
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_data_that_cannot_train_stops_before_step_one(tmp_path) -> None:
+    chats = tmp_path / "chats.jsonl"
+    long_reply = "a reply far longer than one row of the run " * 4
+    with chats.open("w") as out:
+        for i in range(20):
+            messages = [{"role": "user", "content": f"question {i}"},
+                        {"role": "assistant", "content": long_reply}]  # fmt: skip
+            out.write(json.dumps({"messages": messages}) + "\n")
+    run = tmp_path / "run"
+    line = one_error_line(invoke(train_args(tmp_path, run, data=str(chats), seq_len=32)))
+    assert re.search(r"--seq-len 32 drops (\d+) of \1 conversations", line), line
+    assert "--max-dropped-share" in line and not run.exists()

@@ -136,7 +136,10 @@ def test_the_start_of_a_run_prints_the_estimate_and_warns_when_it_cannot_fit(
 ) -> None:
     lines: list[str] = []
     monkeypatch.setattr(estimate, "device_memory_bytes", lambda _device: 1024.0)
-    train_reference(small_cfg(tmp_path, steps=1), log=lines.append)
+    refused = r"more than its 1\.0 KiB.*--allow-over-memory"
+    with pytest.raises(estimate.EstimateError, match=refused):
+        train_reference(small_cfg(tmp_path, tmp_path / "refused", steps=1), log=lines.append)
+    train_reference(small_cfg(tmp_path, steps=1, allow_over_memory=True), log=lines.append)
     (warning,) = [line for line in lines if line.startswith("warning:")]
     assert "more than its 0.0 GiB" in warning and "estimated peak memory" in warning
 
