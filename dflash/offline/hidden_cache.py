@@ -249,6 +249,15 @@ class HiddenCacheReader:
                 f"{last_index + 1}"
             )
 
+    def verify(self, first_index: int, last_index: int) -> None:
+        """Checksums (and opens) every shard holding batches first..last, now: a damaged
+        shard stops the run before its first step, not at the step that reaches it. Each
+        shard is hashed once: later reads find it open."""
+        for shard in self.index["shards"]:
+            start = shard["first_batch"]
+            if start <= last_index and start + shard["num_batches"] > first_index:
+                self._shard(start)
+
     def read(self, batch: Batch, lm_head: torch.nn.Module | None = None) -> TargetOutput:
         """The cached features of `batch` (batch.batch_id is its index): hidden, and the
         final-norm state when cached; logits = lm_head(final-norm state) when `lm_head`

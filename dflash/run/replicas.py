@@ -75,6 +75,7 @@ def cache_reader(
                                with_final_norm=soft)  # fmt: skip
     if last_batch_index is not None:
         reader.covers(last_batch_index)
+        reader.verify(run.next_batch_index, last_batch_index)
     # Soft labels come from the cached final-norm states, as online: never logits.
     return torch.device("cpu"), reader.read
 

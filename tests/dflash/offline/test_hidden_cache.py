@@ -197,5 +197,10 @@ def test_train_refuses_a_cache_of_another_run_or_too_short(tmp_path) -> None:
     assert "another final-norm states" in train("--steps", 3, "--use-soft-labels")
     assert "another data" in train("--steps", 3, "--seed", 5)
     shard = cache / "shard-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF  # same size, one byte flipped: found before the first step
+    shard.write_bytes(bytes(data))
+    assert "corrupt (checksum mismatch)" in train("--steps", 3)
+    assert not (tmp_path / "o").exists()  # no step ran, nothing of the run was written
     shard.write_bytes(shard.read_bytes()[:-10])
     assert "truncated" in train("--steps", 3)
