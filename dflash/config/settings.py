@@ -227,6 +227,12 @@ class RunConfig(Section):
         "Continue from a checkpoint directory, or `latest` for the newest one under "
         "OUTPUT_DIR/checkpoints.",
     )
+    allow_data_change: bool = setting(
+        False,
+        "With --resume, continue on other data (another --data, --seq-len, --batch-size, "
+        "--heldout-fraction or --packing, or changed file contents): batches from the resumed "
+        "step on come from the new data. Without it such a resume is refused.",
+    )
     overwrite: bool = setting(
         False,
         "Replace the earlier run that OUTPUT_DIR holds (its config, metrics, checkpoints, "

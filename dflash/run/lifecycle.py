@@ -9,6 +9,7 @@ finished run and for an interrupted one alike.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -29,6 +30,7 @@ from dflash.data.corpus import EMBEDDED
 from dflash.data.datasets import PackedDataset, build_datasets, datasets_from_corpus
 from dflash.data.sources import DataError
 from dflash.drafter.io import (
+    METADATA_FILE,
     check_fits_target,
     init_drafter_from,
     read_drafter_config,
@@ -202,13 +204,34 @@ def _check_resume_compatible(cfg: TrainConfig, saved: dict[str, Any], path: Path
     hidden-state cache may come or go: it holds the same batches' features)."""
     current = cfg.to_dict()
     keys = [(section, key) for section in ("target", "drafter") for key in current[section]]
-    keys += [("data", key) for key in _RESUMED_DATA_KEYS]
+    if not cfg.run.allow_data_change:
+        keys += [("data", key) for key in _RESUMED_DATA_KEYS]
     for section, key in keys:
         value, old = current[section][key], saved.get(section, {}).get(key)
         if old != value:
+            hint = " (--allow-data-change continues on the new data)" if section == "data" else ""
             raise CheckpointError(
                 f"--resume {path}: checkpoint has {section}.{key}={old!r}, this run {value!r}"
+                + hint
             )
+
+
+def _check_same_data(cfg: TrainConfig, run: Run, checkpoint: Path) -> None:
+    """The same data settings may still read other rows (a file edited since): the
+    checkpoint's fingerprint of its training rows must match this run's."""
+    if cfg.run.allow_data_change:
+        return
+    try:
+        meta = json.loads((checkpoint / "drafter" / METADATA_FILE).read_text())
+        saved = meta.get("data_fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return  # an older checkpoint without one: its settings were checked
+    if isinstance(saved, str) and saved != run.data_fingerprint:
+        raise CheckpointError(
+            f"--resume {checkpoint}: the training rows changed since the checkpoint (data "
+            f"fingerprint {saved[:12]}, now {run.data_fingerprint[:12]}): "
+            "--allow-data-change continues on the new data"
+        )
 
 
 def check_init_settings(cfg: TrainConfig, saved: DrafterConfig, where: str) -> None:
@@ -326,6 +349,7 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
         run.initialized_from = warm[0]
         log(f"drafter initialized from {warm[0]}")
     if resume is not None:
+        _check_same_data(cfg, run, resume.path)
         load_trainable_weights(drafter, resume.weights)
         trainer.load_state_dict(resume.trainer_state)
         restore_rng_state(resume.rng_state)

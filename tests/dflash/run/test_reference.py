@@ -186,3 +186,16 @@ def test_resume_refuses_other_data(tmp_path) -> None:
         cpu_run(small_cfg(tmp_path, resume="latest", data=str(other)))
     with pytest.raises(CheckpointError, match="checkpoint has data.seq_len=32, this run 48"):
         cpu_run(small_cfg(tmp_path, resume="latest", seq_len=48))
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_resume_refuses_edited_data_unless_allowed(tmp_path) -> None:
+    train_reference(small_cfg(tmp_path, steps=2, save_every=1), log=lambda s: None)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("y = {k: k + 1 for k in range(9)}\n" * 300)  # same path, other rows
+    with pytest.raises(CheckpointError, match="training rows changed.*--allow-data-change"):
+        cpu_run(small_cfg(tmp_path, resume="latest", steps=4))
+    with pytest.raises(CheckpointError, match="--allow-data-change continues"):
+        cpu_run(small_cfg(tmp_path, resume="latest", seq_len=48))
+    run = cpu_run(small_cfg(tmp_path, resume="latest", steps=4, allow_data_change=True))
+    assert run.step == 2  # continues from its checkpoint, on the new rows
