@@ -98,22 +98,49 @@ def read_config_file(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise InputError(f"--config {str(path)!r}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"--config {str(path)!r}: not UTF-8 text (byte {exc.start}: {exc.reason})"
+        ) from None
     try:
         if path.suffix == ".toml":
             import tomllib
 
-            raw = tomllib.loads(text)
+            raw = tomllib.loads(text)  # refuses a duplicate key itself
         elif path.suffix == ".json":
-            raw = json.loads(text)
+            raw = json.loads(text, object_pairs_hook=_no_duplicate_keys)
         else:
-            import yaml
-
-            raw = yaml.safe_load(text) or {}
+            raw = _load_yaml(text)
     except Exception as exc:  # noqa: BLE001 - any parser error becomes one line
         raise InputError(f"--config {str(path)!r}: cannot parse ({first_line(exc)})") from None
     if not isinstance(raw, dict):
         raise InputError(f"--config {str(path)!r}: expected a mapping of option names to values")
     return raw
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """JSON objects whose keys repeat are refused: json keeps the last one silently."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice")
+        seen[key] = value
+    return seen
+
+
+def _load_yaml(text: str) -> Any:
+    """yaml.safe_load, refusing a mapping whose keys repeat (safe_load keeps the last)."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
+            for key in keys:
+                if keys.count(key) > 1:
+                    raise ValueError(f"key {key!r} appears twice (line {node.start_mark.line + 1})")
+            return super().construct_mapping(node, deep=deep)
+
+    return yaml.load(text, Loader=UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
 
 
 def build_config(config_file: str | None, given: dict[str, Any]) -> TrainConfig:

@@ -485,6 +485,13 @@ def values_from_mapping(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
             f"version {SCHEMA_VERSION}"
         )
     values: dict[str, Any] = {}
-    for _, opt, value in _items(raw, source):
+    written: dict[str, str] = {}  # option -> the key that set it
+    for key, opt, value in _items(raw, source):
+        if opt.name in written:  # flat and in its section, or snake and kebab case
+            raise ConfigError(
+                f"{source}: {opt.flag} is set twice, as {written[opt.name]!r} and as {key!r}: "
+                "keep one"
+            )
+        written[opt.name] = key
         values[opt.name] = opt.from_file(value, source)
     return values

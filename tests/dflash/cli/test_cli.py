@@ -102,11 +102,21 @@ def test_toml_config_with_pipeline_and_telemetry_keys(tmp_path, captured) -> Non
         ("objective:\n  kl_weight: 0.5\n", ["c.yaml", "unknown section objective"]),
         ("run:\n  stepz: 3\n", ["c.yaml", "run.stepz"]),
         ("schema_version: 7\nrun: {}\n", ["c.yaml", "schema_version", "7"]),
+        ("steps: 3\nsteps: 4\n", ["cannot parse", "'steps' appears twice"]),
+        ("steps: 3\nrun:\n  steps: 4\n", ["--steps is set twice", "'steps'", "'run.steps'"]),
+        ("batch_size: 3\nbatch-size: 4\n", ["--batch-size is set twice", "'batch-size'"]),
+        ('{"steps": 3, "steps": 4}', ["c.json", "'steps' appears twice"]),
+        ("steps = 3\nsteps = 4\n", ["c.toml", "cannot parse"]),
+        (b"steps: 3 # \xff\xfe\n", ["c.yaml", "not UTF-8"]),
     ],
 )
 def test_bad_config_files(tmp_path, content, fragments, captured) -> None:
-    cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text(content)
+    suffix = next((f".{s}" for s in ("json", "toml") if f"c.{s}" in fragments), ".yaml")
+    cfg_file = tmp_path / f"c{suffix}"
+    if isinstance(content, bytes):
+        cfg_file.write_bytes(content)
+    else:
+        cfg_file.write_text(content)
     assert_one_line_error(invoke(["train", "--config", str(cfg_file)]), *fragments)
 
 
