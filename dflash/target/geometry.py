@@ -67,7 +67,12 @@ def geometry_from_hf_config(config: Any) -> TargetGeometry:
     def need(key: str) -> int:
         value = get(key)
         if value is None:
-            raise TargetError(f"target config has no {key!r}")
+            kind = get("model_type")
+            raise TargetError(
+                f"target config has no {key!r}"
+                + (f": a {kind!r} model is not a Llama/Qwen-style decoder a DFlash drafter "
+                   "can follow" if kind else "")
+            )  # fmt: skip
         return int(value)
 
     heads, hidden = need("num_attention_heads"), need("hidden_size")

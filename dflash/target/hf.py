@@ -13,6 +13,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from dflash.errors import first_line
@@ -60,6 +61,11 @@ def load_hf_target(spec: str, device: torch.device | str, dtype: torch.dtype | N
         )
     except (ValueError, KeyError) as err:
         raise TargetError(f"target {spec} is not a causal LM: {first_line(err)}") from err
+    except (SafetensorError, RuntimeError) as err:  # a truncated or mismatched weights file
+        raise TargetError(
+            f"cannot load target {spec}: its weights are damaged or do not match its config "
+            f"({first_line(err)})"
+        ) from None
     except OSError as err:
         if unreachable:
             raise TargetError(

@@ -163,6 +163,25 @@ def test_target_that_is_not_a_causal_lm(tmp_path) -> None:
     assert_one_line_error(invoke(_train_args(tmp_path, target=str(plain_dir))), "plain")
 
 
+@pytest.mark.slow  # builds two small transformers models
+def test_a_target_of_another_family_or_with_damaged_weights_is_one_line(tmp_path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.dflash.hf_fixtures import save_hf_target, save_word_tokenizer
+
+    gpt2 = tmp_path / "gpt2"
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=300)
+    GPT2LMHeadModel(config).save_pretrained(gpt2)
+    save_word_tokenizer(gpt2)
+    result = invoke(_train_args(tmp_path, target=str(gpt2), output_dir=str(tmp_path / "r1")))
+    assert_one_line_error(result, "'gpt2' model is not a Llama/Qwen-style decoder")
+    qwen = save_hf_target(tmp_path / "qwen")
+    weights = qwen / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    result = invoke(_train_args(tmp_path, target=str(qwen), output_dir=str(tmp_path / "r2")))
+    assert_one_line_error(result, str(qwen), "weights are damaged")
+
+
 @pytest.mark.usefixtures("tiny_target")
 def test_layer_ids_out_of_range(tmp_path) -> None:
     assert_one_line_error(invoke(_train_args(tmp_path, target_layers="1,9")), "9")
