@@ -19,8 +19,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from dflash.errors import DFlashError
-from dflash.files import write_text_atomic
+from dflash.errors import DFlashError, first_line
+from dflash.files import unwritable, write_text_atomic
 from dflash.observe.bottleneck import snapshot_verdict
 from dflash.observe.report_svg import Slice, bar_chart, line_chart, timeline_chart
 from tracing import StatsSnapshot
@@ -210,7 +210,23 @@ def write_report(run_dir: str | Path) -> Path:
     if not run_dir.is_dir():
         raise ReportError(f"report: {run_dir} is not a directory")
     out = run_dir / "report.html"
-    write_text_atomic(out, render(run_dir))
+    why = unwritable(out)
+    if why is not None:
+        raise ReportError(f"report: {out} cannot be written: {why}")
+    try:
+        page = render(run_dir)
+    except ReportError:
+        raise
+    except (AttributeError, TypeError, KeyError, IndexError, ValueError) as exc:
+        # A file of the folder is JSON, but not what a run writes (edited, or another tool's).
+        raise ReportError(
+            f"report: the files of {run_dir} are not a dflash-train run's "
+            f"(summary.json, stats.json, metrics.jsonl, timeline.json): {first_line(exc)}"
+        ) from None
+    try:
+        write_text_atomic(out, page)
+    except OSError as exc:
+        raise ReportError(f"report: cannot write {out}: {exc.strerror}") from None
     return out
 
 

@@ -102,6 +102,29 @@ def test_report_on_a_folder_that_is_not_a_run_names_what_is_missing(tmp_path: Pa
         write_report(tmp_path / "nope")
 
 
+@pytest.mark.parametrize(
+    ("damage", "fragment"),
+    [
+        (
+            lambda run: (run / "report.html").mkdir(),
+            "report.html cannot be written: it is a folder",
+        ),
+        (lambda run: (run / "summary.json").write_text("[1, 2]"), "not a dflash-train run's"),
+        (lambda run: (run / "stats.json").write_text('{"phases": 3}'), "not a dflash-train run's"),
+        (lambda run: (run / "metrics.jsonl").write_text('[{"step": 1}]\n'), "not a dflash-train"),
+    ],
+)
+def test_a_run_folder_of_the_wrong_shape_is_one_line(run_dir: Path, tmp_path: Path, damage,
+                                                     fragment) -> None:  # fmt: skip
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    (copy / "report.html").unlink(missing_ok=True)
+    damage(copy)
+    with pytest.raises(ReportError, match=re.escape(fragment)) as info:
+        write_report(copy)
+    assert "\n" not in str(info.value)
+
+
 def test_report_is_self_contained(run_dir: Path) -> None:
     html = write_report(run_dir).read_text()
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
