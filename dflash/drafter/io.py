@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash.drafter.model import DFlashDrafter, DrafterConfig, DrafterError
+from dflash.errors import first_line
 from dflash.files import replacing, write_json_atomic
 from dflash.nn.rope import RopeError, RopeSpec, rope_from_config
 from dflash.target import load as target_load  # by module: tests swap load_target
@@ -297,8 +298,14 @@ def export_drafter(
     try:
         old = json.loads((src / CONFIG_FILE).read_text())
         state = load_file(str(src / WEIGHTS_FILE))
-    except (OSError, json.JSONDecodeError) as err:
-        raise DrafterError(f"{old_dir} is not a dflash-train drafter: {err}") from err
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DrafterError(f"{old_dir} is not a dflash-train drafter: {first_line(err)}") from None
+    except SafetensorError as err:
+        raise DrafterError(
+            f"{src / WEIGHTS_FILE} is damaged (truncated?): {first_line(err)}"
+        ) from None
+    if not isinstance(old, dict):
+        raise DrafterError(f"{src / CONFIG_FILE} is not a drafter config (a JSON object)")
     if "architectures" in old:
         raise DrafterError(f"{old_dir} is already a DFlash checkpoint: nothing to export")
     if old.get("mask_token_id") is None or "mask_embedding" in state:
@@ -320,9 +327,14 @@ def export_drafter(
         )  # fmt: skip
     except KeyError as err:
         raise DrafterError(f"{src / CONFIG_FILE} lacks {err.args[0]!r}") from err
+    except (TypeError, ValueError) as err:  # e.g. "target_layer_ids": null
+        raise DrafterError(
+            f"{src / CONFIG_FILE} has an unusable value: {first_line(err)}"
+        ) from None
     renamed = {_renamed(k): v for k, v in state.items()}
     out.mkdir(parents=True, exist_ok=True)
-    save_file(renamed, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    with replacing(out / WEIGHTS_FILE) as tmp:
+        save_file(renamed, str(tmp), metadata={"format": "pt"})
     dtype = next(iter(renamed.values())).dtype
     write_json_atomic(out / CONFIG_FILE, hf_config(cfg, dtype))
     meta = {"format_version": FORMAT_VERSION, "target": cfg.target_spec,

@@ -3,6 +3,7 @@ warm start."""
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -184,6 +185,23 @@ def test_export_converts_the_first_layout(small, tmp_path) -> None:
     result = export(new_dir, tmp_path / "again")
     assert result.exit_code == 2 and "already a DFlash checkpoint" in result.output
     assert len(result.output.strip().splitlines()) == 1
+
+    # Damaged old folders: one line each, naming what is wrong.
+    damages = {
+        "a list as config.json": (lambda d: (d / "config.json").write_text("[1, 2]"),
+                                  "not a drafter config"),
+        "target_layer_ids null": (lambda d: (d / "config.json").write_text(
+            json.dumps({**old_cfg, "target_layer_ids": None})), "unusable value"),
+        "truncated weights": (lambda d: (d / "model.safetensors").write_bytes(
+            (old_dir / "model.safetensors").read_bytes()[:100]), "damaged"),
+    }  # fmt: skip
+    for name, (damage, fragment) in damages.items():
+        broken = tmp_path / name.replace(" ", "-")
+        shutil.copytree(old_dir, broken)
+        damage(broken)
+        result = export(broken, tmp_path / f"{broken.name}-out")
+        assert result.exit_code == 2 and fragment in result.output, (name, result.output)
+        assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
 
 
 def _step_loss(run, index: int) -> torch.Tensor:
