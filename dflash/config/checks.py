@@ -24,7 +24,15 @@ __all__ = [
 
 
 def not_blank(value: str) -> str | None:
-    return "must not be empty" if not value.strip() else None
+    """A name or path that is not empty and is text: a path with bytes that are not UTF-8
+    would train, then fail writing the summary and report that quote it."""
+    if not value.strip():
+        return "must not be empty"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"must be UTF-8 text (position {exc.start} holds a byte that is not)"
+    return None
 
 
 def noise_ratios(spec: str) -> tuple[float, float]:

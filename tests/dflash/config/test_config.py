@@ -140,3 +140,11 @@ def test_config_is_frozen() -> None:
     cfg = TrainConfig()
     with pytest.raises(AttributeError):
         cfg.run.steps = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["output_dir", "data", "target"])
+def test_a_path_that_is_not_utf8_text_is_refused(name) -> None:
+    """A name with a byte that is not UTF-8 (as bash's $'\\xff' gives) would train, then
+    fail writing the summary and report that quote it."""
+    with pytest.raises(ConfigError, match="must be UTF-8 text"):
+        config_from_options({name: "runs/ab\udcffc"})
