@@ -15,7 +15,7 @@ from dflash.config.devices import decide_placement, resolve_device
 from dflash.config.settings import TrainConfig
 from dflash.offline.hidden_cache import HiddenCacheReader, open_hidden_cache, write_hidden_cache
 from dflash.offline.regenerate import RegenProgress, RegenReport, regenerate
-from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateSettings
+from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateError, RegenerateSettings
 from dflash.run.lifecycle import check_target_fits, resolve_layer_ids, run_datasets
 from dflash.target import load as target_load  # by module: tests swap load_target
 
@@ -65,4 +65,10 @@ def regenerate_data(
     rewrites `source` into `output` with its own replies."""
     dev = resolve_device(device, "--device")
     target = target_load.load_target(target_spec, dev, target_load.target_dtype(dev), log=log)
+    outside = [i for i in settings.stop_token_ids if not 0 <= i < target.vocab_size]
+    if outside:  # such an id never comes: every reply would run to --max-new-tokens
+        raise RegenerateError(
+            f"--stop-token-ids {','.join(map(str, outside))}: not in the vocabulary of target "
+            f"{target_spec} (ids 0..{target.vocab_size - 1})"
+        )
     return regenerate(target, source, output, settings=settings, progress=progress)

@@ -206,6 +206,10 @@ def test_regenerate_command_writes_resumes_and_refuses(hf_dir, tmp_path, monkeyp
     for flag, value in (("--max-new-tokens", 0), ("--temperature", -1), ("--prefix-tokens", 0)):
         error = _one_error_line(_cli(*flags, "--output", tmp_path / "x.jsonl", flag, value))
         assert f"{flag} {value}" in error
+    error = _one_error_line(_cli(*flags, "--output", tmp_path / "y.jsonl",
+                                 "--stop-token-ids", "3,99999999"))  # fmt: skip
+    assert "--stop-token-ids 99999999: not in the vocabulary" in error
+    assert not (tmp_path / "y.jsonl").exists()
 
 
 def test_the_embedded_default_is_regenerated_once_per_target_and_recipe(
