@@ -154,12 +154,17 @@ class _Decoder:
 
 
 def regenerate_chunk(decoder: _Decoder, items: list[dict]) -> list[dict]:
-    """The regenerated records of `items` (assistant turns in waves, texts at once)."""
+    """The regenerated records of `items` (assistant turns in waves, texts at once). A
+    conversation that ends with a user turn (a prompt set) gets the reply to it."""
     tok = decoder.target.tokenizer
     records = [
         {**o, "messages": [dict(m) for m in o["messages"]]} if "messages" in o else dict(o)
         for o in items
     ]
+    for record in records:
+        messages = record.get("messages")
+        if messages and messages[-1]["role"] == "user":
+            messages.append({"role": "assistant", "content": ""})
     prefixes = [r.pop("_prefix") if "_prefix" in r else None for r in records]
     texts = [(i, p) for i, p in enumerate(prefixes) if p is not None]
     for (i, prefix), new in zip(texts, decoder.run([p for _, p in texts]), strict=True):
@@ -243,6 +248,12 @@ def regenerate(
         first = f" (skipped {report.skipped_lines} lines; first: {report.first_bad_line})"
         raise RegenerateError(
             f"--data {source!r}: nothing to regenerate" + (first if report.skipped_lines else "")
+        )
+    chats = [item["messages"] for item in items if "messages" in item]
+    if chats and not any(m["role"] == "user" for messages in chats for m in messages):
+        raise RegenerateError(
+            f"--data {source!r}: no conversation has a user turn, so there is nothing for the "
+            "target to answer (a prompt set needs at least one user message per line)"
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     done = first_line = _resume_point(

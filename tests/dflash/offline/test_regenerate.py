@@ -89,6 +89,8 @@ def test_regenerated_replies_are_transformers_greedy_generate(hf_dir, tmp_path) 
     assert len(written) == len(CONVERSATIONS) and report.new_tokens > 0
     for conv, record in zip(CONVERSATIONS, written, strict=True):
         so_far = []
+        if conv[-1][0] == "user":  # a prompt: its reply is added
+            conv = [*conv, ("assistant", None)]
         for (role, content), msg in zip(conv, record["messages"], strict=True):
             assert msg["role"] == role
             if role == "assistant":
@@ -255,3 +257,18 @@ def test_the_embedded_default_is_regenerated_once_per_target_and_recipe(
     tok = ByteTokenizer()  # every regenerated window, framed BOS ... EOS, is in the rows
     framed = sum(len(w.encode()) + 2 for w in written)
     assert int((train.ids != tok.pad_token_id).sum()) == framed
+
+
+def test_a_prompt_set_is_answered_and_a_file_without_user_turns_refused(hf_dir, tmp_path) -> None:
+    target = load_target(str(hf_dir))
+    prompts = [[("user", "hello how are you")], [("system", "tell me"), ("user", "what is")]]
+    data = _write_chats(tmp_path / "prompts.jsonl", prompts)
+    regenerate(target, str(data), tmp_path / "answers.jsonl", settings=SETTINGS)
+    written = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    for conv, record in zip(prompts, written, strict=True):
+        messages = record["messages"]
+        assert [m["role"] for m in messages] == [r for r, _ in conv] + ["assistant"]
+        assert messages[-1]["content"] == _reference_reply(target, messages[:-1], SETTINGS)
+    no_user = _write_chats(tmp_path / "none.jsonl", [[("system", "tell me")]])
+    with pytest.raises(RegenerateError, match="no conversation has a user turn"):
+        regenerate(target, str(no_user), tmp_path / "x.jsonl", settings=SETTINGS)
