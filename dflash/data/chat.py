@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from dflash.data.tokenizer import encode_texts
+from dflash.errors import DFlashError
 
 KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -66,37 +67,70 @@ def _render_generation_mask(tokenizer: Any, messages: list[dict]) -> RenderedCha
     return RenderedChat(ids, mask, ends)
 
 
-def _render_prefixes(tokenizer: Any, messages: list[dict]) -> RenderedChat:
-    """Rendered prefix by prefix; the assistant header (generation prompt) is not learned."""
-    segments: list[tuple[str, bool, bool]] = []  # (text, learned, ends a turn)
-    done = ""
-    for i, msg in enumerate(messages):
+class ChatTemplateError(DFlashError):
+    """A chat template whose rendering does not show the conversation's replies as written."""
+
+
+_PROBE = "dflash-probe-reply-7f3a"
+
+
+def _assistant_suffix(tokenizer: Any) -> str:
+    """What the template writes after an assistant reply's text (its end-of-turn marker),
+    learned from a probe conversation rendered once."""
+    probe = [{"role": "user", "content": "dflash-probe-question"},
+             {"role": "assistant", "content": _PROBE}]  # fmt: skip
+    text = tokenizer.apply_chat_template(probe, tokenize=False)
+    at = text.rfind(_PROBE)
+    return text[at + len(_PROBE) :] if at >= 0 else ""
+
+
+def _render_spans(tokenizer: Any, messages: list[dict]) -> RenderedChat:
+    """The whole conversation rendered once; each message's text located in it, in order.
+
+    Templates may rewrite earlier turns once a later one exists (Qwen3 drops the empty
+    think block of earlier answers), so the rendering is never assumed to extend the
+    rendering of a shorter conversation. A reply is learned with the template's
+    end-of-turn marker that follows it (the target generates that, then stops); what
+    the template puts before it (headers, an empty think block) is context."""
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    suffix = _assistant_suffix(tokenizer)
+    learned_suffix = suffix.rstrip()
+    spans: list[tuple[int, int]] = []  # learned character ranges
+    turn_ends: list[int] = []
+    cursor = 0
+    for number, msg in enumerate(messages, 1):
+        content = msg["content"]
+        at = full.find(content, cursor) if content else -1
+        if at < 0:
+            if msg["role"] == "assistant" and content:
+                raise ChatTemplateError(
+                    f"the chat template's rendering does not contain reply {number} as written "
+                    f"({content[:40]!r}): its assistant spans cannot be found"
+                )
+            continue  # a template may rewrite or drop a system or an empty message
+        end = at + len(content)
         if msg["role"] == "assistant":
-            head = tokenizer.apply_chat_template(
-                messages[:i], tokenize=False, add_generation_prompt=True
-            )
-            segments.append((head[len(done) :] if head.startswith(done) else head, False, False))
-            done = head
-        text = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        segment = text[len(done) :] if text.startswith(done) else text
-        segments.append((segment, msg["role"] == "assistant", True))
-        done = text
-    encoded = encode_texts(tokenizer, [s for s, _, _ in segments])
-    mask = np.concatenate(
-        [np.full(len(e), m) for e, (_, m, _) in zip(encoded, segments, strict=True)]
-    )
-    lengths = np.cumsum([len(e) for e in encoded])
-    ends = np.asarray(
-        [n for n, (_, _, end) in zip(lengths, segments, strict=True) if end], np.int64
-    )
-    return RenderedChat(np.concatenate(encoded), mask, ends)
+            tail = len(learned_suffix) if full.startswith(learned_suffix, end) else 0
+            spans.append((at, end + tail))
+        turn_ends.append(end + len(suffix) if suffix and full.startswith(suffix, end) else end)
+        cursor = end
+    boundaries = sorted({0, len(full), *turn_ends, *(c for span in spans for c in span)})
+    pieces = [full[a:b] for a, b in zip(boundaries, boundaries[1:], strict=False)]
+    flags = [any(a <= lo and hi <= b for a, b in spans)
+             for lo, hi in zip(boundaries, boundaries[1:], strict=False)]  # fmt: skip
+    assert "".join(pieces) == full  # verified against the whole rendering
+    encoded = encode_texts(tokenizer, pieces)
+    mask = np.concatenate([np.full(len(e), f) for e, f in zip(encoded, flags, strict=True)])
+    lengths = dict(zip(boundaries[1:], np.cumsum([len(e) for e in encoded]), strict=True))
+    ends = np.asarray(sorted({int(lengths[t]) for t in turn_ends if t in lengths}), np.int64)
+    return RenderedChat(np.concatenate(encoded).astype(np.int32), mask, ends)
 
 
 def render_chat(tokenizer: Any, messages: list[dict]) -> RenderedChat:
     """ids, loss mask (assistant turns only) and turn ends of one conversation."""
     if not getattr(tokenizer, "chat_template", None):
         return _render_plain(tokenizer, messages)
-    return _render_generation_mask(tokenizer, messages) or _render_prefixes(tokenizer, messages)
+    return _render_generation_mask(tokenizer, messages) or _render_spans(tokenizer, messages)
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:

@@ -74,14 +74,16 @@ def frame(doc: Document, bos_id: int | None, eos_id: int | None) -> Document:
     """[BOS] doc EOS, the framing the tiny target was trained on.
 
     BOS never counts for the loss (nothing predicts a document start); EOS counts
-    where the document's last token did. Templated chats carry their own BOS.
+    where the document's last token did. Templated chats carry their own BOS, and end
+    with the template's end-of-turn marker: an EOS after it would be learned as a
+    token the target never writes there.
     """
     ids, mask, shift = [doc.ids], [doc.mask], 0
     if bos_id is not None and not doc.templated:
         ids.insert(0, np.array([bos_id], np.int32))
         mask.insert(0, np.zeros(1, bool))
         shift = 1
-    if eos_id is not None:
+    if eos_id is not None and not doc.templated:
         ids.append(np.array([eos_id], np.int32))
         mask.append(doc.mask[-1:].copy())
     ends = None
@@ -93,8 +95,10 @@ def frame(doc: Document, bos_id: int | None, eos_id: int | None) -> Document:
 
 
 def truncate_chat(doc: Document, seq_len: int, eos_id: int | None) -> Document | None:
-    """A framed chat cut at its last turn end that fits seq_len (EOS re-appended);
-    None when no cut keeps a learned token."""
+    """A framed chat cut at its last turn end that fits seq_len (EOS re-appended, unless
+    the template ends its turns itself); None when no cut keeps a learned token."""
+    if doc.templated:
+        eos_id = None
     extra = 1 if eos_id is not None else 0
     assert doc.turn_ends is not None
     for cut in sorted((int(c) for c in doc.turn_ends), reverse=True):

@@ -1,0 +1,125 @@
+"""Any chat template: a conversation is rendered once and its assistant spans are found in
+that rendering, so a template that rewrites earlier turns (Qwen3) does not corrupt it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dflash.data.chat import ChatTemplateError, render_chat
+
+TEMPLATES = Path(__file__).parent / "templates"
+LLAMA3 = (
+    "{{- '<|begin_of_text|>' }}{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim "
+    "+ '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+NO_SYSTEM = (  # as Gemma's: no system role, `model` for the assistant
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' "
+    "+ m['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>", "<start_of_turn>", "<end_of_turn>",
+            "<bos>"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """A byte-level BPE (any text round-trips) with the templates' special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    raw.train_from_iterator(["user assistant system think hello how are you"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<|im_end|>")
+
+
+CHAT = [
+    {"role": "user", "content": "first question"},
+    {"role": "assistant", "content": "first answer"},
+    {"role": "user", "content": "second question"},
+    {"role": "assistant", "content": "second answer"},
+]
+
+
+def learned_text(tokenizer, rendered) -> list[str]:
+    """The learned token runs, decoded."""
+    runs, current = [], []
+    for token, learned in zip(rendered.ids.tolist(), rendered.mask.tolist(), strict=True):
+        if learned:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tokenizer.decode(run) for run in runs]
+
+
+def with_template(tokenizer, template: str):
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.mark.slow  # imports transformers
+@pytest.mark.parametrize(
+    ("template", "end_of_turn"),
+    [
+        ((TEMPLATES / "qwen3.jinja").read_text(), "<|im_end|>"),
+        (LLAMA3, "<|eot_id|>"),
+        (NO_SYSTEM, "<end_of_turn>"),
+    ],  # fmt: skip
+    ids=["qwen3", "llama3", "no-system-role"],
+)
+def test_the_whole_conversation_once_with_each_reply_and_its_end_of_turn_learned(
+    byte_tokenizer, template, end_of_turn
+) -> None:
+    tok = with_template(byte_tokenizer, template)
+    rendered = render_chat(tok, CHAT)
+    full = tok.apply_chat_template(CHAT, tokenize=False)
+    assert tok.decode(rendered.ids.tolist()) == full  # the rendering of the whole, once
+    assert full.count("first question") == 1
+    assert learned_text(tok, rendered) == [f"first answer{end_of_turn}",
+                                          f"second answer{end_of_turn}"]  # fmt: skip
+    assert rendered.turn_ends[-1] <= len(rendered.ids) and np.all(np.diff(rendered.turn_ends) > 0)
+
+
+@pytest.mark.slow
+def test_qwen3_rewrites_earlier_turns_and_its_think_block_is_context(byte_tokenizer) -> None:
+    tok = with_template(byte_tokenizer, (TEMPLATES / "qwen3.jinja").read_text())
+    first_turn = tok.apply_chat_template(CHAT[:2], tokenize=False)
+    assert not tok.apply_chat_template(CHAT, tokenize=False).startswith(first_turn)
+    decoded = tok.decode(render_chat(tok, CHAT).ids.tolist())
+    assert decoded.count("<think>") == 1  # the last reply's empty think block, not learned
+
+
+@pytest.mark.slow
+def test_a_template_that_changes_a_reply_is_one_line(byte_tokenizer) -> None:
+    shouting = "{% for m in messages %}<|im_start|>{{ m['content'] | upper }}<|im_end|>{% endfor %}"
+    tok = with_template(byte_tokenizer, shouting)
+    with pytest.raises(ChatTemplateError, match="reply 2 as written") as info:
+        render_chat(tok, CHAT)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.slow
+def test_no_eos_is_learned_after_the_templates_end_of_turn(byte_tokenizer) -> None:
+    from dflash.data.packing import Document, frame
+
+    tok = with_template(byte_tokenizer, (TEMPLATES / "qwen3.jinja").read_text())
+    rendered = render_chat(tok, CHAT)
+    doc = frame(Document("chat", rendered.ids, rendered.mask, True, rendered.turn_ends),
+                None, tok.eos_token_id)  # fmt: skip
+    assert tok.decode(doc.ids.tolist()).endswith("second answer<|im_end|>\n")
+    assert doc.ids.tolist() == rendered.ids.tolist()  # nothing appended
