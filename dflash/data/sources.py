@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash.data.chat import KNOWN_ROLES, render_chat
+from dflash.data.chat import KNOWN_ROLES, ChatTemplateError, render_chat
 from dflash.data.packing import Document, PackReport
 from dflash.data.tokenizer import encode_texts
 from dflash.errors import DFlashError
@@ -100,7 +100,10 @@ def read_jsonl(path: Path, tokenizer: Any, report: DataReport | None = None) -> 
             (ids,) = encode_texts(tokenizer, [obj["text"]])
             docs.append(Document(where, ids, np.ones(len(ids), bool)))
             continue
-        chat = render_chat(tokenizer, obj["messages"])
+        try:
+            chat = render_chat(tokenizer, obj["messages"])
+        except ChatTemplateError as exc:
+            raise DataError(f"{where}: {exc}") from None
         docs.append(Document(where, chat.ids, chat.mask, templated, chat.turn_ends))
     return docs
 
