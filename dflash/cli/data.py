@@ -88,6 +88,7 @@ class _RegenBar:
               help="Lines regenerated and written together: the resume granularity.")  # fmt: skip
 @schema_option("seed", "Seed of sampling when --temperature is above 0.")
 @schema_option("heldout_fraction", "Share of documents held out (as in train): not regenerated.")
+@schema_option("chat_template_kwargs")
 @device_option("the target")
 @debug_option
 def regenerate_command(
@@ -102,7 +103,8 @@ def regenerate_command(
 
     def go() -> Any:
         stops = given.pop("stop_token_ids") or ()
-        picked = {"seed": given.pop("seed"), "heldout_fraction": given.pop("heldout_fraction")}
+        picked = {"seed": given.pop("seed"), "heldout_fraction": given.pop("heldout_fraction"),
+                  "chat_template_kwargs": given.pop("chat_template_kwargs")}  # fmt: skip
         known = config_from_options(picked)
         settings = RegenerateSettings(
             **given, stop_token_ids=tuple(stops), seed=known.run.seed,
@@ -111,7 +113,8 @@ def regenerate_command(
         spec = config_from_options({"target": target}).target.spec
         try:
             return regenerate_data(spec, device, source, output, settings, progress=bar,
-                                   log=echo_err)  # fmt: skip
+                                   log=echo_err,
+                                   chat_template_kwargs=known.target.template_kwargs)  # fmt: skip
         finally:
             bar.close()
 

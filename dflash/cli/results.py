@@ -51,6 +51,11 @@ _TEMPERATURE_HELP = (
     "eval_prompts", "Number of prompts (with --eval-data: the first N conversations; unset: all)."
 )
 @schema_option("eval_prompt_tokens", "Length of each held-out prompt, in tokens.")
+@schema_option(
+    "chat_template_kwargs",
+    "JSON object of chat-template arguments for the prompts; unset: the drafter's own "
+    "(saved from its training run).",
+)
 @click.option("--max-new-tokens", default=EvalSettings.max_new_tokens, show_default=True, type=int,
               help=_NEW_TOKENS_HELP)  # fmt: skip
 @click.option("--temperature", default=EvalSettings.temperature, show_default=True,
@@ -94,7 +99,9 @@ def eval_command(
             prompt_tokens=cfg.run.eval_prompt_tokens, max_new_tokens=max_new_tokens,
             temperature=temperature, seed=cfg.run.seed, timing_repeats=timing_repeats,
         )  # fmt: skip
-        return evaluate_drafter_dir(Path(drafter_dir), target, settings, device, log=echo_err)
+        kwargs = cfg.target.template_kwargs if cfg.target.chat_template_kwargs else None
+        return evaluate_drafter_dir(Path(drafter_dir), target, settings, device, log=echo_err,
+                                    chat_template_kwargs=kwargs)  # fmt: skip
 
     write_json(json_path, report_errors(debug, go))
 

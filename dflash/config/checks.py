@@ -6,6 +6,7 @@ flag in the ConfigError. Range and type checks need none: `setting` declares the
 
 from __future__ import annotations
 
+import json
 import re
 
 from tracing.config import TracingConfigError, parse_endpoint
@@ -98,6 +99,17 @@ def device_list(names: tuple[str, ...]) -> str | None:
         if split_device_name(name) is None:
             return f"{name!r} is not a device: expected auto, cpu, mps, cuda or cuda:N"
     return None
+
+
+def json_object(text: str | None) -> str | None:
+    """A JSON object given as text (`--chat-template-kwargs '{"enable_thinking": false}'`)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        return f"must be a JSON object ({exc.msg} at character {exc.pos})"
+    return None if isinstance(value, dict) else "must be a JSON object, like '{\"key\": value}'"
 
 
 def layer_ids(ids: tuple[int, ...] | None) -> str | None:

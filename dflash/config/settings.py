@@ -15,6 +15,7 @@ so the Python API and the command line reject the same values with the same line
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -99,6 +100,18 @@ class TargetConfig(Section):
         "--drafter-layers evenly from layer 1 to L-3.",
         option="target_layers", check=checks.layer_ids,
     )  # fmt: skip
+    chat_template_kwargs: str | None = setting(
+        None,
+        "JSON object of chat-template arguments (e.g. '{\"enable_thinking\": false}' for a "
+        "non-thinking Qwen3 drafter), given to every rendering of a conversation: training "
+        "data, regeneration and evaluation prompts. Saved with the drafter; `eval` uses the "
+        "drafter's unless given.",
+        check=checks.json_object,
+    )
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
 
 @dataclass(frozen=True)

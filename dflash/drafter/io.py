@@ -249,6 +249,17 @@ def init_drafter_from(drafter: DFlashDrafter, directory: Path | str) -> DrafterC
     return saved
 
 
+def saved_chat_template_kwargs(directory: Path | str) -> dict[str, Any]:
+    """The --chat-template-kwargs the drafter was trained with ({} when none or unknown)."""
+    try:
+        meta = json.loads((Path(directory) / METADATA_FILE).read_text())
+        text = (meta.get("training_config") or {}).get("target", {}).get("chat_template_kwargs")
+        value = json.loads(text) if text else {}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def load_drafter(
     directory: Path | str,
     target: TargetModel | None = None,

@@ -6,6 +6,7 @@ runs it over prompts, times it against plain decoding and reports the figures.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -18,7 +19,7 @@ from dflash.config.devices import resolve_device
 from dflash.config.settings import RunConfig
 from dflash.data.datasets import PackedDataset, build_datasets, heldout_prompts
 from dflash.data.sources import DataReport
-from dflash.drafter.io import load_drafter
+from dflash.drafter.io import load_drafter, saved_chat_template_kwargs
 from dflash.drafter.model import DFlashDrafter
 from dflash.eval.prompts import read_conversations, render_prompt
 from dflash.eval.settings import EvalSettings
@@ -209,13 +210,21 @@ def evaluate_drafter_dir(
     settings: EvalSettings,
     device: str = "auto",
     log: Callable[[str], None] = print,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """`dflash-train eval`: τ of a saved drafter, and its speedup against greedy decoding."""
+    """`dflash-train eval`: τ of a saved drafter, and its speedup against greedy decoding.
+    `chat_template_kwargs` None: the ones the drafter was trained with."""
     dev = resolve_device(device, "--device")
     source = _PromptSource(settings, log)
     dtype = target_mod.target_dtype(dev)
     target = target_mod.load_target(target_spec, dev, dtype, log=log) if target_spec else None
     drafter, target = load_drafter(drafter_dir, target=target, device=dev)
+    kwargs = saved_chat_template_kwargs(drafter_dir) if chat_template_kwargs is None else (
+        chat_template_kwargs
+    )  # fmt: skip
+    if kwargs:
+        target.use_chat_template_kwargs(kwargs)
+        log(f"chat template arguments: {json.dumps(kwargs, sort_keys=True)}")
     prompts, where = source.prompts(target.tokenizer)
     start_s = time.perf_counter()
     result = evaluate_tau(

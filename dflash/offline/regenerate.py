@@ -190,7 +190,9 @@ def regenerate_chunk(decoder: _Decoder, items: list[dict]) -> list[dict]:
 def run_record(target: TargetModel, items: list[dict], settings: RegenerateSettings) -> dict:
     """What identifies a regeneration run: target, inputs and settings."""
     data = hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()
+    template = {"chat_template_kwargs": target.chat_template_kwargs}
     return {
+        **(template if target.chat_template_kwargs else {}),  # older records stay resumable
         "format": 1,
         "target": target.spec,
         "target_hash": target_fingerprint(target),

@@ -185,6 +185,20 @@ def resolve_layer_ids(cfg: TrainConfig, num_layers: int) -> list[int]:
     return ids
 
 
+def use_template_kwargs(
+    target: TargetModel, kwargs: dict[str, Any], log: Callable[[str], None]
+) -> None:
+    """--chat-template-kwargs for every rendering of a conversation, said at start."""
+    if not kwargs:
+        return
+    target.use_chat_template_kwargs(kwargs)
+    if getattr(target.tokenizer, "chat_template", None):
+        log(f"chat template arguments: {json.dumps(kwargs, sort_keys=True)}")
+    else:
+        log(f"chat template arguments {json.dumps(kwargs)} unused: target {target.spec} has "
+            "no chat template (conversations are rendered as documented)")  # fmt: skip
+
+
 def check_target_fits(cfg: TrainConfig, target: TargetModel) -> None:
     """A row longer than the target's positions would fail deep inside its forward."""
     limit = target.max_positions
@@ -332,6 +346,7 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     load_on = torch.device("cpu") if cfg.data.hidden_cache else placement.target
     with tracing.phase(names.TARGET_LOAD):
         target = target_load.load_target(cfg.target.spec, load_on, dtype, log=log)
+    use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
     target.mask_token(cfg.drafter.mask_token_id)  # no usable mask row: fail before the data
     if warm is not None:

@@ -10,13 +10,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from dflash.config.devices import decide_placement, resolve_device
 from dflash.config.settings import TrainConfig
 from dflash.offline.hidden_cache import HiddenCacheReader, open_hidden_cache, write_hidden_cache
 from dflash.offline.regenerate import RegenProgress, RegenReport, regenerate
 from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateError, RegenerateSettings
-from dflash.run.lifecycle import check_target_fits, resolve_layer_ids, run_datasets
+from dflash.run.lifecycle import (
+    check_target_fits,
+    resolve_layer_ids,
+    run_datasets,
+    use_template_kwargs,
+)
 from dflash.target import load as target_load  # by module: tests swap load_target
 
 
@@ -33,6 +39,7 @@ def write_run_cache(
     device = decide_placement(cfg.pipeline).target
     target = target_load.load_target(cfg.target.spec, device, target_load.target_dtype(device),
                                      log=log)  # fmt: skip
+    use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
     layer_ids = resolve_layer_ids(cfg, target.num_layers)
     train, _ = run_datasets(cfg, target, log)
@@ -60,11 +67,13 @@ def regenerate_data(
     *,
     progress: Callable[[RegenProgress], None] | None = None,
     log: Callable[[str], None] = print,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> RegenReport:
     """`dflash-train regenerate`: the target on `device` (`auto`: cuda:0 when present)
     rewrites `source` into `output` with its own replies."""
     dev = resolve_device(device, "--device")
     target = target_load.load_target(target_spec, dev, target_load.target_dtype(dev), log=log)
+    use_template_kwargs(target, chat_template_kwargs or {}, log)
     outside = [i for i in settings.stop_token_ids if not 0 <= i < target.vocab_size]
     if outside:  # such an id never comes: every reply would run to --max-new-tokens
         raise RegenerateError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any
 
@@ -136,6 +136,7 @@ class TargetModel(nn.Module):
         self.model = model.eval().requires_grad_(False)
         self._layers = layers  # registered through self.model already
         self.spec, self.tokenizer, self.geometry = spec, tokenizer, geometry
+        self.chat_template_kwargs: dict[str, Any] = {}
         self.stop_token_ids = tuple(stop_token_ids)  # generation ends at any of these
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.get_output_embeddings()
@@ -167,6 +168,21 @@ class TargetModel(nn.Module):
             return None
         limit = getattr(text_config(self.model.config), "max_position_embeddings", None)
         return limit if isinstance(limit, int) and limit > 0 else None
+
+    def use_chat_template_kwargs(self, kwargs: Mapping[str, Any]) -> None:
+        """Every rendering of a conversation by this target's tokenizer gets `kwargs`
+        (e.g. enable_thinking=False): training rows, regeneration and evaluation prompts
+        alike. An argument given at a call still wins."""
+        self.chat_template_kwargs = dict(kwargs)
+        tokenizer = self.tokenizer
+        if not kwargs or not hasattr(tokenizer, "apply_chat_template"):
+            return
+        original = type(tokenizer).apply_chat_template
+
+        def apply_chat_template(conversation: Any, *args: Any, **given: Any) -> Any:
+            return original(tokenizer, conversation, *args, **{**kwargs, **given})
+
+        tokenizer.apply_chat_template = apply_chat_template
 
     def mask_token(self, explicit_id: int | None = None) -> MaskToken:
         """The mask row for a drafter of this target (see resolve_mask_token)."""

@@ -99,7 +99,7 @@ def record_losses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
 NON_DEFAULT = {
     "data": "corpus.txt", "seq_len": 64, "batch_size": 3, "heldout_fraction": 0.1,
     "packing": "concat", "max_dropped_share": 0.25, "drafter_intermediate_size": 96,
-    "mask_token_id": 7,
+    "mask_token_id": 7, "chat_template_kwargs": "{\"enable_thinking\": false}",
     "noise_schedule": "linear:0.5:1", "init_from": "runs/old/drafter",
     "hidden_cache": "cache/",
     "target": "builtin:other", "target_layers": (1, 3), "drafter_layers": 2,

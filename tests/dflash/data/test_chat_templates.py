@@ -123,3 +123,30 @@ def test_no_eos_is_learned_after_the_templates_end_of_turn(byte_tokenizer) -> No
                 None, tok.eos_token_id)  # fmt: skip
     assert tok.decode(doc.ids.tolist()).endswith("second answer<|im_end|>\n")
     assert doc.ids.tolist() == rendered.ids.tolist()  # nothing appended
+
+
+@pytest.mark.slow
+def test_chat_template_kwargs_reach_every_rendering_of_the_target(tmp_path) -> None:
+    from dflash.data.chat import chat_prompt_ids
+    from dflash.target.load import load_target
+    from tests.dflash.hf_fixtures import save_hf_target
+
+    target = load_target(str(save_hf_target(tmp_path / "t")))
+    target.tokenizer.chat_template = (TEMPLATES / "qwen3.jinja").read_text()
+    prompt = [{"role": "user", "content": "x"}]
+
+    def rendered() -> str:
+        return target.tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                    add_generation_prompt=True)  # fmt: skip
+
+    thinking = rendered()
+    target.use_chat_template_kwargs({"enable_thinking": False})
+    assert rendered() == thinking + "<think>\n\n</think>\n\n"  # a non-thinking prompt
+    assert len(chat_prompt_ids(target.tokenizer, prompt)) > len(
+        target.tokenizer(thinking, add_special_tokens=False)["input_ids"]
+    )
+    # An argument given at a call still wins.
+    again = target.tokenizer.apply_chat_template(
+        prompt, tokenize=False, add_generation_prompt=True, enable_thinking=True
+    )
+    assert again == thinking
