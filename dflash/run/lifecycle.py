@@ -100,6 +100,9 @@ class Run:
     @property
     def mask_token(self) -> MaskToken:
         config = self.drafter.config
+        chosen = self.target.data_mask_token
+        if chosen is not None and chosen.token_id == config.mask_token_id:
+            return chosen  # with its text
         return MaskToken(config.mask_token_id, config.mask_token_source)
 
     @property
@@ -303,6 +306,8 @@ def run_datasets(
         )  # fmt: skip
     if cfg.drafter.mask_token_id is not None:
         check_mask_token_unused(cfg.drafter.mask_token_id, (train.ids, heldout.ids, heldout.stream))
+    elif target.needs_mask_from_data(None):
+        target.choose_mask_from_data((train.ids, heldout.ids, heldout.stream))
     check_trainable(train, cfg)
     return train, heldout
 
@@ -348,7 +353,8 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
         target = target_load.load_target(cfg.target.spec, load_on, dtype, log=log)
     use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
-    target.mask_token(cfg.drafter.mask_token_id)  # no usable mask row: fail before the data
+    if not target.needs_mask_from_data(cfg.drafter.mask_token_id):
+        target.mask_token(cfg.drafter.mask_token_id)  # a bad explicit id: fail before the data
     if warm is not None:
         check_fits_target(warm[1], target, f"--init-from {warm[0]}")
     layer_ids = resolve_layer_ids(cfg, target.num_layers)

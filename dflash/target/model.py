@@ -37,15 +37,45 @@ class MaskToken:
     """The embedding row used for masked block positions, and how it was chosen."""
 
     token_id: int
-    source: str  # "tokenizer" | "spare-row" | "explicit"
+    source: str  # "tokenizer" | "spare-row" | "explicit" | "unused-special"
+    text: str | None = None  # the token's text, for an unused special token
 
     def describe(self) -> str:
         how = {
             "tokenizer": "the tokenizer's mask token",
             "spare-row": "the first embedding row past the tokenizer's vocabulary",
             "explicit": "--mask-token-id",
+            "unused-special": f"{self.text!r}: the tokenizer has no mask token and no spare "
+            "embedding row, and this special token occurs in neither the training nor the "
+            "held-out data",
         }[self.source]
         return f"mask token id {self.token_id} ({how})"
+
+
+class NoMaskToken(TargetError):
+    """Neither a mask token nor a spare row: a special token the data never uses may serve."""
+
+
+def unused_special_token(
+    tokenizer: Any, num_embeddings: int, token_ids: Iterable[Any]
+) -> MaskToken | None:
+    """The first special token (by id) that occurs in none of `token_ids` (arrays of the
+    training and held-out data, padding included): a row of the target's embedding the
+    drafter can mask with, which every engine loading the drafter also has."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or [])
+    for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            special.add(int(token_id))
+    # Never a token the pipeline itself writes: padding (regeneration batches, short rows),
+    # document ends and starts, the unknown token.
+    for role in ("pad_token_id", "eos_token_id", "bos_token_id", "unk_token_id"):
+        special.discard(getattr(tokenizer, role, None))
+    arrays = list(token_ids)
+    for token_id in sorted(i for i in special if isinstance(i, int) and 0 <= i < num_embeddings):
+        if not any(bool((ids == token_id).any()) for ids in arrays):
+            text = tokenizer.convert_ids_to_tokens(token_id) or tokenizer.decode([token_id])
+            return MaskToken(token_id, "unused-special", str(text))
+    return None
 
 
 def tokenizer_vocab_size(tokenizer: Any) -> int:
@@ -73,9 +103,10 @@ def resolve_mask_token(
     vocab = tokenizer_vocab_size(tokenizer)
     if vocab < num_embeddings:
         return MaskToken(vocab, "spare-row")
-    raise TargetError(
-        f"no mask token: the tokenizer has none and all {num_embeddings} embedding rows are "
-        "tokens; give --mask-token-id (an id the data never uses)"
+    raise NoMaskToken(
+        f"no mask token: the tokenizer has none, all {num_embeddings} embedding rows are "
+        "tokens and every special token occurs in the data; give --mask-token-id (an id the "
+        "data never uses)"
     )
 
 
@@ -137,6 +168,7 @@ class TargetModel(nn.Module):
         self._layers = layers  # registered through self.model already
         self.spec, self.tokenizer, self.geometry = spec, tokenizer, geometry
         self.chat_template_kwargs: dict[str, Any] = {}
+        self.data_mask_token: MaskToken | None = None
         self.stop_token_ids = tuple(stop_token_ids)  # generation ends at any of these
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.get_output_embeddings()
@@ -185,8 +217,30 @@ class TargetModel(nn.Module):
         tokenizer.apply_chat_template = apply_chat_template
 
     def mask_token(self, explicit_id: int | None = None) -> MaskToken:
-        """The mask row for a drafter of this target (see resolve_mask_token)."""
-        return resolve_mask_token(self.tokenizer, self.embed_tokens.num_embeddings, explicit_id)
+        """The mask row for a drafter of this target (see resolve_mask_token); with
+        neither a mask token nor a spare row, the unused special token chosen from the
+        data (`choose_mask_from_data`)."""
+        try:
+            return resolve_mask_token(self.tokenizer, self.embed_tokens.num_embeddings, explicit_id)
+        except NoMaskToken:
+            if self.data_mask_token is None:
+                raise
+            return self.data_mask_token
+
+    def needs_mask_from_data(self, explicit_id: int | None) -> bool:
+        try:
+            resolve_mask_token(self.tokenizer, self.embed_tokens.num_embeddings, explicit_id)
+        except NoMaskToken:
+            return True
+        return False
+
+    def choose_mask_from_data(self, token_ids: Iterable[Any]) -> MaskToken:
+        """Picks the first special token none of `token_ids` holds (NoMaskToken if none)."""
+        found = unused_special_token(self.tokenizer, self.embed_tokens.num_embeddings, token_ids)
+        if found is None:
+            resolve_mask_token(self.tokenizer, self.embed_tokens.num_embeddings)  # raises
+        self.data_mask_token = found
+        return found  # type: ignore[return-value]
 
     def train(self, mode: bool = True) -> TargetModel:
         # Frozen: never leave eval mode (dropout etc. would change the features).

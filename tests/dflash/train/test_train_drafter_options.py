@@ -347,3 +347,28 @@ def test_data_report_reaches_the_train_log(tmp_path) -> None:
     result = invoke(train_args(tmp_path, data=data))
     assert result.exit_code == 0, result.output
     assert "data: skipped 1 unusable JSONL lines (first: " in result.output
+
+
+@pytest.mark.slow  # builds a small transformers model
+def test_without_mask_token_or_spare_row_an_unused_special_token_masks(tmp_path) -> None:
+    """As SmolLM2 or Llama-3.x: the tokenizer's length is the vocabulary and it has no
+    mask token, but special tokens chat data never contains."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.dflash.hf_fixtures import qwen3_config, save_word_tokenizer
+
+    target_dir = tmp_path / "target"
+    tok = save_word_tokenizer(target_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<empty_output>", "<reserved_1>"]})
+    tok.save_pretrained(target_dir)
+    torch.manual_seed(0)
+    config = qwen3_config(len(tok), eos_token_id=tok.eos_token_id)  # no spare row
+    AutoModelForCausalLM.from_config(config).save_pretrained(target_dir)
+    result = invoke(train_args(tmp_path, target=str(target_dir)))
+    assert result.exit_code == 0, result.output
+    expected = tok.convert_tokens_to_ids("<empty_output>")
+    (line,) = [line for line in result.output.splitlines() if line.startswith("mask token")]
+    assert line.startswith(f"mask token id {expected} ('<empty_output>': the tokenizer has"), line
+    config_saved, meta = saved_drafter(tmp_path)
+    assert config_saved["dflash_config"]["mask_token_id"] == expected
+    assert meta["mask_token_source"] == "unused-special"
