@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+FILE_MODE = 0o644
+
 
 def cache_dir() -> Path:
     """${DFLASH_CACHE_DIR:-~/.cache/dflash-train} (an empty variable means the default)."""
@@ -45,12 +47,15 @@ def unwritable(path: Path | str, folder: bool = False) -> str | None:
 @contextmanager
 def replacing(path: Path | str) -> Iterator[Path]:
     """Yields a temporary sibling of `path` to write; renamed over `path` when the block
-    ends normally, removed when it raises. The parent folder is created."""
+    ends normally, removed when it raises. The parent folder is created. The file is
+    readable by all (0644), whatever its writer chose: safetensors writes 0600, which a
+    serving engine running as another user could not read."""
     final = Path(path)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
     try:
         yield tmp
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)

@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash.errors import DFlashError, first_line
-from dflash.files import sha256_file
+from dflash.files import FILE_MODE, sha256_file
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _DRAFTER_WEIGHTS = "drafter/model.safetensors"  # a DFlash directory's weights
@@ -174,6 +174,7 @@ def _write_checkpoint(
         write_drafter(tmp / "drafter")
     else:
         save_file(weights, str(tmp / _WEIGHTS))
+        os.chmod(tmp / _WEIGHTS, FILE_MODE)
     loop = {"step": step, "next_batch_index": next_batch_index, "rng": rng_state()}
     torch.save({"trainer": trainer_state, "loop": loop}, tmp / _STATE)
     (tmp / _CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -70,6 +70,10 @@ def test_saved_qwen3_drafter_matches_the_spec_and_reloads_bit_identically(qwen3,
 
     drafter = make_drafter(qwen3)
     out = save_drafter(drafter, tmp_path / "drafter", training_config={"steps": 1})
+    # Readable by all: an engine that serves it may run as another user.
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
+        "config.json": 0o644, "model.safetensors": 0o644, "dflash_train.json": 0o644,
+    }  # fmt: skip
     config = json.loads((out / "config.json").read_text())
     assert set(config) == {row[0] for row in spec_block("config-keys")}
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
