@@ -259,6 +259,12 @@ class RunConfig(Section):
         "geometry must fit this run. With --resume the checkpoint's weights win.",
         check=checks.not_blank,
     )
+    save_dtype: Literal["auto", "float32", "bfloat16", "float16"] = setting(
+        "auto",
+        "Precision of the final OUTPUT_DIR/drafter weights; `auto`: the target's (bf16 for a "
+        "target run in bf16, as the published drafters). Checkpoints keep the training "
+        "precision, so a resume is exact.",
+    )
     save_every: int = setting(
         0, "Write a checkpoint every this many steps (0: only at the end).", min=0
     )

@@ -127,12 +127,14 @@ def save_drafter(
     training_config: dict[str, Any] | None = None,
     data_fingerprint: str | None = None,
     extra: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write config.json, model.safetensors and dflash_train.json; each replaced atomically."""
+    """Write config.json, model.safetensors and dflash_train.json; each replaced atomically.
+    `dtype`: the weights' (None: as trained)."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-    dtype = drafter.fc.weight.dtype
+    dtype = dtype or drafter.fc.weight.dtype
+    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
     with replacing(out / WEIGHTS_FILE) as tmp:
         save_file(state, str(tmp), metadata={"format": "pt"})
     write_json_atomic(out / CONFIG_FILE, hf_config(drafter.config, dtype))

@@ -386,14 +386,15 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     return run
 
 
-def save_drafter_dir(run: Run, directory: Path) -> Path:
-    """The standard DFlash directory of the run's drafter, with the run's metadata."""
+def save_drafter_dir(run: Run, directory: Path, dtype: torch.dtype | None = None) -> Path:
+    """The standard DFlash directory of the run's drafter, with the run's metadata;
+    weights in `dtype` (None: as trained)."""
     extra: dict[str, Any] = {"step": run.step}
     if run.initialized_from is not None:
         extra["initialized_from"] = str(run.initialized_from)
     return save_drafter(
         run.drafter, directory, training_config=run.cfg.to_dict(),
-        data_fingerprint=run.data_fingerprint, extra=extra,
+        data_fingerprint=run.data_fingerprint, extra=extra, dtype=dtype,
     )  # fmt: skip
 
 
@@ -432,13 +433,21 @@ def save_final(run: Run) -> None:
     tmp = run.output_dir / f".tmp-drafter-{os.getpid()}"
     try:
         shutil.rmtree(tmp, ignore_errors=True)
-        save_drafter_dir(run, tmp)
+        save_drafter_dir(run, tmp, save_dtype(run))
         replace_dir(tmp, drafter_dir)
     except SAVE_FAILURES as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         complete = f"the final checkpoint {final} is complete; its drafter/ is the trained drafter"
         raise save_failure(exc, drafter_dir, complete) from None
     run.final_saved = True
+
+
+def save_dtype(run: Run) -> torch.dtype:
+    """--save-dtype: `auto` is the target's precision (bf16 on a GPU, fp32 on the CPU)."""
+    name = run.cfg.run.save_dtype
+    if name == "auto":
+        return target_load.target_dtype(run.placement.target)
+    return getattr(torch, name)
 
 
 def complete_run(run: Run, phase: PhaseFn = null_phase) -> tuple[dict[str, Any], float]:

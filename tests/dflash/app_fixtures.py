@@ -109,7 +109,7 @@ NON_DEFAULT = {
     "grad_accum": 2, "activation_checkpointing": True, "max_bad_steps": 3,
     "steps": 7, "seed": 11, "output_dir": "runs/x", "resume": "latest", "overwrite": True,
     "allow_data_change": True,
-    "save_every": 2,
+    "save_every": 2, "save_dtype": "bfloat16",
     "keep_checkpoints": 4, "log_every": 3, "eval_prompts": 2, "eval_new_tokens": 9,
     "eval_prompt_tokens": 10, "debug": True, "allow_over_memory": True, "dry_run": True,
     "target_devices": ("cpu", "cpu"),

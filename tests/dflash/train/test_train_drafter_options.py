@@ -372,3 +372,19 @@ def test_without_mask_token_or_spare_row_an_unused_special_token_masks(tmp_path)
     config_saved, meta = saved_drafter(tmp_path)
     assert config_saved["dflash_config"]["mask_token_id"] == expected
     assert meta["mask_token_source"] == "unused-special"
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_save_dtype_sets_the_final_drafters_precision_and_checkpoints_keep_theirs(tmp_path):
+    from safetensors.torch import load_file
+
+    result = invoke(train_args(tmp_path, save_dtype="bfloat16"))
+    assert result.exit_code == 0, result.output
+    config, _ = saved_drafter(tmp_path)
+    assert config["torch_dtype"] == "bfloat16"
+    final = load_file(str(tmp_path / "drafter" / "model.safetensors"))
+    (checkpoint,) = (tmp_path / "checkpoints").iterdir()
+    kept = load_file(str(checkpoint / "drafter" / "model.safetensors"))
+    assert {t.dtype for t in final.values()} == {torch.bfloat16}
+    assert {t.dtype for t in kept.values()} == {torch.float32}  # a resume stays exact
+    assert_one_line_error(invoke(train_args(tmp_path, save_dtype="int8")), "--save-dtype", "int8")
