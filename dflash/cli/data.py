@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,12 +29,17 @@ _REGEN = RegenerateSettings()  # the defaults of the regenerate options
 
 
 class _RegenBar:
-    """Lines done and tokens/s: a bar on a terminal, a line per tenth of the run elsewhere."""
+    """Lines done and tokens/s: a bar on a terminal; elsewhere (a log) a line every few
+    seconds with lines, tokens/s and the time left."""
+
+    EVERY_S = 5.0
 
     def __init__(self) -> None:
         self.bar: Any = None
         self.done = 0
-        self.next_line = 0.0
+        self.started = time.monotonic()
+        self.last_line = -math.inf
+        self.first_done: int | None = None
 
     def __call__(self, p: Any) -> None:
         rate = f"{p.tokens_per_s:,.0f} tokens/s"
@@ -44,10 +51,22 @@ class _RegenBar:
                 self.bar.update(self.done)
             self.bar.label = f"regenerate ({rate})"
             self.bar.update(p.lines_done - self.done)
-        elif p.lines_done >= self.next_line or p.lines_done == p.lines_total:
-            echo_err(f"regenerate: {p.lines_done}/{p.lines_total} lines, {rate}")
-            self.next_line = p.lines_done + p.lines_total / 10
+        else:
+            now = time.monotonic()
+            if self.first_done is None:
+                self.first_done = p.lines_done  # a resumed run's lines were there already
+            if now - self.last_line >= self.EVERY_S or p.lines_done == p.lines_total:
+                echo_err(f"regenerate: {p.lines_done}/{p.lines_total} lines, {rate}"
+                         f"{self._eta(p.lines_done, p.lines_total, now)}")  # fmt: skip
+                self.last_line = now
         self.done = p.lines_done
+
+    def _eta(self, done: int, total: int, now: float) -> str:
+        new_lines = done - (self.first_done or 0)
+        if new_lines <= 0 or done >= total:
+            return ""
+        left_s = (total - done) * (now - self.started) / new_lines
+        return f", about {left_s / 60:.0f} min left" if left_s >= 60 else f", {left_s:.0f} s left"
 
     def close(self) -> None:
         if self.bar is not None:

@@ -42,7 +42,7 @@ from dflash.data.sources import DataReport, iter_jsonl, read_jsonl
 from dflash.data.tokenizer import decode_text, encode_texts, special_ids
 from dflash.files import cache_dir, write_json_atomic
 from dflash.offline.settings import RegenerateError, RegenerateSettings
-from dflash.target.generation import generate_batch
+from dflash.target.generation import generate_batch, generate_padded
 from dflash.target.model import TargetModel, target_fingerprint
 
 
@@ -124,15 +124,51 @@ def expand_items(tokenizer: Any, items: list[dict], settings: RegenerateSettings
 
 
 class _Decoder:
-    """Runs prompts batched by exact length; counts generated tokens."""
+    """Runs prompts in batches; counts generated tokens."""
 
-    def __init__(self, target: TargetModel, settings: RegenerateSettings, chunk: int) -> None:
-        self.target, self.settings = target, settings
+    def __init__(
+        self,
+        target: TargetModel,
+        settings: RegenerateSettings,
+        chunk: int,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> None:
+        self.target, self.settings, self.chunk = target, settings, chunk
         self.stops = settings.stop_token_ids or target.stop_token_ids
         self.generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + chunk)
         self.new_tokens = 0
+        self.batches = 0
+        self.on_batch = on_batch  # after each batch: this chunk's new tokens so far
 
     def run(self, prompts: list[list[int]]) -> list[list[int]]:
+        if self.target.is_hf:
+            return self._run_padded(prompts)
+        return self._run_by_length(prompts)
+
+    def _run_padded(self, prompts: list[list[int]]) -> list[list[int]]:
+        """Prompts of any length share a batch (left padding, attention mask); sorted by
+        length first, so a batch wastes little on padding."""
+        results: list[list[int]] = [[] for _ in prompts]
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        size = self.settings.batch_size
+        for s in range(0, len(order), size):
+            part = order[s : s + size]
+            self.batches += 1
+            outs = generate_padded(
+                self.target, [prompts[i] for i in part],
+                max_new_tokens=self.settings.max_new_tokens, stop_token_ids=self.stops,
+                temperature=self.settings.temperature,
+                seed=self.settings.seed * 1_000_003 + self.chunk * 1_009 + self.batches,
+            )  # fmt: skip
+            for i, new in zip(part, outs, strict=True):
+                results[i] = new
+                self.new_tokens += len(new)
+            if self.on_batch is not None:
+                self.on_batch(self.new_tokens)
+        return results
+
+    def _run_by_length(self, prompts: list[list[int]]) -> list[list[int]]:
+        """The tiny target: prompts of one length share a batch (its cache is unpadded)."""
         results: list[list[int]] = [[] for _ in prompts]
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         groups: dict[int, list[int]] = {}
@@ -264,7 +300,13 @@ def regenerate(
     new_tokens = 0
     with open(out, "a", encoding="utf-8") as f:
         for begin in range(done, len(items), settings.chunk_lines):
-            decoder = _Decoder(target, settings, begin // settings.chunk_lines)
+
+            def batch_done(chunk_tokens: int, done: int = done, so_far: int = new_tokens) -> None:
+                if progress is not None:  # tokens/s between chunks, lines at their ends
+                    rate = (so_far + chunk_tokens) / max(time.perf_counter() - start_s, 1e-9)
+                    progress(RegenProgress(done, len(items), so_far + chunk_tokens, rate))
+
+            decoder = _Decoder(target, settings, begin // settings.chunk_lines, batch_done)
             records = regenerate_chunk(decoder, items[begin : begin + settings.chunk_lines])
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
             f.flush()

@@ -139,3 +139,49 @@ def generate_batch(
     rows = torch.stack(out, dim=1).tolist()  # [B, steps]
     cuts = [first_stop(row, stop_list) for row in rows]
     return [row if cut is None else row[:cut] for row, cut in zip(rows, cuts, strict=True)]
+
+
+@torch.no_grad()
+def generate_padded(
+    target: TargetModel,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Iterable[int],
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> list[list[int]]:
+    """New tokens of prompts of any length decoded together (a Hugging Face target):
+    transformers' own `generate` with left padding and an attention mask, one KV cache,
+    up to and without each row's first stop token, at most max_new_tokens. Only the
+    given settings decode: the model's generation_config (top-k, top-p, repetition
+    penalty a chat model ships with) is not applied; sampling is seeded by `seed`."""
+    from transformers import GenerationConfig  # with the target: an optional dependency
+
+    check_decoding(max_new_tokens, temperature)
+    if not prompts or not all(prompts):
+        raise GenerationError("generate_padded needs non-empty prompts")
+    tokenizer = target.tokenizer
+    stop_list = list(stop_token_ids)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = pad if pad is not None else (stop_list[0] if stop_list else 0)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):  # left padding: every row ends at the same place
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
+        eos_token_id=stop_list or None, pad_token_id=pad,
+    )  # fmt: skip
+    device = target.device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        out = target.model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+        )
+    rows = out[:, width:].tolist()
+    cuts = [first_stop(row, stop_list) for row in rows]
+    return [row if cut is None else row[:cut] for row, cut in zip(rows, cuts, strict=True)]

@@ -265,6 +265,11 @@ class TargetModel(nn.Module):
     def _is_hf(self) -> bool:
         return not isinstance(self.model, TinyLM)
 
+    @property
+    def is_hf(self) -> bool:
+        """A transformers model (its own `generate`, padding, caches), not the tiny LM."""
+        return self._is_hf
+
     def final_norm(self) -> nn.Module:
         """The norm whose output feeds the LM head."""
         decoder = self.model.get_decoder() if self._is_hf else self.model
