@@ -66,6 +66,13 @@ _TEMPERATURE_HELP = (
     type=click.IntRange(min=1),
     help="Decode each prompt this often both ways and keep the fastest times (noisy machines).",
 )  # fmt: skip
+@click.option(
+    "--draft-sampling", type=click.Choice(["greedy", "sample"]), default="greedy",
+    show_default=True,
+    help="At --temperature > 0: greedy drafts accepted with probability p(x) (the DFlash "
+    "authors' rule and vLLM's default), or drafts sampled from the drafter and accepted "
+    "with min(1, p/q). Both keep the target's distribution; their τ differ.",
+)  # fmt: skip
 @device_option("target and drafter")
 @click.option(
     "--json", "json_path", default=None, type=click.Path(dir_okay=False),
@@ -79,6 +86,7 @@ def eval_command(
     max_new_tokens: int,
     temperature: float,
     timing_repeats: int,
+    draft_sampling: str,
     json_path: str | None,
     device: str,
     debug: bool,
@@ -98,6 +106,7 @@ def eval_command(
             num_prompts=given["eval_prompts"] if eval_data else cfg.run.eval_prompts,
             prompt_tokens=cfg.run.eval_prompt_tokens, max_new_tokens=max_new_tokens,
             temperature=temperature, seed=cfg.run.seed, timing_repeats=timing_repeats,
+            draft_sampling=draft_sampling,
         )  # fmt: skip
         kwargs = cfg.target.template_kwargs if cfg.target.chat_template_kwargs else None
         return evaluate_drafter_dir(Path(drafter_dir), target, settings, device, log=echo_err,

@@ -78,6 +78,7 @@ def evaluate_tau(
     use_cache: bool = True,
     compare_baseline: bool = False,
     timing_repeats: int = 1,
+    draft_sampling: str = "greedy",
 ) -> EvalResult:
     """Speculative decoding over the prompts: tau (per-prompt mean and pooled), acceptance
     per block position and, with compare_baseline, the wall-clock speedup against plain
@@ -95,7 +96,8 @@ def evaluate_tau(
     all_stats: list[SpecStats] = []
     spec_s, base_s = 0.0, 0.0
     gen = torch.Generator().manual_seed(seed)
-    opts = {"stop_token_ids": stops, "temperature": temperature, "use_cache": use_cache}
+    opts = {"stop_token_ids": stops, "temperature": temperature, "use_cache": use_cache,
+            "draft_sampling": draft_sampling}  # fmt: skip
     try:
         for prompt in prompts:
             prompt_base_s, prompt_spec_s = [], []
@@ -230,6 +232,7 @@ def evaluate_drafter_dir(
     result = evaluate_tau(
         target, drafter, prompts, settings.max_new_tokens, temperature=settings.temperature,
         seed=settings.seed, compare_baseline=True, timing_repeats=settings.timing_repeats,
+        draft_sampling=settings.draft_sampling,
     )  # fmt: skip
     figures = {
         **eval_figures(result),
@@ -237,6 +240,7 @@ def evaluate_drafter_dir(
         "new_tokens": result.new_tokens,
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,
+        "draft_sampling": settings.draft_sampling,
         "block_size": drafter.config.block_size,
         "target": target.spec,
         "eval_s": time.perf_counter() - start_s,

@@ -21,6 +21,9 @@ class EvalSettings:
     temperature: float = 0.0
     seed: int = RunConfig.seed
     timing_repeats: int = 1
+    draft_sampling: str = "greedy"
+    """At temperature > 0: `greedy` drafts (accepted with probability p(x): the authors'
+    rule and vLLM's default) or `sample`d drafts (accepted with min(1, p/q))."""
 
     def __post_init__(self) -> None:
         check_decoding(self.max_new_tokens, self.temperature)

@@ -42,11 +42,18 @@ class SpecStats:
 # --- one cycle: propose, verify ---
 
 
+DRAFT_SAMPLING = ("greedy", "sample")
+
+
 def _propose(
-    draft_logits: Tensor, temperature: float, generator: torch.Generator | None
+    draft_logits: Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+    draft_sampling: str = "greedy",
 ) -> tuple[list[int], Tensor | None]:
-    """draft_logits[Bs-1, V] -> draft tokens, and their proposal probs [Bs-1, V] when sampling."""
-    if temperature == 0:
+    """draft_logits[Bs-1, V] -> draft tokens, and their proposal probs [Bs-1, V] when
+    sampled. A greedy draft (the authors' rule and vLLM's default) has no probs."""
+    if temperature == 0 or draft_sampling == "greedy":
         return draft_logits.argmax(-1).tolist(), None
     q = token_probs(draft_logits, temperature).cpu()
     return [sample_from(q_k, generator) for q_k in q], q
@@ -66,8 +73,16 @@ def _verify(
         while accepted < len(drafts) and drafts[accepted] == choices[accepted]:
             accepted += 1
         return accepted, choices[accepted]
-    assert q is not None
     p = token_probs(target_logits, temperature).cpu()  # [Bs, V]
+    if q is None:  # a greedy draft: q is one-hot, so x is accepted with probability p(x)
+        for k, token in enumerate(drafts):
+            if float(torch.rand((), generator=generator)) < float(p[k, token]):
+                continue
+            residual = p[k].clone()
+            residual[token] = 0.0  # (p - q)+ for a one-hot q
+            residual = residual if float(residual.sum()) > 0 else p[k]
+            return k, sample_from(residual / residual.sum(), generator)
+        return len(drafts), sample_from(p[len(drafts)], generator)
     for k, token in enumerate(drafts):
         ratio = p[k, token] / q[k, token]
         if float(torch.rand((), generator=generator)) < min(1.0, float(ratio)):
@@ -150,8 +165,11 @@ def speculative_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    draft_sampling: str = "greedy",
 ) -> tuple[list[int], SpecStats]:
-    """Draft-then-verify decoding of a non-empty prompt; -> (new tokens, stats)."""
+    """Draft-then-verify decoding of a non-empty prompt; -> (new tokens, stats). At
+    temperature > 0 the drafts are the drafter's argmax (`greedy`) or sampled from it
+    (`sample`); both are lossless, their τ differ."""
     check_decoding(max_new_tokens, temperature)
     if not prompt_ids:
         raise GenerationError("speculative decoding needs a non-empty prompt")
@@ -162,7 +180,7 @@ def speculative_generate(
     seq.append(next_token(session.prefill(seq), temperature, generator))
     while len(seq) - len(prompt_ids) < max_new_tokens and seq[-1] not in stops:
         anchor_pos = len(seq) - 1
-        drafts, q = _propose(session.draft(seq), temperature, generator)
+        drafts, q = _propose(session.draft(seq), temperature, generator, draft_sampling)
         logits = session.verify(seq, drafts)
         accepted, token = _verify(logits, drafts, q, temperature, generator)
         stats.target_forwards += 1

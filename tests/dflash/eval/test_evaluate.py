@@ -193,7 +193,10 @@ def _exact_distribution(target: TargetModel, prompt: list[int], n: int, vocab: i
 
 
 @pytest.mark.slow
-def test_sampling_keeps_the_targets_output_distribution() -> None:
+@pytest.mark.parametrize("draft_sampling", ["greedy", "sample"])
+def test_sampling_keeps_the_targets_output_distribution(draft_sampling) -> None:
+    """Greedy drafts accepted with probability p(x) (the authors' and vLLM's rule) and
+    sampled drafts accepted with min(1, p/q) both decode the target's own law."""
     vocab, n, runs, temp = 5, 3, 3000, 0.8
     torch.manual_seed(0)
     tiny = TinyLM(TinyLMConfig(vocab_size=vocab + 1, hidden_size=16, num_layers=2,
@@ -210,7 +213,15 @@ def test_sampling_keeps_the_targets_output_distribution() -> None:
     gen = torch.Generator().manual_seed(0)
     counts = Counter(
         tuple(
-            speculative_generate(target, drafter, prompt, n, temperature=temp, generator=gen)[0]
+            speculative_generate(
+                target,
+                drafter,
+                prompt,
+                n,
+                temperature=temp,
+                generator=gen,
+                draft_sampling=draft_sampling,
+            )[0]
         )  # fmt: skip
         for _ in range(runs)
     )
