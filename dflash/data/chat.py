@@ -53,6 +53,9 @@ def _mask_run_ends(mask: np.ndarray) -> np.ndarray:
 
 def _render_generation_mask(tokenizer: Any, messages: list[dict]) -> RenderedChat | None:
     """Templates with `{% generation %}` give the assistant mask directly."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and "generation" not in template:
+        return None  # no markers: asking would only log a warning per conversation
     try:
         out = tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
