@@ -53,7 +53,7 @@ def cli() -> None:
 
 for command in (train.train, results.eval_command, results.export_command,
                 train.prepare_target, results.report_command, data.regenerate_command,
-                data.cache_hidden_command):  # fmt: skip
+                data.cache_hidden_command, data.inspect_data_command):  # fmt: skip
     cli.add_command(command)
 
 

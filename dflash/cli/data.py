@@ -207,3 +207,43 @@ def cache_hidden_command(
     echo_err(f"cache-hidden: {reader.num_batches} batches ({tokens:,} tokens, "
               f"{reader.total_bytes / 2**20:,.1f} MiB) in {output}")  # fmt: skip
     click.echo(output)
+
+
+_INSPECT_OPTIONS = ("target", "chat_template_kwargs", "data", "seq_len", "batch_size",
+                    "heldout_fraction", "packing", "seed")  # fmt: skip
+
+
+def _inspect_options(func: Callable) -> Callable:
+    for name in reversed(_INSPECT_OPTIONS):
+        func = schema_option(name)(func)
+    return func
+
+
+@click.command("inspect-data")
+@click.option(
+    "--config", "config_file", type=click.Path(dir_okay=False),
+    help="The config file of the `train` run whose data to show (its other keys are not used).",
+)  # fmt: skip
+@click.option("--rows", default=3, show_default=True, type=click.IntRange(min=0),
+              help="Training rows to print.")  # fmt: skip
+@click.option(
+    "--json", "json_path", default=None, type=click.Path(dir_okay=False),
+    help="Also write every training document as a JSON list of "
+    '{"text", "tokens", "loss_mask"}.',
+)  # fmt: skip
+@_inspect_options
+@debug_option
+def inspect_data_command(
+    config_file: str | None, rows: int, json_path: str | None, debug: bool, **given: Any
+) -> None:
+    """Show the training rows as the drafter will see them: the learned tokens inside
+    ⟦ ⟧, where each document begins, what packing cut or dropped. Only the target's
+    tokenizer loads, so a chat template is checked in seconds before a long run."""
+    from dflash.run.inspect import inspect_data  # deferred: torch
+
+    check_output(json_path, "--json")
+
+    def go() -> Any:
+        return inspect_data(build_config(config_file, given), rows, json_path, log=click.echo)
+
+    report_errors(debug, go)

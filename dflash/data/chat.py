@@ -6,6 +6,7 @@ truncates a conversation too long for a row at one of these, never mid-turn.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +52,13 @@ def _mask_run_ends(mask: np.ndarray) -> np.ndarray:
     return (np.flatnonzero(padded[:-1] & ~padded[1:]) + 1).astype(np.int64)
 
 
+_GENERATION_MARK = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
 def _render_generation_mask(tokenizer: Any, messages: list[dict]) -> RenderedChat | None:
     """Templates with `{% generation %}` give the assistant mask directly."""
     template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str) and "generation" not in template:
+    if isinstance(template, str) and not _GENERATION_MARK.search(template):
         return None  # no markers: asking would only log a warning per conversation
     try:
         out = tokenizer.apply_chat_template(
@@ -127,6 +131,19 @@ def _render_spans(tokenizer: Any, messages: list[dict]) -> RenderedChat:
     lengths = dict(zip(boundaries[1:], np.cumsum([len(e) for e in encoded]), strict=True))
     ends = np.asarray(sorted({int(lengths[t]) for t in turn_ends if t in lengths}), np.int64)
     return RenderedChat(np.concatenate(encoded).astype(np.int32), mask, ends)
+
+
+def use_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
+    """Every rendering of a conversation by `tokenizer` gets `kwargs` (e.g.
+    enable_thinking=False); an argument given at a call still wins."""
+    if not kwargs or not hasattr(tokenizer, "apply_chat_template"):
+        return
+    original = type(tokenizer).apply_chat_template
+
+    def apply_chat_template(conversation: Any, *args: Any, **given: Any) -> Any:
+        return original(tokenizer, conversation, *args, **{**kwargs, **given})
+
+    tokenizer.apply_chat_template = apply_chat_template
 
 
 def render_chat(tokenizer: Any, messages: list[dict]) -> RenderedChat:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dflash.data.tokenizer import ByteTokenizer
+from dflash.errors import first_line
 from dflash.target.geometry import TargetError
 from dflash.target.hf import load_hf_target
 from dflash.target.model import TargetModel
@@ -63,6 +65,24 @@ def load_target(
     if spec.startswith(BUILTIN_PREFIX):
         return _builtin_target(spec[len(BUILTIN_PREFIX) :], device, dtype, log)
     return load_hf_target(spec, device, dtype)
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer of a target without its weights (builtin:tiny: the byte tokenizer)."""
+    if spec.startswith(BUILTIN_PREFIX):
+        return ByteTokenizer()
+    try:
+        from transformers import AutoTokenizer  # with the target: an optional dependency
+    except ImportError as err:
+        raise TargetError(
+            "Hugging Face targets need transformers: pip install 'dflash-train[hf]'"
+        ) from err
+    path = Path(spec).expanduser()
+    try:
+        return AutoTokenizer.from_pretrained(str(path) if path.exists() else spec)
+    except (OSError, ValueError, KeyError) as err:
+        why = first_line(err)
+        raise TargetError(f"cannot load the tokenizer of target {spec}: {why}") from None
 
 
 def prepare_target_spec(spec: str, log: Callable[[str], None] = print) -> Path | str:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dflash.data.chat import use_template_kwargs
 from dflash.data.documents import document_positions
 from dflash.nn.kvcache import KVCache, crop_hf_cache
 from dflash.target.geometry import TargetError, TargetGeometry, text_config
@@ -206,15 +207,7 @@ class TargetModel(nn.Module):
         (e.g. enable_thinking=False): training rows, regeneration and evaluation prompts
         alike. An argument given at a call still wins."""
         self.chat_template_kwargs = dict(kwargs)
-        tokenizer = self.tokenizer
-        if not kwargs or not hasattr(tokenizer, "apply_chat_template"):
-            return
-        original = type(tokenizer).apply_chat_template
-
-        def apply_chat_template(conversation: Any, *args: Any, **given: Any) -> Any:
-            return original(tokenizer, conversation, *args, **{**kwargs, **given})
-
-        tokenizer.apply_chat_template = apply_chat_template
+        use_template_kwargs(self.tokenizer, dict(kwargs))
 
     def mask_token(self, explicit_id: int | None = None) -> MaskToken:
         """The mask row for a drafter of this target (see resolve_mask_token); with

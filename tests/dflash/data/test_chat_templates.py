@@ -150,3 +150,29 @@ def test_chat_template_kwargs_reach_every_rendering_of_the_target(tmp_path) -> N
         prompt, tokenize=False, add_generation_prompt=True, enable_thinking=True
     )
     assert again == thinking
+
+
+@pytest.mark.slow
+def test_inspect_data_shows_learned_spans_and_writes_documents(tmp_path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from dflash import cli
+    from tests.dflash.hf_fixtures import save_hf_target
+
+    target = save_hf_target(tmp_path / "t")
+    chats = tmp_path / "chats.jsonl"
+    messages = [{"role": "user", "content": "def add a b"},
+                {"role": "assistant", "content": "return a"}]  # fmt: skip
+    chats.write_text(json.dumps({"messages": messages}) + "\n")
+    out = tmp_path / "docs.json"
+    args = ["inspect-data", "--target", str(target), "--data", str(chats), "--seq-len", "32",
+            "--rows", "1", "--json", str(out)]  # fmt: skip
+    result = CliRunner().invoke(cli.cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "⟦return a </s>⟧" in result.output.replace("  ", " ")
+    assert "──── document 0 ────" in result.output and "1 training documents" in result.output
+    (doc,) = json.loads(out.read_text())
+    assert set(doc) == {"text", "tokens", "loss_mask"}
+    assert len(doc["tokens"]) == len(doc["loss_mask"]) and 0 < sum(doc["loss_mask"])
