@@ -43,6 +43,8 @@ class EvalResult:
     speculative_s: float  # decoding time of speculative decoding alone
     baseline_s: float | None = None  # plain decoding with the same target and cache mode
     speedup: float | None = None  # baseline_s / speculative_s
+    repeated_share: float = 0.0  # accepted drafts inside repeated spans (loops), of all
+    tau_without_repeats: float | None = None  # pooled τ of the cycles outside them
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,6 +65,21 @@ def _summarize(all_stats: list[SpecStats], block_size: int) -> dict[str, Any]:
         "tokens_per_target_forward": new_tokens / max(1, forwards),
         "num_cycles": len(accepted),
         "new_tokens": new_tokens,
+        **_repeat_figures(all_stats),
+    }
+
+
+def _repeat_figures(all_stats: list[SpecStats]) -> dict[str, Any]:
+    """How much of τ comes from loops: greedy outputs that repeat themselves are easy to
+    draft, and a drafter can look good on them alone."""
+    inside = total = 0
+    clean: list[int] = []
+    for stats in all_stats:
+        a, b, c = stats.split_by_repeats()
+        inside, total, clean = inside + a, total + b, clean + c
+    return {
+        "repeated_share": inside / total if total else 0.0,
+        "tau_without_repeats": sum(a + 1 for a in clean) / len(clean) if clean else None,
     }
 
 
@@ -96,8 +113,7 @@ def evaluate_tau(
     all_stats: list[SpecStats] = []
     spec_s, base_s = 0.0, 0.0
     gen = torch.Generator().manual_seed(seed)
-    opts = {"stop_token_ids": stops, "temperature": temperature, "use_cache": use_cache,
-            "draft_sampling": draft_sampling}  # fmt: skip
+    opts = {"stop_token_ids": stops, "temperature": temperature, "use_cache": use_cache}
     try:
         for prompt in prompts:
             prompt_base_s, prompt_spec_s = [], []
@@ -108,8 +124,9 @@ def evaluate_tau(
                     prompt_base_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 _, stats = speculative_generate(
-                    target, drafter, prompt, max_new_tokens, generator=gen, **opts
-                )
+                    target, drafter, prompt, max_new_tokens, generator=gen,
+                    draft_sampling=draft_sampling, **opts,
+                )  # fmt: skip
                 prompt_spec_s.append(time.perf_counter() - t0)
                 if repeat == 0:
                     all_stats.append(stats)
@@ -157,6 +174,8 @@ def eval_figures(result: EvalResult | None) -> dict[str, Any]:
         "speedup": _float_or_none(result.speedup),
         "speculative_s": float(result.speculative_s),
         "greedy_s": _float_or_none(result.baseline_s),
+        "repeated_share": float(result.repeated_share),
+        "tau_without_repeats": _float_or_none(result.tau_without_repeats),
     }
 
 
@@ -175,6 +194,18 @@ def format_eval(figures: dict[str, Any], where: str) -> list[str]:
         f"{figures['tau_pooled']:.3f}, on {where}{against}",
         f"eval: acceptance per block position {rates}; tokens per target forward "
         f"{figures['tokens_per_target_forward']:.2f}",
+        *_repeat_line(figures),
+    ]
+
+
+def _repeat_line(figures: dict[str, Any]) -> list[str]:
+    if "repeated_share" not in figures:
+        return []
+    without = figures.get("tau_without_repeats")
+    return [
+        f"eval: {figures['repeated_share']:.0%} of accepted drafts fall inside repeated spans "
+        f"(loops of the output, easy to draft); pooled τ without them "
+        + (f"{without:.3f}" if without is not None else "n/a")
     ]
 
 

@@ -25,12 +25,43 @@ from dflash.target.decoding import GenerationError, check_decoding
 from dflash.target.generation import first_stop, ids_tensor, next_token, sample_from, token_probs
 from dflash.target.model import TargetModel
 
+REPEAT_NGRAM = 4
+"""A generated token is inside a repeated span when the REPEAT_NGRAM tokens ending at it
+already occurred earlier in the prompt or the output: a loop, which is easy to draft."""
+
 
 @dataclass
 class SpecStats:
     accepted_per_cycle: list[int] = field(default_factory=list)  # drafts accepted per cycle
     target_forwards: int = 0
     new_tokens: int = 0
+    cycle_starts: list[int] = field(default_factory=list)  # where each cycle's tokens begin
+    sequence: list[int] = field(default_factory=list)  # prompt and output, as decoded
+
+    def repeated_positions(self) -> set[int]:
+        """Positions (in `sequence`) whose REPEAT_NGRAM-gram occurred before."""
+        seen: set[tuple[int, ...]] = set()
+        repeated: set[int] = set()
+        seq, n = self.sequence, REPEAT_NGRAM
+        for end in range(n, len(seq) + 1):
+            gram = tuple(seq[end - n : end])
+            if gram in seen:
+                repeated.add(end - 1)
+            seen.add(gram)
+        return repeated
+
+    def split_by_repeats(self) -> tuple[int, int, list[int]]:
+        """(accepted drafts inside repeated spans, all accepted drafts, the accepted counts
+        of the cycles none of whose tokens is inside one)."""
+        repeated = self.repeated_positions()
+        inside = total = 0
+        clean: list[int] = []
+        for start, accepted in zip(self.cycle_starts, self.accepted_per_cycle, strict=False):
+            hits = sum(p in repeated for p in range(start, start + accepted))
+            inside, total = inside + hits, total + accepted
+            if not any(p in repeated for p in range(start, start + accepted + 1)):
+                clean.append(accepted)
+        return inside, total, clean
 
     @property
     def tau(self) -> float | None:
@@ -186,6 +217,7 @@ def speculative_generate(
         stats.target_forwards += 1
         stats.accepted_per_cycle.append(accepted)
         added = [*drafts[:accepted], token]
+        stats.cycle_starts.append(len(seq))
         seq += added
         if first_stop(added, stops) is not None:
             break
@@ -194,4 +226,5 @@ def speculative_generate(
     stop = first_stop(new, stops)
     new = new if stop is None else new[: stop + 1]
     stats.new_tokens = len(new)
+    stats.sequence = list(prompt_ids) + new
     return new, stats

@@ -324,3 +324,19 @@ def test_eval_of_a_saved_drafter_on_chat_prompts(target, tmp_path, monkeypatch) 
         EvalSettings(max_new_tokens=0)
     with pytest.raises(GenerationError, match="--temperature -1"):
         EvalSettings(temperature=-1.0)
+
+
+def test_accepted_drafts_inside_loops_are_counted_apart() -> None:
+    from dflash.eval.speculative import SpecStats
+
+    # prompt 10 11 12 13; output loops "1 2 3 4" twice: from the second loop on, every
+    # 4-gram has occurred before.
+    prompt = [10, 11, 12, 13]
+    out = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    stats = SpecStats(sequence=prompt + out)
+    # cycles: 3 drafts accepted + 1 (positions 4..7), then 3 + 1 (8..11), then 1 + 1 (12..13)
+    stats.cycle_starts, stats.accepted_per_cycle = [4, 8, 12], [3, 3, 1]
+    assert stats.repeated_positions() == {11, 12, 13}
+    inside, total, clean = stats.split_by_repeats()
+    assert (inside, total) == (1, 7)  # the draft at 12; 11 is cycle 2's target token
+    assert clean == [3]  # only the first cycle touches no repeated position
