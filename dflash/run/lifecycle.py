@@ -55,7 +55,7 @@ from dflash.run.checkpoint import (
     save_failure,
 )
 from dflash.run.estimate import check_sizes_before_work, estimate_for_config
-from dflash.run.folder import FolderLock, claim_output_dir, write_run_start
+from dflash.run.folder import METRICS_FILE, FolderLock, claim_output_dir, write_run_start
 from dflash.run.progress import format_loss_config, format_run_config, format_summary
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.model import (
@@ -495,10 +495,21 @@ def build_summary(
         "packing": run.cfg.data.packing,
         "initialized_from": None if run.initialized_from is None else str(run.initialized_from),
         "drafter_dir": str(run.output_dir / "drafter") if run.final_saved else None,
+        "tau_estimate": _last_tau_estimate(run.output_dir / METRICS_FILE),
     }
     if interrupted is not None:
         summary["interrupted"] = interrupted
     return {**summary, **(extra or {})}
+
+
+def _last_tau_estimate(path: Path) -> float | None:
+    """The τ estimate of the last logged step (metrics.jsonl), to set beside the eval τ."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        value = json.loads(lines[-1]).get("tau") if lines else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return _finite_or_none(value) if isinstance(value, (int, float)) else None
 
 
 def _finite_or_none(value: Any) -> float | None:
