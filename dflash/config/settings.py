@@ -62,6 +62,11 @@ class DataConfig(Section):
     heldout_fraction: float = setting(
         0.05, "Share of documents kept out of training for evaluation.", gt=0.0, lt=1.0
     )
+    keep_cut_replies: bool = setting(
+        False,
+        "Train on conversations with a reply `regenerate` cut at --max-new-tokens (marked "
+        "in its output); by default they are left out and counted.",
+    )
     max_dropped_share: float = setting(
         0.5,
         "Stop before training when packing drops more than this share of the conversations "

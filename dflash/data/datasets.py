@@ -141,13 +141,16 @@ class PackedDataset:
 
 
 def load_corpus(
-    source: str, tokenizer: Any, heldout_fraction: float = DataConfig.heldout_fraction
+    source: str,
+    tokenizer: Any,
+    heldout_fraction: float = DataConfig.heldout_fraction,
+    keep_cut: bool = False,
 ) -> Corpus:
     """Framed train/held-out documents of `--data` (documents split by name hash)."""
     if source in (EMBEDDED, EMBEDDED_CORPUS):
         return embedded_tokens(tokenizer, heldout_fraction)
     report = DataReport()
-    docs = [d for d in read_documents(source, tokenizer, report) if len(d.ids) > 0]
+    docs = [d for d in read_documents(source, tokenizer, report, keep_cut) if len(d.ids) > 0]
     if not docs or not any(d.mask.any() for d in docs):
         why = f" (skipped {report.skipped_lines} lines; first: {report.first_bad_line})"
         raise DataError(
@@ -192,12 +195,13 @@ def build_datasets(
     *,
     packing: str = DataConfig.packing,
     log: Callable[[str], None] | None = None,
+    keep_cut: bool = False,
 ) -> tuple[PackedDataset, PackedDataset]:
     """(train, held-out) datasets of packed rows of `source` (see `datasets_from_corpus`);
     `embedded` here is the corpus as it is (the run substitutes the regenerated text)."""
     if packing not in PACKING_MODES:
         raise DataError(f"--packing {packing!r}: expected one of {', '.join(PACKING_MODES)}")
-    corpus = load_corpus(source, tokenizer, heldout_fraction)
+    corpus = load_corpus(source, tokenizer, heldout_fraction, keep_cut)
     return datasets_from_corpus(corpus, tokenizer, seq_len, batch_size, seed, heldout_fraction,
                                 packing=packing, log=log)  # fmt: skip
 

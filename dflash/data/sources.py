@@ -30,6 +30,7 @@ class DataReport:
 
     skipped_lines: int = 0
     first_bad_line: str | None = None  # "file:line: reason" of the first skipped line
+    cut_replies: int = 0  # conversations left out: regenerate cut a reply at its budget
     pack: PackReport = field(default_factory=PackReport)
 
     def skip(self, where: str, reason: str) -> None:
@@ -43,6 +44,11 @@ class DataReport:
             out.append(
                 f"data: skipped {self.skipped_lines} unusable JSONL lines "
                 f"(first: {self.first_bad_line})"
+            )
+        if self.cut_replies:
+            out.append(
+                f"data: {self.cut_replies} conversations left out: regenerate cut a reply at "
+                "--max-new-tokens (--keep-cut-replies trains on them)"
             )
         return out + self.pack.lines(seq_len)
 
@@ -89,8 +95,16 @@ def iter_jsonl(path: Path, report: DataReport) -> Iterator[tuple[int, dict]]:
         yield lineno, obj
 
 
-def read_jsonl(path: Path, tokenizer: Any, report: DataReport | None = None) -> list[Document]:
-    """Documents of a JSONL file: one object per line with `text` or `messages`."""
+CUT_KEY = "cut_at_max_new_tokens"
+"""Set by `regenerate` on a reply that ran out of tokens: it ends mid-sentence, and a
+drafter trained on it learns endings the target does not write."""
+
+
+def read_jsonl(
+    path: Path, tokenizer: Any, report: DataReport | None = None, keep_cut: bool = False
+) -> list[Document]:
+    """Documents of a JSONL file: one object per line with `text` or `messages`; a
+    conversation with a reply `regenerate` cut is left out (counted) unless `keep_cut`."""
     report = report if report is not None else DataReport()
     docs: list[Document] = []
     templated = bool(getattr(tokenizer, "chat_template", None))
@@ -99,6 +113,9 @@ def read_jsonl(path: Path, tokenizer: Any, report: DataReport | None = None) -> 
         if isinstance(obj.get("text"), str):
             (ids,) = encode_texts(tokenizer, [obj["text"]])
             docs.append(Document(where, ids, np.ones(len(ids), bool)))
+            continue
+        if not keep_cut and any(m.get(CUT_KEY) for m in obj["messages"]):
+            report.cut_replies += 1
             continue
         try:
             chat = render_chat(tokenizer, obj["messages"])
@@ -117,7 +134,9 @@ def _read_text_file(path: Path, tokenizer: Any, name: str) -> list[Document]:
     return [Document(name, ids, np.ones(len(ids), bool))]
 
 
-def read_documents(source: str, tokenizer: Any, report: DataReport | None = None) -> list[Document]:
+def read_documents(
+    source: str, tokenizer: Any, report: DataReport | None = None, keep_cut: bool = False
+) -> list[Document]:
     """Documents of a text file, a JSONL file or a folder of them."""
     report = report if report is not None else DataReport()
     path = Path(source).expanduser()
@@ -125,7 +144,7 @@ def read_documents(source: str, tokenizer: Any, report: DataReport | None = None
         raise DataError(f"--data {source!r}: no such file or folder")
     if path.is_file():
         if path.suffix == ".jsonl":
-            return read_jsonl(path, tokenizer, report)
+            return read_jsonl(path, tokenizer, report, keep_cut)
         return _read_text_file(path, tokenizer, path.name)
     docs: list[Document] = []
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
@@ -133,7 +152,7 @@ def read_documents(source: str, tokenizer: Any, report: DataReport | None = None
         if any(part.startswith(".") for part in rel.parts):
             continue
         if file.suffix == ".jsonl":
-            docs += read_jsonl(file, tokenizer, report)
+            docs += read_jsonl(file, tokenizer, report, keep_cut)
             continue
         try:
             docs += _read_text_file(file, tokenizer, rel.as_posix())

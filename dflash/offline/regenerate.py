@@ -38,7 +38,7 @@ from dflash.data.corpus import (
     is_heldout,
 )
 from dflash.data.packing import frame
-from dflash.data.sources import DataReport, iter_jsonl, read_jsonl
+from dflash.data.sources import CUT_KEY, DataReport, iter_jsonl, read_jsonl
 from dflash.data.tokenizer import decode_text, encode_texts, special_ids
 from dflash.files import cache_dir, write_json_atomic
 from dflash.offline.settings import RegenerateError, RegenerateSettings
@@ -216,7 +216,11 @@ def regenerate_chunk(decoder: _Decoder, items: list[dict]) -> list[dict]:
             return records
         prompts = [chat_prompt_ids(tok, records[i]["messages"][:j]) for i, j in wave]
         for (i, j), new in zip(wave, decoder.run(prompts), strict=True):
-            records[i]["messages"][j]["content"] = decode_text(tok, new)
+            message = records[i]["messages"][j]
+            message["content"] = decode_text(tok, new)
+            message.pop(CUT_KEY, None)
+            if len(new) >= decoder.settings.max_new_tokens:  # no stop token came in time
+                message[CUT_KEY] = True
         turn += 1
 
 

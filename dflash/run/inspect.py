@@ -41,7 +41,8 @@ def inspect_data(
         log("inspect-data: --data embedded is the target's regeneration of the embedded "
             "corpus, made at the first train; showing the corpus it starts from")  # fmt: skip
         source = EMBEDDED_CORPUS
-    corpus = load_corpus(source, tokenizer, cfg.data.heldout_fraction)
+    corpus = load_corpus(source, tokenizer, cfg.data.heldout_fraction,
+                         cfg.data.keep_cut_replies)  # fmt: skip
     train, _ = datasets_from_corpus(
         corpus, tokenizer, cfg.data.seq_len, cfg.data.batch_size, cfg.run.seed,
         cfg.data.heldout_fraction, packing=cfg.data.packing, log=log,

@@ -302,7 +302,7 @@ def run_datasets(
     else:
         train, heldout = build_datasets(
             d.source, tok, d.seq_len, rows, cfg.run.seed, d.heldout_fraction,
-            packing=d.packing, log=log,
+            packing=d.packing, log=log, keep_cut=d.keep_cut_replies,
         )  # fmt: skip
     if cfg.drafter.mask_token_id is not None:
         check_mask_token_unused(cfg.drafter.mask_token_id, (train.ids, heldout.ids, heldout.stream))

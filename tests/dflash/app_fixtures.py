@@ -98,7 +98,8 @@ def record_losses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
 # A value of every option that is not its default (config round trips, the CLI's flags).
 NON_DEFAULT = {
     "data": "corpus.txt", "seq_len": 64, "batch_size": 3, "heldout_fraction": 0.1,
-    "packing": "concat", "max_dropped_share": 0.25, "drafter_intermediate_size": 96,
+    "packing": "concat", "max_dropped_share": 0.25, "keep_cut_replies": True,
+    "drafter_intermediate_size": 96,
     "mask_token_id": 7, "chat_template_kwargs": "{\"enable_thinking\": false}",
     "noise_schedule": "linear:0.5:1", "init_from": "runs/old/drafter",
     "hidden_cache": "cache/",

@@ -272,3 +272,36 @@ def test_a_prompt_set_is_answered_and_a_file_without_user_turns_refused(hf_dir, 
     no_user = _write_chats(tmp_path / "none.jsonl", [[("system", "tell me")]])
     with pytest.raises(RegenerateError, match="no conversation has a user turn"):
         regenerate(target, str(no_user), tmp_path / "x.jsonl", settings=SETTINGS)
+
+
+def test_replies_cut_at_the_budget_are_marked_and_left_out_of_training(hf_dir, tmp_path) -> None:
+    from dflash.data.datasets import load_corpus
+    from dflash.data.sources import CUT_KEY
+
+    target = load_target(str(hf_dir))
+    data = _write_chats(tmp_path / "chats.jsonl")
+    short = dataclasses.replace(SETTINGS, max_new_tokens=2)
+    regenerate(target, str(data), tmp_path / "cut.jsonl", settings=short)
+    written = [json.loads(line) for line in (tmp_path / "cut.jsonl").read_text().splitlines()]
+    cut = [any(m.get(CUT_KEY) for m in r["messages"]) for r in written]
+    tok = target.tokenizer
+    assert any(cut)  # two tokens: most replies run out before their stop token
+    with (tmp_path / "cut.jsonl").open("a") as f:  # and one conversation of whole replies
+        f.write(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": "hello"},
+                        {"role": "assistant", "content": "fine"},
+                    ]
+                }
+            )
+            + "\n"
+        )
+    written.append({})
+    cut.append(False)
+    kept = load_corpus(str(tmp_path / "cut.jsonl"), tok, 0.0)
+    assert kept.report.cut_replies == sum(cut)
+    assert len(kept.train) + len(kept.heldout) == len(written) - sum(cut)
+    everything = load_corpus(str(tmp_path / "cut.jsonl"), tok, 0.0, keep_cut=True)
+    assert len(everything.train) + len(everything.heldout) == len(written)
