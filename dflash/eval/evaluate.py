@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from dflash.config.devices import resolve_device
 from dflash.config.settings import RunConfig
 from dflash.data.datasets import PackedDataset, build_datasets, heldout_prompts
 from dflash.data.sources import DataReport
+from dflash.data.tokenizer import decode_text
 from dflash.drafter.io import load_drafter, saved_chat_template_kwargs
 from dflash.drafter.model import DFlashDrafter
 from dflash.eval.prompts import read_conversations, render_prompt
@@ -96,6 +98,7 @@ def evaluate_tau(
     compare_baseline: bool = False,
     timing_repeats: int = 1,
     draft_sampling: str = "greedy",
+    follow_up: Callable[[int, list[int]], list[int] | None] | None = None,
 ) -> EvalResult:
     """Speculative decoding over the prompts: tau (per-prompt mean and pooled), acceptance
     per block position and, with compare_baseline, the wall-clock speedup against plain
@@ -104,6 +107,9 @@ def evaluate_tau(
     stop_token_ids None -> the target's stop tokens. timing_repeats > 1 decodes each
     prompt that often (both ways, interleaved) and keeps the fastest time of each: on a
     shared machine the minimum is the figure least disturbed by other work.
+    `follow_up(i, output)` may return the next prompt of prompt i's conversation (built
+    from the target's own reply, `output`: speculative decoding is lossless), decoded
+    after the others in turn.
     """
     check_decoding(max_new_tokens, temperature)
     stops = tuple(target.stop_token_ids if stop_token_ids is None else stop_token_ids)
@@ -114,8 +120,10 @@ def evaluate_tau(
     spec_s, base_s = 0.0, 0.0
     gen = torch.Generator().manual_seed(seed)
     opts = {"stop_token_ids": stops, "temperature": temperature, "use_cache": use_cache}
+    queue = deque(enumerate(prompts))
     try:
-        for prompt in prompts:
+        while queue:
+            index, prompt = queue.popleft()
             prompt_base_s, prompt_spec_s = [], []
             for repeat in range(max(1, timing_repeats) if compare_baseline else 1):
                 if compare_baseline:
@@ -123,20 +131,23 @@ def evaluate_tau(
                     generate(target, prompt, max_new_tokens, generator=gen, **opts)
                     prompt_base_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                _, stats = speculative_generate(
+                output, stats = speculative_generate(
                     target, drafter, prompt, max_new_tokens, generator=gen,
                     draft_sampling=draft_sampling, **opts,
                 )  # fmt: skip
                 prompt_spec_s.append(time.perf_counter() - t0)
                 if repeat == 0:
                     all_stats.append(stats)
+                    following = follow_up(index, output) if follow_up is not None else None
+                    if following:
+                        queue.append((index, following))
             spec_s += min(prompt_spec_s)
             base_s += min(prompt_base_s, default=0.0)
     finally:
         drafter.train(was_training)
     return EvalResult(
         **_summarize(all_stats, drafter.config.block_size),
-        num_prompts=len(prompts),
+        num_prompts=len(all_stats),
         wall_s=time.perf_counter() - start_s,
         speculative_s=spec_s,
         baseline_s=base_s if compare_baseline else None,
@@ -216,13 +227,32 @@ class _PromptSource:
     def __init__(self, settings: EvalSettings, log: Callable[[str], None]) -> None:
         self.settings = settings
         self.conversations: list[list[dict[str, str]]] | None = None
+        self.followups: list[list[str]] = []
         if settings.eval_data is not None:
             report = DataReport()
             self.conversations = read_conversations(
-                settings.eval_data, settings.num_prompts, report
+                settings.eval_data, settings.num_prompts, report, self.followups
             )
             for line in report.lines(0):
                 log(line.replace("data:", "eval:", 1))
+
+    def follow_up(self, tokenizer: Any) -> Callable[[int, list[int]], list[int] | None] | None:
+        """The next turn of conversation i once the target has answered the one before:
+        the conversation so far, the reply, the next user turn."""
+        if self.conversations is None or not any(self.followups):
+            return None
+        so_far = [list(m) for m in self.conversations]
+        left = [list(f) for f in self.followups]
+
+        def next_prompt(i: int, output: list[int]) -> list[int] | None:
+            if not left[i]:
+                return None
+            reply = decode_text(tokenizer, output)
+            so_far[i] += [{"role": "assistant", "content": reply},
+                          {"role": "user", "content": left[i].pop(0)}]  # fmt: skip
+            return render_prompt(tokenizer, so_far[i])
+
+        return next_prompt
 
     def prompts(self, tokenizer: Any) -> tuple[list[list[int]], str]:
         """(prompts, a phrase saying where they come from)."""
@@ -263,11 +293,12 @@ def evaluate_drafter_dir(
     result = evaluate_tau(
         target, drafter, prompts, settings.max_new_tokens, temperature=settings.temperature,
         seed=settings.seed, compare_baseline=True, timing_repeats=settings.timing_repeats,
-        draft_sampling=settings.draft_sampling,
+        draft_sampling=settings.draft_sampling, follow_up=source.follow_up(target.tokenizer),
     )  # fmt: skip
     figures = {
         **eval_figures(result),
         "prompts": len(prompts),
+        "turns": result.num_prompts,  # with later turns of {"turns": [...]} lines
         "new_tokens": result.new_tokens,
         "max_new_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,

@@ -37,6 +37,15 @@ def _message(raw: Any) -> dict[str, str] | None:
     return {"role": _SHAREGPT_ROLES.get(role, role), "content": content}
 
 
+def later_turns(obj: Any) -> list[str]:
+    """The user turns after the first of a `{"turns": [...]}` line (MT-Bench's second
+    question): evaluated in order, each after the target's own reply to the one before."""
+    turns = obj.get("turns") if isinstance(obj, dict) else None
+    if isinstance(turns, list) and turns and all(isinstance(t, str) for t in turns):
+        return list(turns[1:])
+    return []
+
+
 def conversation_to_prompt(obj: Any) -> list[dict[str, str]] | None:
     """The messages up to and including the last user turn; None when there is none."""
     if not isinstance(obj, dict):
@@ -65,10 +74,14 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def read_conversations(
-    path: Path | str, limit: int | None = None, report: DataReport | None = None
+    path: Path | str,
+    limit: int | None = None,
+    report: DataReport | None = None,
+    followups: list[list[str]] | None = None,
 ) -> list[list[dict[str, str]]]:
     """Each line's messages up to its last user turn. Lines without one (or not JSON)
-    are skipped and counted in `report`; none usable at all is a PromptError."""
+    are skipped and counted in `report`; none usable at all is a PromptError.
+    `followups`, when given, gets each conversation's later turns (`later_turns`)."""
     source = Path(path)
     report = report if report is not None else DataReport()
     try:
@@ -88,6 +101,8 @@ def read_conversations(
             report.skip(f"{source}:{lineno}", _NO_TURNS)
             continue
         conversations.append(messages)
+        if followups is not None:
+            followups.append(later_turns(json.loads(line)))
         if limit is not None and len(conversations) >= limit:
             break
     if not conversations:

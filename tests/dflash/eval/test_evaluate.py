@@ -340,3 +340,36 @@ def test_accepted_drafts_inside_loops_are_counted_apart() -> None:
     inside, total, clean = stats.split_by_repeats()
     assert (inside, total) == (1, 7)  # the draft at 12; 11 is cycle 2's target token
     assert clean == [3]  # only the first cycle touches no repeated position
+
+
+def test_every_turn_of_a_turns_file_is_evaluated_after_the_targets_reply(
+    target, tmp_path, monkeypatch
+) -> None:
+    """MT-Bench's layout: the second question comes after the target's own answer to the
+    first (at temperature 0 the speculative output is that answer)."""
+    from dflash.data.tokenizer import decode_text
+    from dflash.drafter.io import save_drafter
+    from dflash.eval.evaluate import EvalSettings, evaluate_drafter_dir
+    from dflash.eval.prompts import render_prompt
+    from dflash.target import load as target_mod
+    from dflash.target.generation import greedy_generate
+
+    monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: target)
+    saved = save_drafter(make_drafter(target), tmp_path / "drafter")
+    chats = tmp_path / "turns.jsonl"
+    chats.write_text(json.dumps({"turns": ["def f(x):", "and g?"]}) + "\n"
+                     + json.dumps({"turns": ["import os"]}) + "\n")  # fmt: skip
+    settings = EvalSettings(eval_data=str(chats), num_prompts=None, max_new_tokens=8)
+    figures = evaluate_drafter_dir(saved, "builtin:tiny", settings, "cpu", log=lambda _: None)
+    assert (figures["prompts"], figures["turns"]) == (2, 3)
+    # The second turn's prompt holds the target's greedy answer to the first.
+    tok = target.tokenizer
+    first = render_prompt(tok, [{"role": "user", "content": "def f(x):"}])
+    answer = greedy_generate(target, first, 8, stop_token_ids=target.stop_token_ids)
+    second = render_prompt(tok, [{"role": "user", "content": "def f(x):"},
+                                 {"role": "assistant", "content": decode_text(tok, answer)},
+                                 {"role": "user", "content": "and g?"}])  # fmt: skip
+    drafter = make_drafter(target)
+    direct = evaluate_tau(target, drafter, [first, render_prompt(tok, [
+        {"role": "user", "content": "import os"}]), second], 8)  # fmt: skip
+    assert figures["tau_pooled"] == pytest.approx(direct.tau_pooled)
