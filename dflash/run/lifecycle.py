@@ -506,7 +506,7 @@ def _last_tau_estimate(path: Path) -> float | None:
     """The τ estimate of the last logged step (metrics.jsonl), to set beside the eval τ."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
-        value = json.loads(lines[-1]).get("tau") if lines else None
+        value = json.loads(lines[-1]).get("tau_estimate") if lines else None
     except (OSError, ValueError, AttributeError):
         return None
     return _finite_or_none(value) if isinstance(value, (int, float)) else None

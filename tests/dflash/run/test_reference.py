@@ -199,3 +199,14 @@ def test_resume_refuses_edited_data_unless_allowed(tmp_path) -> None:
         cpu_run(small_cfg(tmp_path, resume="latest", seq_len=48))
     run = cpu_run(small_cfg(tmp_path, resume="latest", steps=4, allow_data_change=True))
     assert run.step == 2  # continues from its checkpoint, on the new rows
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_the_summary_sets_the_training_tau_estimate_beside_the_evaluation_tau(tmp_path) -> None:
+    lines: list[str] = []
+    cfg = small_cfg(tmp_path, eval_prompts=2, eval_new_tokens=8, eval_prompt_tokens=8, log_every=2)
+    summary = train_reference(cfg, log=lines.append)
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary["tau_estimate"] == pytest.approx(last["tau_estimate"])
+    assert 0.0 <= summary["repeated_share"] <= 1.0
+    assert any("training's τ estimate" in line for line in lines)
