@@ -122,8 +122,9 @@ def _pool_task(i: int) -> int:
 def test_spans_of_pool_workers_terminated_by_pool_exit_are_counted_as_lost(tmp_path) -> None:
     """`with Pool() as p:` terminates its workers (SIGTERM): a worker killed before it
     flushed has its spans counted as lost in the parent's report; one that took the
-    pool's stop sentinel first exits and flushes. Every span is one or the other. A
-    closed and joined pool's workers all flush, and nothing is counted."""
+    pool's stop sentinel first exits and flushes. Every span is one or the other (or,
+    killed mid-flush, both). A closed and joined pool's workers all flush, and nothing
+    is counted."""
     cfg = tracing.TracingConfig(
         exporter="file", trace_file=str(tmp_path / "t.jsonl"), schedule_delay_s=30.0
     )
@@ -140,9 +141,12 @@ def test_spans_of_pool_workers_terminated_by_pool_exit_are_counted_as_lost(tmp_p
     finally:
         report = telemetry.shutdown(timeout_s=2.0)
     flushed = {pid: _span_count(tmp_path / f"t.jsonl.pid{pid}") for pid in killed | clean}
-    assert report.spans_lost_in_children + sum(flushed[pid] for pid in killed) == 6
+    # Every span is flushed or counted; a worker killed between writing its batch and
+    # recording it is counted although its spans arrived: the count is an upper bound.
+    assert report.spans_lost_in_children + sum(flushed[pid] for pid in killed) >= 6
+    assert report.spans_lost_in_children <= 6
     assert (report.children_lost, report.spans_lost_in_children) == lost_in_killed
-    assert report.children_lost == sum(flushed[pid] == 0 for pid in killed)
+    assert report.children_lost >= sum(flushed[pid] == 0 for pid in killed)
     if report.children_lost:
         assert "lost in" in report.summary() and not report.clean
     assert sum(flushed[pid] for pid in clean) == 4
