@@ -8,6 +8,7 @@ from memory_setup import setup_memory
 from opentelemetry.trace import StatusCode
 
 import tracing
+from tracing.clock import now_ns
 
 
 def by_name(exporter):
@@ -43,7 +44,9 @@ def test_root_span_crosses_threads_and_wait_span_start_time(memory):
     thread = threading.Thread(target=producer)
     thread.start()
     thread.join()
-    t0 = time.time_ns() - 5_000_000  # the consumer began waiting 5 ms ago
+    # The consumer began waiting 5 ms ago, on the phases' clock (tracing.clock.now_ns: the
+    # wall clock drifts from the monotonic one the phases use).
+    t0 = now_ns() - 5_000_000
     with tracing.phase("hs_queue.wait", parent=handed["root"].context, start_time_ns=t0):
         pass
     ender = threading.Thread(target=handed["root"].end)
