@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import click
@@ -21,6 +20,7 @@ from dflash.cli.options import (
     echo_err,
     report_errors,
     schema_option,
+    schema_options,
 )
 from dflash.config.settings import DataConfig, config_from_options
 from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateSettings
@@ -156,12 +156,6 @@ _CACHE_OPTIONS = (
 )  # fmt: skip
 
 
-def _cache_options(func: Callable) -> Callable:
-    for name in reversed(_CACHE_OPTIONS):
-        func = schema_option(name)(func)
-    return func
-
-
 @click.command("cache-hidden")
 @click.option(
     "--config", "config_file", type=click.Path(dir_okay=False),
@@ -180,7 +174,7 @@ def _cache_options(func: Callable) -> Callable:
 @click.option("--batches-per-shard", default=BATCHES_PER_SHARD, show_default=True,
               type=click.IntRange(min=1),
               help="Batches per shard file (the resume granularity).")  # fmt: skip
-@_cache_options
+@schema_options(_CACHE_OPTIONS)
 @debug_option
 def cache_hidden_command(
     config_file: str | None,
@@ -213,12 +207,6 @@ _INSPECT_OPTIONS = ("target", "chat_template_kwargs", "data", "seq_len", "batch_
                     "heldout_fraction", "packing", "seed")  # fmt: skip
 
 
-def _inspect_options(func: Callable) -> Callable:
-    for name in reversed(_INSPECT_OPTIONS):
-        func = schema_option(name)(func)
-    return func
-
-
 @click.command("inspect-data")
 @click.option(
     "--config", "config_file", type=click.Path(dir_okay=False),
@@ -231,7 +219,7 @@ def _inspect_options(func: Callable) -> Callable:
     help="Also write every training document as a JSON list of "
     '{"text", "tokens", "loss_mask"}.',
 )  # fmt: skip
-@_inspect_options
+@schema_options(_INSPECT_OPTIONS)
 @debug_option
 def inspect_data_command(
     config_file: str | None, rows: int, json_path: str | None, debug: bool, **given: Any

@@ -181,11 +181,20 @@ def check_cache_dir() -> None:
         raise InputError(f"DFLASH_CACHE_DIR {str(cache_dir())!r} cannot be written: {why}")
 
 
+def schema_options(names: tuple[str, ...]) -> Callable[[Callable], Callable]:
+    """The click options of config options `names`, in that order."""
+
+    def add(func: Callable) -> Callable:
+        for name in reversed(names):
+            func = schema_option(name)(func)
+        return func
+
+    return add
+
+
 def train_options(func: Callable) -> Callable:
     """Every option of the config tree, in declaration order."""
-    for opt in reversed(options()):
-        func = schema_option(opt.name)(func)
-    return func
+    return schema_options(tuple(opt.name for opt in options()))(func)
 
 
 DEBUG_HELP = "Show full tracebacks instead of one-line errors."

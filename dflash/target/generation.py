@@ -136,8 +136,12 @@ def generate_batch(
         if bool(done.all()):  # one host read per token: the loop must know when to stop
             break
         step_ids = token[:, None]
-    rows = torch.stack(out, dim=1).tolist()  # [B, steps]
-    cuts = [first_stop(row, stop_list) for row in rows]
+    return _until_stops(torch.stack(out, dim=1).tolist(), stop_list)  # [B, steps]
+
+
+def _until_stops(rows: list[list[int]], stop_token_ids: list[int]) -> list[list[int]]:
+    """Each row up to and without its first stop token."""
+    cuts = [first_stop(row, stop_token_ids) for row in rows]
     return [row if cut is None else row[:cut] for row, cut in zip(rows, cuts, strict=True)]
 
 
@@ -182,6 +186,4 @@ def generate_padded(
         out = target.model.generate(
             input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
         )
-    rows = out[:, width:].tolist()
-    cuts = [first_stop(row, stop_list) for row in rows]
-    return [row if cut is None else row[:cut] for row, cut in zip(rows, cuts, strict=True)]
+    return _until_stops(out[:, width:].tolist(), stop_list)
