@@ -295,6 +295,15 @@ def _size(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
+def check_seq_len(cfg: TrainConfig, positions: int | None) -> None:
+    """A row longer than the target's stated positions would fail deep inside its forward."""
+    if positions is not None and cfg.data.seq_len > positions:
+        raise EstimateError(
+            f"--seq-len {cfg.data.seq_len} is invalid: target {cfg.target.spec} has "
+            f"max_position_embeddings {positions}"
+        )
+
+
 def check_sizes_before_work(
     cfg: TrainConfig, device: Any, device_bytes: float | None = None
 ) -> None:
@@ -305,11 +314,7 @@ def check_sizes_before_work(
     if known is None:
         return
     geometry, positions = known
-    if positions is not None and cfg.data.seq_len > positions:
-        raise EstimateError(
-            f"--seq-len {cfg.data.seq_len} is invalid: target {cfg.target.spec} has "
-            f"max_position_embeddings {positions}"
-        )
+    check_seq_len(cfg, positions)
     device = torch.device(device)
     limit = device_bytes if device_bytes is not None else device_memory_bytes(device)
     estimate = estimate_step(shape_for_config(cfg, geometry, device.type))

@@ -19,7 +19,6 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from dflash.config.schema import ConfigError
 from dflash.config.settings import TrainConfig
@@ -150,20 +149,3 @@ def remove_run(output_dir: Path) -> None:
         (output_dir / name).unlink(missing_ok=True)
     for name in RUN_DIRS:
         shutil.rmtree(output_dir / name, ignore_errors=True)
-
-
-def holder_of(output_dir: Path) -> dict[str, Any] | None:
-    """Who holds the folder's lock now (None: no one), for tests and tools."""
-    path = output_dir / LOCK_FILE
-    if not path.exists():
-        return None
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return json.loads(os.pread(fd, 4096, 0) or b"{}")
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)

@@ -24,7 +24,6 @@ import torch
 import tracing
 from dflash import names
 from dflash.config.devices import Placement, decide_placement
-from dflash.config.schema import ConfigError
 from dflash.config.settings import TrainConfig
 from dflash.data.corpus import EMBEDDED
 from dflash.data.datasets import PackedDataset, build_datasets, datasets_from_corpus
@@ -54,7 +53,7 @@ from dflash.run.checkpoint import (
     save_checkpoint,
     save_failure,
 )
-from dflash.run.estimate import check_sizes_before_work, estimate_for_config
+from dflash.run.estimate import check_seq_len, check_sizes_before_work, estimate_for_config
 from dflash.run.folder import METRICS_FILE, FolderLock, claim_output_dir, write_run_start
 from dflash.run.progress import format_loss_config, format_run_config, format_summary
 from dflash.target import load as target_load  # by module: tests swap load_target
@@ -203,13 +202,8 @@ def use_template_kwargs(
 
 
 def check_target_fits(cfg: TrainConfig, target: TargetModel) -> None:
-    """A row longer than the target's positions would fail deep inside its forward."""
-    limit = target.max_positions
-    if limit is not None and cfg.data.seq_len > limit:
-        raise ConfigError(
-            f"--seq-len {cfg.data.seq_len} is invalid: target {cfg.target.spec} has "
-            f"max_position_embeddings {limit}"
-        )
+    """The loaded target's position limit (a hub target's is known only now)."""
+    check_seq_len(cfg, target.max_positions)
 
 
 # What batch i is made of: a resume with another value would continue on other batches.
@@ -353,8 +347,8 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
         target = target_load.load_target(cfg.target.spec, load_on, dtype, log=log)
     use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
-    if not target.needs_mask_from_data(cfg.drafter.mask_token_id):
-        target.mask_token(cfg.drafter.mask_token_id)  # a bad explicit id: fail before the data
+    # A bad explicit id fails here, before the data; none at all is chosen from the data.
+    target.needs_mask_from_data(cfg.drafter.mask_token_id)
     if warm is not None:
         check_fits_target(warm[1], target, f"--init-from {warm[0]}")
     layer_ids = resolve_layer_ids(cfg, target.num_layers)
