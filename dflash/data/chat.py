@@ -7,6 +7,7 @@ truncates a conversation too long for a row at one of these, never mid-turn.
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,14 +82,25 @@ class ChatTemplateError(DFlashError):
 _PROBE = "dflash-probe-reply-7f3a"
 
 
+# tokenizer -> (its template, the suffix found for it): one probe per template, not one
+# per conversation.
+_suffixes: weakref.WeakKeyDictionary[Any, tuple[str, str]] = weakref.WeakKeyDictionary()
+
+
 def _assistant_suffix(tokenizer: Any) -> str:
     """What the template writes after an assistant reply's text (its end-of-turn marker),
-    learned from a probe conversation rendered once."""
+    learned from a probe conversation rendered once per template."""
+    template = str(tokenizer.chat_template)
+    known = _suffixes.get(tokenizer)
+    if known is not None and known[0] == template:
+        return known[1]
     probe = [{"role": "user", "content": "dflash-probe-question"},
              {"role": "assistant", "content": _PROBE}]  # fmt: skip
     text = tokenizer.apply_chat_template(probe, tokenize=False)
     at = text.rfind(_PROBE)
-    return text[at + len(_PROBE) :] if at >= 0 else ""
+    suffix = text[at + len(_PROBE) :] if at >= 0 else ""
+    _suffixes[tokenizer] = (template, suffix)
+    return suffix
 
 
 def _render_spans(tokenizer: Any, messages: list[dict]) -> RenderedChat:
@@ -144,6 +156,7 @@ def use_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
         return original(tokenizer, conversation, *args, **{**kwargs, **given})
 
     tokenizer.apply_chat_template = apply_chat_template
+    _suffixes.pop(tokenizer, None)  # found without these arguments
 
 
 def render_chat(tokenizer: Any, messages: list[dict]) -> RenderedChat:
