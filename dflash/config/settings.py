@@ -137,9 +137,16 @@ class DrafterSettings(Section):
     mask_token_id: int | None = setting(
         None,
         "Embedding row of the target used for masked block positions; unset takes the "
-        "tokenizer's mask token, else the first embedding row past the tokenizer's vocabulary. "
-        "Must be a token the data never uses.",
+        "tokenizer's mask token, else the first embedding row past the tokenizer's vocabulary, "
+        "else the first special token the data never uses. Must be a token the data never uses.",
         min=0,
+    )
+    draft_vocab_size: int | None = setting(
+        None,
+        "Tokens the drafter can propose: the N most frequent target tokens of the training "
+        "labels (the mask and stop tokens always in), with a frozen head of their rows and "
+        "the d2t/t2d mappings vLLM and speculators read; unset uses the whole vocabulary.",
+        min=1,
     )
 
 

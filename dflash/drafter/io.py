@@ -35,7 +35,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 def hf_config(cfg: DrafterConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """config.json of a drafter: Qwen3 geometry + the DFlash fields the loaders read."""
     dtype_name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-    return {
+    config: dict[str, Any] = {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
@@ -67,6 +67,9 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype = torch.float32) -> dict[st
             "target_layer_ids": list(cfg.target_layer_ids),
         },
     }
+    if cfg.pruned_vocab:  # vLLM sizes the drafter's own head and d2t by it
+        config["draft_vocab_size"] = cfg.draft_vocab_size
+    return config
 
 
 def _require(data: dict[str, Any], key: str, where: Path) -> Any:
@@ -105,6 +108,7 @@ def config_from_hf(data: dict[str, Any], where: Path, metadata: dict[str, Any]) 
             max_position_embeddings=int(data.get("max_position_embeddings") or 2048),
             num_target_layers=int(data.get("num_target_layers") or 0),
             mask_token_source=str(metadata.get("mask_token_source", "explicit")),
+            draft_vocab_size=int(data.get("draft_vocab_size") or 0),
         )
     except (RopeError, TypeError, ValueError) as err:
         raise DrafterError(f"bad DFlash config {where}: {err}") from err
@@ -134,7 +138,11 @@ def save_drafter(
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     dtype = dtype or drafter.fc.weight.dtype
-    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    # The d2t/t2d mappings of a draft vocabulary keep their integer and bool types.
+    state = {
+        k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
+        for k, v in drafter.state_dict().items()
+    }
     with replacing(out / WEIGHTS_FILE) as tmp:
         save_file(state, str(tmp), metadata={"format": "pt"})
     write_json_atomic(out / CONFIG_FILE, hf_config(drafter.config, dtype))
@@ -197,7 +205,7 @@ def check_fits_target(cfg: DrafterConfig, target: TargetModel, where: str) -> No
 _MUST_MATCH = (
     "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
     "target_layer_ids", "num_target_layers", "vocab_size", "mask_token_id", "rope", "rms_eps",
-    "attention_bias",
+    "attention_bias", "draft_vocab_size",
 )  # fmt: skip
 
 
@@ -205,6 +213,7 @@ _MUST_MATCH = (
 _FLAGS = {
     "num_layers": "--drafter-layers", "intermediate_size": "--drafter-intermediate-size",
     "target_layer_ids": "--target-layers", "mask_token_id": "--mask-token-id",
+    "draft_vocab_size": "--draft-vocab-size",
 }  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from dflash.drafter.attention import BlockLayout, block_sparse_attention
+from dflash.drafter.vocab import DraftVocab
 from dflash.errors import DFlashError
 from dflash.nn.kvcache import KVCache
 from dflash.nn.layers import (
@@ -125,6 +126,11 @@ class DrafterConfig:
     max_position_embeddings: int = 2048
     num_target_layers: int = 0  # 0 -> unknown: max(target_layer_ids) + 1
     mask_token_source: str = "explicit"  # how mask_token_id was chosen (see MaskToken)
+    draft_vocab_size: int = 0  # 0 -> the whole vocabulary; else rows of its own head
+
+    @property
+    def pruned_vocab(self) -> bool:
+        return 0 < self.draft_vocab_size < self.vocab_size
 
     def __post_init__(self) -> None:
         if isinstance(self.rope, dict):
@@ -138,6 +144,13 @@ class DrafterConfig:
         if self.num_heads % self.num_kv_heads:
             raise DrafterError(
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.draft_vocab_size == self.vocab_size:
+            self.draft_vocab_size = 0  # the whole vocabulary: the target's head is shared
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise DrafterError(
+                f"draft vocabulary of {self.draft_vocab_size} tokens does not fit the "
+                f"target's {self.vocab_size}"
             )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise DrafterError(
@@ -155,6 +168,7 @@ class DrafterConfig:
         target_layer_ids: list[int] | None = None,
         intermediate_size: int | None = None,
         mask_token_id: int | None = None,
+        draft_vocab_size: int = 0,
     ) -> DrafterConfig:
         """Geometry from the target; K defaults to num_layers, the FFN to the target's.
         The run's defaults for num_layers and block_size live in dflash.config.
@@ -183,6 +197,7 @@ class DrafterConfig:
             max_position_embeddings=geo.max_position_embeddings,
             num_target_layers=target.num_layers,
             mask_token_source=mask.source,
+            draft_vocab_size=draft_vocab_size,
         )
 
 
@@ -192,6 +207,10 @@ class DFlashDrafter(nn.Module):
     The shared modules are held outside the module tree, so `parameters()` and
     `state_dict()` hold only what the drafter trains and saves, under the reference
     DFlash names (fc, hidden_norm, layers.N.self_attn..., norm).
+    With a draft vocabulary (`config.pruned_vocab`) the drafter owns a frozen head of
+    the target's rows for those tokens and the `d2t`/`t2d` mappings (dflash.drafter.vocab),
+    saved as `lm_head.weight`, `d2t` and `t2d`, the names vLLM and speculators read;
+    `forward` gives draft-vocabulary logits, the draft_* methods target-vocabulary ones.
     `activation_checkpointing` recomputes each layer in the backward instead of keeping
     its activations; `attention_backend` is a `block_sparse_attention` backend.
     """
@@ -200,7 +219,11 @@ class DFlashDrafter(nn.Module):
     attention_backend: str = "auto"
 
     def __init__(
-        self, config: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear
+        self,
+        config: DrafterConfig,
+        embed_tokens: nn.Embedding,
+        lm_head: nn.Linear,
+        draft_vocab: DraftVocab | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -211,6 +234,8 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(d, config.rms_eps)
         self.apply(self._init_weights)
+        if config.pruned_vocab:  # after the init: its rows are the target's
+            self._own_head(config, lm_head, draft_vocab)
         # Not a buffer: `.to(bfloat16)` would round the frequencies.
         self._inv_freq, self._rope_scaling = rope_frequencies(
             config.rope, config.head_dim, config.max_position_embeddings
@@ -227,9 +252,57 @@ class DFlashDrafter(nn.Module):
     def embed_tokens(self) -> nn.Embedding:
         return self._shared[0]
 
+    def _own_head(
+        self, config: DrafterConfig, target_head: nn.Linear, vocab: DraftVocab | None
+    ) -> None:
+        """The pruned frozen head and its mappings (zeros until `vocab` or a load fills them)."""
+        n, w = config.draft_vocab_size, target_head.weight
+        head = nn.Linear(w.shape[1], n, bias=False, device=w.device, dtype=w.dtype)
+        # Registered by hand: `lm_head` is a property (the shared head otherwise), and
+        # add_module refuses a name the class already holds.
+        self._modules["lm_head"] = head.requires_grad_(False)
+        self.register_buffer("d2t", torch.zeros(n, dtype=torch.long, device=w.device))
+        self.register_buffer(
+            "t2d", torch.zeros(config.vocab_size, dtype=torch.bool, device=w.device)
+        )
+        if vocab is None:
+            return
+        if vocab.size != n or vocab.vocab_size != config.vocab_size:
+            raise DrafterError(
+                f"draft vocabulary of {vocab.size} of {vocab.vocab_size} tokens, the drafter "
+                f"config says {n} of {config.vocab_size}"
+            )
+        with torch.no_grad():
+            head.weight.copy_(w[vocab.target_ids.to(w.device)])
+            self.d2t.copy_(vocab.d2t())
+            self.t2d.copy_(vocab.t2d())
+
     @property
     def lm_head(self) -> nn.Linear:
-        return self._shared[1]
+        own = self._modules.get("lm_head")
+        return own if isinstance(own, nn.Linear) else self._shared[1]
+
+    def draft_labels(self, labels: Tensor) -> tuple[Tensor, Tensor | None]:
+        """Target-id labels -> (draft-id labels, in-vocabulary mask); (labels, None) with
+        the whole vocabulary. A label outside the draft vocabulary maps to 0 and is out."""
+        if not self.config.pruned_vocab:
+            return labels, None
+        t2d = self.t2d.to(labels.device)
+        inside = t2d[labels]
+        # Draft id of a kept target id: how many kept ids lie below it.
+        draft = torch.cumsum(t2d.long(), 0)[labels] - 1
+        return torch.where(inside, draft, torch.zeros_like(draft)), inside
+
+    def target_logits(self, logits: Tensor) -> Tensor:
+        """Draft-vocabulary logits[..., N] -> target-vocabulary logits[..., V], -inf at the
+        tokens the drafter cannot propose (as vLLM's compute_logits does)."""
+        if not self.config.pruned_vocab:
+            return logits
+        ids = torch.arange(self.config.draft_vocab_size, device=logits.device)
+        ids = ids + self.d2t.to(logits.device)
+        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        out[..., ids] = logits
+        return out
 
     @property
     def mask_id(self) -> int:
@@ -304,7 +377,7 @@ class DFlashDrafter(nn.Module):
         keep = torch.ones(1, 1, dtype=torch.bool, device=device)
         block = self._block(anchor_token, device)
         ctx = context_hidden[:, :anchor_pos].to(device)
-        return self.forward(ctx, block, anchors, keep)[0, 0, 1:].to(given)
+        return self.target_logits(self.forward(ctx, block, anchors, keep)[0, 0, 1:]).to(given)
 
     @torch.no_grad()
     def draft(self, context_hidden: Tensor, anchor_token: int, anchor_pos: int) -> list[int]:
@@ -332,4 +405,4 @@ class DFlashDrafter(nn.Module):
             x = layer.forward_cached(x, ctx, rope, cache, i)
         cache.crop(anchor_pos)  # drop the block's own keys/values
         logits = self.lm_head(self.norm(x).to(self.lm_head.weight.dtype))  # [1, Bs, V]
-        return logits[0, 1:].to(given)  # [Bs-1, V]
+        return self.target_logits(logits[0, 1:]).to(given)  # [Bs-1, V]

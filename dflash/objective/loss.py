@@ -130,7 +130,8 @@ def _chunk_terms(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """One chunk: hidden[C, Bs, D] -> (sum w*l, sum w, sum ce*valid, correct[C, Bs], run[C]).
 
-    Runs twice (forward, then recomputed in the backward): keep it deterministic.
+    `valid` holds the positions the loss learns from (within a draft vocabulary, if
+    any). Runs twice (forward, then recomputed in the backward): keep it deterministic.
     """
     logits = head(hidden.to(head.weight.dtype)).float()  # [C, Bs, V]
     target_logits = None
@@ -153,11 +154,15 @@ def chunked_dflash_loss(
     cfg: LossConfig,
     target_hidden: Tensor | None = None,
     chunk_size: int | None = None,
+    in_vocab: Tensor | None = None,
 ) -> ChunkedLossOutput:
     """Weighted loss sum(w * l) / sum(w) from the drafter's final-normed states.
 
     hidden[B, N, Bs, D] (`DFlashDrafter.hidden_states`), labels/valid[B, N, Bs];
     target_hidden[B, N, Bs, D] (`gather_target_hidden`) is required with soft labels.
+    With a draft vocabulary, labels are draft ids (`DFlashDrafter.draft_labels`) and
+    in_vocab[B, N, Bs] marks those the head can propose: the others are left out of the
+    loss (as EAGLE-3 does) but still count, as misses, in the accuracy and τ figures.
     chunk_size: blocks per chunk, over the flattened B*N blocks (None: cfg's
     --loss-chunk-size). When all blocks fit in one chunk nothing is recomputed: that
     chunk's logits are the bound anyway. Call it outside autocast: the LM head runs in
@@ -170,10 +175,11 @@ def chunked_dflash_loss(
         raise ObjectiveError("--use-soft-labels needs the target's final-norm hidden states")
     b, n, bs, d = hidden.shape
     gamma = cfg.decay_gamma(bs)
+    learn = valid if in_vocab is None else valid & in_vocab
     flat_h, flat_labels, flat_valid = (
         hidden.reshape(b * n, bs, d),
         labels.reshape(-1, bs),
-        valid.reshape(-1, bs),
+        learn.reshape(-1, bs),
     )
     flat_t = target_hidden.reshape(b * n, bs, -1) if cfg.use_soft_labels else None
     parts = []

@@ -27,6 +27,7 @@ import torch
 
 from dflash.config.devices import DeviceError, decide_placement
 from dflash.config.settings import LossConfig, TrainConfig
+from dflash.drafter.vocab import check_draft_vocab_size
 from dflash.errors import DFlashError
 from dflash.target.geometry import TargetGeometry, geometry_from_hf_config
 from dflash.target.hf import hub_unreachable
@@ -60,6 +61,7 @@ class StepShape:
     activation_bytes: int = 2  # bf16 autocast
     num_target_features: int | None = None  # K; None: drafter_layers
     document_masks: bool = False  # --packing docs: the target attends through a [T, T] mask
+    draft_vocab_size: int | None = None  # rows of the drafter's head; None: the whole vocabulary
 
     def __post_init__(self) -> None:
         for name in ("drafter_layers", "block_size", "num_anchors", "seq_len", "batch_size",
@@ -86,6 +88,10 @@ class StepShape:
     def drafter_params(self) -> int:
         d = self.target.hidden_size
         return self.drafter_layers * self.target.layer_params() + self.k * d * d + 2 * d
+
+    @property
+    def head_vocab(self) -> int:
+        return min(self.draft_vocab_size or self.target.vocab_size, self.target.vocab_size)
 
     def keys_per_query(self) -> float:
         """Keys each block query's attention computes (dense computes the masked ones too)."""
@@ -134,10 +140,10 @@ def _memory(s: StepShape) -> dict[str, float]:
     g, d, i = s.target, s.target.hidden_size, s.target.intermediate_size
     rows_t = s.batch_size * s.seq_len
     rows_all = rows_t * s.grad_accum  # the target runs all micro-batches' rows at once
-    q, v = s.block_tokens, g.vocab_size
+    q, v = s.block_tokens, s.head_vocab
     queue = rows_all * (s.k * d + (d if s.soft_labels else 0)) * s.target_bytes
     if s.soft_labels and s.loss_chunk_size is None:
-        queue += rows_all * v * s.target_bytes  # dense soft labels ship logits
+        queue += rows_all * g.vocab_size * s.target_bytes  # dense soft labels ship logits
     target_act = rows_all * (4 * d + 2 * i) * s.target_bytes
     if s.document_masks:  # one layer's [T, T] mask, and its fp32 scores off the GPU kernels
         per_row = s.seq_len * s.seq_len
@@ -172,7 +178,7 @@ def _flops(s: StepShape) -> dict[str, float]:
     attn_d = 4 * q * g.num_heads * g.head_dim * s.keys_per_query()
     layers = s.drafter_layers * (2 * g.layer_params() * q + kv + attn_d)
     drafter = fwd_bwd * (layers + 2 * s.k * d * d * rows_t)
-    head = 2 * d * g.vocab_size * q
+    head = 2 * d * s.head_vocab * q
     passes = 2 if s.loss_chunk_size is None else 3  # the chunked loss recomputes its forward
     loss = head * passes + (head * (passes - 1) if s.soft_labels else 0)
     accum = s.grad_accum
@@ -240,6 +246,7 @@ def shape_for_config(cfg: TrainConfig, geometry: TargetGeometry, device_type: st
         attention="flex" if on_gpu else "grouped", target_bytes=width, activation_bytes=width,
         num_target_features=len(layer_ids) if layer_ids else None,
         document_masks=cfg.data.packing == "docs",
+        draft_vocab_size=cfg.drafter.draft_vocab_size,
     )  # fmt: skip
 
 
@@ -315,6 +322,9 @@ def check_sizes_before_work(
         return
     geometry, positions = known
     check_seq_len(cfg, positions)
+    size = cfg.drafter.draft_vocab_size
+    if size is not None and size > geometry.vocab_size:
+        check_draft_vocab_size(size, geometry.vocab_size, ())
     device = torch.device(device)
     limit = device_bytes if device_bytes is not None else device_memory_bytes(device)
     estimate = estimate_step(shape_for_config(cfg, geometry, device.type))

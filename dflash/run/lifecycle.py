@@ -36,6 +36,7 @@ from dflash.drafter.io import (
     save_drafter,
 )
 from dflash.drafter.model import DFlashDrafter, DrafterConfig, DrafterError
+from dflash.drafter.vocab import DraftVocab, check_draft_vocab_size, select_draft_vocab
 from dflash.eval.evaluate import eval_figures, evaluate_run
 from dflash.files import write_json_atomic
 from dflash.offline.regenerate import embedded_regeneration, regenerated_corpus
@@ -159,7 +160,11 @@ def start_run(cfg: TrainConfig, info: DistInfo | None = None) -> Start:
 
 
 def build_drafter(
-    cfg: TrainConfig, target: TargetModel, layer_ids: list[int], device: torch.device
+    cfg: TrainConfig,
+    target: TargetModel,
+    layer_ids: list[int],
+    device: torch.device,
+    draft_vocab: DraftVocab | None = None,
 ) -> DFlashDrafter:
     """A freshly initialized drafter (seeded by --seed) sharing the target's frozen parts."""
     dcfg = DrafterConfig.for_target(
@@ -169,14 +174,39 @@ def build_drafter(
         target_layer_ids=list(layer_ids),
         intermediate_size=cfg.drafter.intermediate_size,
         mask_token_id=cfg.drafter.mask_token_id,
+        draft_vocab_size=draft_vocab.size if draft_vocab is not None else 0,
     )
     # The drafter's own copy of the frozen parts when the target sits elsewhere (another
     # GPU, or the CPU with --hidden-cache): its forward must not cross devices.
     embed, head = frozen_parts(target, device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.run.seed)
-        drafter = DFlashDrafter(dcfg, embed, head)
+        drafter = DFlashDrafter(dcfg, embed, head, draft_vocab)
     return drafter.to(device)
+
+
+def check_draft_vocab(cfg: TrainConfig, target: TargetModel) -> None:
+    """--draft-vocab-size against the loaded target, before the data."""
+    size = cfg.drafter.draft_vocab_size
+    if size is not None:
+        # The mask token may be chosen from the data later: it counts as one more id.
+        check_draft_vocab_size(size, target.embed_tokens.num_embeddings, target.stop_token_ids)
+
+
+def choose_draft_vocab(
+    cfg: TrainConfig, target: TargetModel, train: PackedDataset, log: Callable[[str], None]
+) -> DraftVocab | None:
+    """--draft-vocab-size: the most frequent tokens of the training labels, said at start."""
+    size = cfg.drafter.draft_vocab_size
+    vocab_size = target.embed_tokens.num_embeddings
+    if size is None or size == vocab_size:
+        return None
+    mask_id = target.mask_token(cfg.drafter.mask_token_id).token_id
+    vocab = select_draft_vocab(
+        train.ids, train.mask, size, vocab_size, (mask_id, *target.stop_token_ids)
+    )
+    log(vocab.describe())
+    return vocab
 
 
 def resolve_layer_ids(cfg: TrainConfig, num_layers: int) -> list[int]:
@@ -255,6 +285,8 @@ def check_init_settings(cfg: TrainConfig, saved: DrafterConfig, where: str) -> N
         ("--drafter-intermediate-size", "intermediate_size", saved.intermediate_size,
          cfg.drafter.intermediate_size),
         ("--mask-token-id", "mask_token_id", saved.mask_token_id, cfg.drafter.mask_token_id),
+        ("--draft-vocab-size", "draft_vocab_size", saved.draft_vocab_size,
+         cfg.drafter.draft_vocab_size),
     )  # fmt: skip
     pairs += [item for item in named if item[3] is not None]
     for flag, key, theirs, ours in pairs:
@@ -347,6 +379,7 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
         target = target_load.load_target(cfg.target.spec, load_on, dtype, log=log)
     use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
+    check_draft_vocab(cfg, target)
     # A bad explicit id fails here, before the data; none at all is chosen from the data.
     target.needs_mask_from_data(cfg.drafter.mask_token_id)
     if warm is not None:
@@ -355,7 +388,8 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     with tracing.phase(names.DATA_PREPARE):
         train, heldout = run_datasets(cfg, target, log)
     with tracing.phase(names.DRAFTER_BUILD):
-        drafter = build_drafter(cfg, target, layer_ids, placement.drafter)
+        vocab = choose_draft_vocab(cfg, target, train, log)
+        drafter = build_drafter(cfg, target, layer_ids, placement.drafter, vocab)
         trainer = DrafterTrainer(drafter, cfg, placement.drafter)
     run = Run(cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir)
     log(run.mask_token.describe())

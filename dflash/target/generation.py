@@ -156,18 +156,17 @@ def generate_padded(
     seed: int = 0,
 ) -> list[list[int]]:
     """New tokens of prompts of any length decoded together (a Hugging Face target):
-    transformers' own `generate` with left padding and an attention mask, one KV cache,
-    up to and without each row's first stop token, at most max_new_tokens. Only the
-    given settings decode: the model's generation_config (top-k, top-p, repetition
-    penalty a chat model ships with) is not applied; sampling is seeded by `seed`."""
-    from transformers import GenerationConfig  # with the target: an optional dependency
-
+    left padding, an attention mask and one KV cache, and a row leaves the batch (and
+    the cache) at its first stop token, so the rest decode without it. Each row ends
+    up to and without that stop token, at most max_new_tokens. Greedy rows equal
+    transformers' `generate` of each prompt alone. Only the given settings decode: the
+    model's generation_config (top-k, top-p, repetition penalty) is not applied;
+    sampling is seeded by `seed`."""
     check_decoding(max_new_tokens, temperature)
     if not prompts or not all(prompts):
         raise GenerationError("generate_padded needs non-empty prompts")
-    tokenizer = target.tokenizer
-    stop_list = list(stop_token_ids)
-    pad = getattr(tokenizer, "pad_token_id", None)
+    stop_list, device = list(stop_token_ids), target.device
+    pad = getattr(target.tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else (stop_list[0] if stop_list else 0)
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -175,15 +174,29 @@ def generate_padded(
     for row, prompt in enumerate(prompts):  # left padding: every row ends at the same place
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None, top_k=None, top_p=None,
-        eos_token_id=stop_list or None, pad_token_id=pad,
-    )  # fmt: skip
-    device = target.device
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        out = target.model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
-        )
-    return _until_stops(out[:, width:].tolist(), stop_list)
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as transformers' generate numbers them
+    generator = torch.Generator().manual_seed(seed) if temperature > 0 else None
+    stops = torch.tensor(stop_list or [-1], device=device)
+    cache = target.new_cache()
+    rows = list(range(len(prompts)))  # the prompt of each row still in the batch
+    out: list[list[int]] = [[] for _ in prompts]
+    step_ids, step_pos = ids, positions
+    for _ in range(max_new_tokens):
+        logits = target.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
+                              past_key_values=cache, use_cache=True).logits[:, -1]  # fmt: skip
+        token = _next_tokens(logits.float(), temperature, generator)  # [n]
+        for row, new in zip(rows, token.tolist(), strict=True):  # one host read per token
+            out[row].append(new)
+        done = torch.isin(token, stops)
+        last = step_pos[:, -1]
+        if bool(done.any()):
+            keep = (~done).nonzero().flatten()
+            if keep.numel() == 0:
+                break
+            cache.batch_select_indices(keep)
+            rows = [rows[i] for i in keep.tolist()]
+            token, mask, last = token[keep], mask[keep], last[keep]
+        mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+        step_ids, step_pos = token[:, None], last[:, None] + 1
+    return _until_stops(out, stop_list)

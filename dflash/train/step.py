@@ -178,9 +178,11 @@ class DrafterTrainer:
             final, target_states = target_out.final_hidden, None  # final[B, T, D]
             if loss_cfg.use_soft_labels and final is not None:  # None: the loss says what lacks
                 target_states = gather_target_hidden(final[rows], part.anchors, self.block_size)
+            labels, in_vocab = self.drafter.draft_labels(part.labels)
             out = chunked_dflash_loss(
-                states, self.drafter.lm_head, part.labels, part.valid, loss_cfg, target_states
-            )
+                states, self.drafter.lm_head, labels, part.valid, loss_cfg, target_states,
+                in_vocab=in_vocab,
+            )  # fmt: skip
         with phase(names.BACKWARD):
             self.accumulator.backward(out.weighted_sum, out.weight_sum)
             if last:

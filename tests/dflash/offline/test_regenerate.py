@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash.offline.regenerate import RegenerateError, RegenerateSettings, regenerate
-from dflash.target.generation import generate_batch, greedy_generate
+from dflash.target.generation import generate_batch, generate_padded, greedy_generate
 from dflash.target.load import load_target, wrap_tiny
 from dflash.target.tiny import TinyLM, TinyLMConfig
 
@@ -305,3 +305,22 @@ def test_replies_cut_at_the_budget_are_marked_and_left_out_of_training(hf_dir, t
     assert len(kept.train) + len(kept.heldout) == len(written) - sum(cut)
     everything = load_corpus(str(tmp_path / "cut.jsonl"), tok, 0.0, keep_cut=True)
     assert len(everything.train) + len(everything.heldout) == len(written)
+
+
+def test_padded_rows_leave_the_batch_at_their_stop_and_equal_generate_alone(hf_dir) -> None:
+    target = load_target(str(hf_dir))
+    model = target.model
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [6], [9, 9, 8, 7, 6]]
+
+    def alone(prompt, stop):
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                             eos_token_id=stop, pad_token_id=0, top_k=None, top_p=None,
+                             temperature=None)[0, len(prompt) :].tolist()  # fmt: skip
+        return out[: out.index(stop)] if stop in out else out
+
+    free = alone(prompts[3], -1)  # -1: no stop (transformers warns, and decodes on)
+    stop = free[2]  # row 3 leaves the batch after two tokens, the others decode on
+    expected = [alone(p, stop) for p in prompts]
+    assert len(expected[3]) == 2 and max(map(len, expected)) == 12, expected
+    got = generate_padded(target, prompts, max_new_tokens=12, stop_token_ids=[stop])
+    assert got == expected
