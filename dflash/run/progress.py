@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 from dflash.config.settings import TrainConfig
 from dflash.objective.noise import NoiseSchedule
+from dflash.observe.report import tau_notes
 
 
 def format_loss_config(cfg: TrainConfig) -> str:
@@ -74,21 +75,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary.get("acceptance_per_position"):
         rates = " ".join(f"{r:.2f}" for r in summary["acceptance_per_position"])
         lines.append(f"summary: acceptance per block position {rates}")
-    if isinstance(summary.get("repeated_share"), float):
-        without = summary.get("tau_without_repeats")
-        lines.append(
-            f"summary: {summary['repeated_share']:.0%} of accepted drafts are inside repeated "
-            "spans of the output; pooled τ without them "
-            + (f"{without:.3f}" if isinstance(without, float) else "n/a")
-        )
-    estimate = summary.get("tau_estimate")
-    if isinstance(estimate, float) and isinstance(tau, float):
-        lines.append(
-            f"summary: training's τ estimate {estimate:.2f} vs evaluation τ {tau:.3f}: the "
-            "estimate scores random anchors of training rows against the data's next tokens; "
-            "evaluation decodes held-out prompts, where the target's own greedy loops are easy "
-            "to draft"
-        )
+    lines += [f"summary: {note}" for note in tau_notes(summary)]
     return "\n".join(lines)
 
 

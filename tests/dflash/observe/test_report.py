@@ -86,6 +86,8 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ]  # fmt: skip
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = {"steps": NUM_STEPS, "final_loss": rows[-1]["loss"], "tau": 1.34,
+               "tau_pooled": 1.3, "repeated_share": 0.25, "tau_without_repeats": 1.21,
+               "tau_estimate": 1.5,
                "acceptance_per_position": ACCEPTANCE, "tokens_per_s": 16687.5,
                "train_s": 0.61, "wall_s": 1.9, "target": "builtin:tiny"}  # fmt: skip
     (run / "summary.json").write_text(json.dumps(summary))
@@ -129,6 +131,15 @@ def test_report_is_self_contained(run_dir: Path) -> None:
     html = write_report(run_dir).read_text()
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", html)
     assert html.count('class="chart"') == 5
+
+
+def test_the_training_estimate_and_evaluation_tau_stand_side_by_side(run_dir: Path) -> None:
+    text = write_report(run_dir).read_text().replace("&#x27;", "'")
+    assert (
+        "25% of accepted drafts are inside repeated spans of the output; pooled τ "
+        "without them 1.210" in text
+    )
+    assert "training's τ estimate 1.50 vs evaluation τ 1.340: the estimate scores" in text
 
 
 class DomReader(HTMLParser):
