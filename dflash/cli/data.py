@@ -174,6 +174,14 @@ _CACHE_OPTIONS = (
 @click.option("--batches-per-shard", default=BATCHES_PER_SHARD, show_default=True,
               type=click.IntRange(min=1),
               help="Batches per shard file (the resume granularity).")  # fmt: skip
+@click.option(
+    "--format", "fmt", type=click.Choice(["dflash", "speculators"]), default="dflash",
+    show_default=True,
+    help="dflash: batches of the run, for this project's trainer; speculators: one "
+    "hs_{i}.safetensors file per document of the training rows in vllm-project/speculators' "
+    "layout (auxiliary layers, then the last layer with --use-soft-labels), which either "
+    "tool trains from (--num-batches and --batches-per-shard do not apply).",
+)  # fmt: skip
 @schema_options(_CACHE_OPTIONS)
 @debug_option
 def cache_hidden_command(
@@ -181,6 +189,7 @@ def cache_hidden_command(
     output: str,
     num_batches: int | None,
     batches_per_shard: int,
+    fmt: str,
     debug: bool,
     **given: Any,
 ) -> None:
@@ -194,12 +203,10 @@ def cache_hidden_command(
     def go() -> Any:
         cfg = build_config(config_file, given)
         return write_run_cache(cfg, output, num_batches=num_batches,
-                               batches_per_shard=batches_per_shard, log=echo_err)  # fmt: skip
+                               batches_per_shard=batches_per_shard, fmt=fmt,
+                               log=echo_err)  # fmt: skip
 
-    reader = report_errors(debug, go)
-    tokens = reader.num_batches * reader.dataset.batch_size * reader.dataset.seq_len
-    echo_err(f"cache-hidden: {reader.num_batches} batches ({tokens:,} tokens, "
-              f"{reader.total_bytes / 2**20:,.1f} MiB) in {output}")  # fmt: skip
+    echo_err(report_errors(debug, go))
     click.echo(output)
 
 

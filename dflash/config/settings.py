@@ -83,11 +83,17 @@ class DataConfig(Section):
     )
     hidden_cache: str | None = setting(
         None,
-        "Train from this offline hidden-state cache (written by `dflash-train cache-hidden` "
-        "with the same target, layers and data options) instead of running the target "
-        "forward; the target stage then reads from disk.",
+        "Train from this offline hidden-state cache instead of running the target forward: "
+        "a batch cache of `dflash-train cache-hidden` (same target, layers and data options), "
+        "or per-sample hs_*.safetensors files in speculators' layout (from vLLM through "
+        "speculators, or `cache-hidden --format speculators`), whose samples are the rows.",
         check=checks.not_blank,
     )  # fmt: skip
+    strict_cache: bool = setting(
+        False,
+        "Stop at a missing, truncated or non-finite hidden-state sample instead of leaving "
+        "it out and counting it.",
+    )
 
 
 @dataclass(frozen=True)

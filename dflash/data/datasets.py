@@ -166,7 +166,7 @@ def load_corpus(
     return Corpus(train, heldout, report)
 
 
-def _pad_id(tokenizer: Any) -> int:
+def pad_id(tokenizer: Any) -> int:
     for attr in ("pad_token_id", "eos_token_id"):
         value = getattr(tokenizer, attr, None)
         if value is not None:
@@ -224,7 +224,7 @@ def datasets_from_corpus(
     data that training never saw unless the corpus is a single row. `log` gets
     one line per thing the user should know (skipped lines, truncated chats).
     """
-    pad, eos = _pad_id(tokenizer), special_ids(tokenizer)[0]
+    pad, eos = pad_id(tokenizer), special_ids(tokenizer)[0]
     train = pack_split(corpus.train, seq_len, pad, eos, packing)
     corpus.report.pack = train.report
     if corpus.heldout:

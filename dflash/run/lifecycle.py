@@ -9,6 +9,7 @@ finished run and for an interrupted one alike.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -24,9 +25,9 @@ import torch
 import tracing
 from dflash import names
 from dflash.config.devices import Placement, decide_placement
-from dflash.config.settings import TrainConfig
+from dflash.config.settings import DataConfig, TrainConfig
 from dflash.data.corpus import EMBEDDED
-from dflash.data.datasets import PackedDataset, build_datasets, datasets_from_corpus
+from dflash.data.datasets import PackedDataset, build_datasets, datasets_from_corpus, pad_id
 from dflash.data.sources import DataError
 from dflash.drafter.io import (
     METADATA_FILE,
@@ -40,6 +41,13 @@ from dflash.drafter.vocab import DraftVocab, check_draft_vocab_size, select_draf
 from dflash.eval.evaluate import eval_figures, evaluate_run
 from dflash.files import write_json_atomic
 from dflash.offline.regenerate import embedded_regeneration, regenerated_corpus
+from dflash.offline.sample_cache import (
+    SampleCache,
+    SampleCacheError,
+    cache_format,
+    open_sample_cache,
+    sample_datasets,
+)
 from dflash.pipeline.distributed import DistInfo, dist_info_from_env, init_distributed
 from dflash.run.checkpoint import (
     SAVE_FAILURES,
@@ -88,6 +96,7 @@ class Run:
     resumed_from: Path | None = None
     initialized_from: Path | None = None
     final_saved: bool = False  # the final checkpoint and OUTPUT_DIR/drafter are written
+    samples: SampleCache | None = None  # training from per-sample hidden-state files
     _fingerprint: str | None = None
 
     @property
@@ -309,15 +318,47 @@ def _warm_start(cfg: TrainConfig, resuming: bool) -> tuple[Path, DrafterConfig] 
     return where, saved
 
 
-def run_datasets(
+def open_run_samples(
     cfg: TrainConfig, target: TargetModel, log: Callable[[str], None] = print
+) -> SampleCache | None:
+    """The per-sample hidden-state files of --hidden-cache (speculators' layout), checked
+    against the target and --target-layers, and said at start; None for a batch cache."""
+    d = cfg.data
+    if d.hidden_cache is None or cache_format(d.hidden_cache) != "speculators":
+        return None
+    if d.packing != "docs":
+        raise SampleCacheError(
+            f"--hidden-cache {d.hidden_cache} holds one file per sample: each is a document "
+            "of its own, so --packing must be docs"
+        )
+    cache = open_sample_cache(
+        d.hidden_cache, target=target, layer_ids=cfg.target.layer_ids,
+        soft_labels=cfg.loss.use_soft_labels, strict=d.strict_cache,
+    )  # fmt: skip
+    log(cache.describe())
+    if d.source != DataConfig.source:
+        log(f"data: the rows are the samples of {d.hidden_cache}; --data {d.source} is not read")
+    return cache
+
+
+def run_datasets(
+    cfg: TrainConfig,
+    target: TargetModel,
+    log: Callable[[str], None] = print,
+    samples: SampleCache | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
     """Train and held-out rows of a run (`cache-hidden` cuts its batches the same way);
     an explicit mask token the data uses is refused here. `--data embedded` trains on
-    the target's own continuations of the corpus (regenerated once, cached)."""
+    the target's own continuations of the corpus (regenerated once, cached); `samples`
+    (per-sample hidden-state files) are the rows themselves."""
     d, tok = cfg.data, target.tokenizer
     rows = d.batch_size * cfg.optim.grad_accum  # the step splits it into micro-batches
-    if d.source == EMBEDDED:
+    if samples is not None:
+        train, heldout, samples.train_rows = sample_datasets(
+            samples, seq_len=d.seq_len, batch_size=rows, seed=cfg.run.seed,
+            heldout_fraction=d.heldout_fraction, pad_id=pad_id(tok), log=log,
+        )  # fmt: skip
+    elif d.source == EMBEDDED:
         with tracing.phase(names.DATA_REGENERATE):
             path = embedded_regeneration(target, d.heldout_fraction, log)
         corpus = regenerated_corpus(path, tok, d.heldout_fraction)
@@ -384,14 +425,16 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     target.needs_mask_from_data(cfg.drafter.mask_token_id)
     if warm is not None:
         check_fits_target(warm[1], target, f"--init-from {warm[0]}")
-    layer_ids = resolve_layer_ids(cfg, target.num_layers)
+    samples = open_run_samples(cfg, target, log)
+    layer_ids = samples.layer_ids if samples else resolve_layer_ids(cfg, target.num_layers)
     with tracing.phase(names.DATA_PREPARE):
-        train, heldout = run_datasets(cfg, target, log)
+        train, heldout = run_datasets(cfg, target, log, samples)
     with tracing.phase(names.DRAFTER_BUILD):
         vocab = choose_draft_vocab(cfg, target, train, log)
         drafter = build_drafter(cfg, target, layer_ids, placement.drafter, vocab)
         trainer = DrafterTrainer(drafter, cfg, placement.drafter)
     run = Run(cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir)
+    run.samples = samples
     log(run.mask_token.describe())
     if warm is not None:
         init_drafter_from(drafter, warm[0])
@@ -525,6 +568,8 @@ def build_summary(
         "drafter_dir": str(run.output_dir / "drafter") if run.final_saved else None,
         "tau_estimate": _last_tau_estimate(run.output_dir / METRICS_FILE),
     }
+    if run.samples is not None:  # samples left out of training, by why
+        summary["hidden_cache_skipped"] = dataclasses.asdict(run.samples.skipped)
     if interrupted is not None:
         summary["interrupted"] = interrupted
     return {**summary, **(extra or {})}

@@ -14,8 +14,9 @@ from typing import Any
 
 from dflash.config.devices import decide_placement, resolve_device
 from dflash.config.settings import TrainConfig
-from dflash.offline.hidden_cache import HiddenCacheReader, open_hidden_cache, write_hidden_cache
+from dflash.offline.hidden_cache import open_hidden_cache, write_hidden_cache
 from dflash.offline.regenerate import RegenProgress, RegenReport, regenerate
+from dflash.offline.sample_cache import SAMPLES_DIR, sample_files, write_sample_cache
 from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateError, RegenerateSettings
 from dflash.run.lifecycle import (
     check_target_fits,
@@ -32,20 +33,38 @@ def write_run_cache(
     *,
     num_batches: int | None = None,
     batches_per_shard: int = BATCHES_PER_SHARD,
+    fmt: str = "dflash",
     log: Callable[[str], None] = print,
-) -> HiddenCacheReader:
+) -> str:
     """`dflash-train cache-hidden`: the features a `train` run of `cfg` would compute, for
-    batches [0, num_batches) (None: --steps of one drafter device)."""
+    batches [0, num_batches) (None: --steps of one drafter device) in this project's
+    batch cache, or (`fmt` speculators) for every document of the training rows, one
+    file each in speculators' layout. -> the line that says what was written."""
     device = decide_placement(cfg.pipeline).target
     target = target_load.load_target(cfg.target.spec, device, target_load.target_dtype(device),
                                      log=log)  # fmt: skip
     use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
     layer_ids = resolve_layer_ids(cfg, target.num_layers)
-    train, _ = run_datasets(cfg, target, log)
+    train, heldout = run_datasets(cfg, target, log)
+    start_s = time.perf_counter()
+    if fmt == "speculators":
+        # The last layer always follows, as speculators' vLLM generation writes it: its
+        # trainer takes the last slice for the verifier's states whatever the run uses.
+
+        def rows_done(done: int, of: int) -> None:
+            rate = done * train.seq_len / max(time.perf_counter() - start_s, 1e-9)
+            log(f"cache-hidden: {done}/{of} rows, {rate:,.0f} tokens/s")
+
+        out = write_sample_cache(target, train, heldout, output_dir, layer_ids=layer_ids,
+                                 with_last_layer=True, progress=rows_done)  # fmt: skip
+        files = sample_files(out)
+        size = sum(p.stat().st_size for p in files.values())
+        return (f"cache-hidden: {len(files)} samples ({size / 2**20:,.1f} MiB) in speculators' "
+                f"layout in {out / SAMPLES_DIR}; aux_hidden_state_layer_ids "
+                f"{[i + 1 for i in layer_ids]}")  # fmt: skip
     total, soft = num_batches or cfg.run.steps, cfg.loss.use_soft_labels
     tokens_per_batch = train.batch_size * train.seq_len
-    start_s = time.perf_counter()
 
     def progress(done: int, of: int) -> None:
         rate = done * tokens_per_batch / max(time.perf_counter() - start_s, 1e-9)
@@ -54,8 +73,11 @@ def write_run_cache(
     write_hidden_cache(target, train, output_dir, layer_ids=layer_ids, num_batches=total,
                        with_final_norm=soft, batches_per_shard=batches_per_shard,
                        progress=progress)  # fmt: skip
-    return open_hidden_cache(output_dir, target=target, dataset=train, layer_ids=layer_ids,
-                             with_final_norm=soft)  # fmt: skip
+    reader = open_hidden_cache(output_dir, target=target, dataset=train, layer_ids=layer_ids,
+                               with_final_norm=soft)  # fmt: skip
+    tokens = reader.num_batches * reader.dataset.batch_size * reader.dataset.seq_len
+    return (f"cache-hidden: {reader.num_batches} batches ({tokens:,} tokens, "
+            f"{reader.total_bytes / 2**20:,.1f} MiB) in {output_dir}")  # fmt: skip
 
 
 def regenerate_data(

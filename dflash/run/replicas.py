@@ -18,6 +18,7 @@ from torch import nn
 from dflash.data.datasets import Batch
 from dflash.drafter.model import DFlashDrafter
 from dflash.offline.hidden_cache import open_hidden_cache
+from dflash.offline.sample_cache import SampleCacheReader
 from dflash.pipeline.distributed import sync_initial_weights
 from dflash.run.lifecycle import Run
 from dflash.target import load as target_load  # by module: tests swap load_target
@@ -70,6 +71,10 @@ def cache_reader(
     """The target stage of `--hidden-cache`: one thread reading the cached features,
     refused here (before any thread starts) for a cache of another run or too short."""
     soft = run.cfg.loss.use_soft_labels
+    if run.samples is not None and run.samples.train_rows is not None:
+        norm = run.target.final_norm() if soft else None
+        samples = SampleCacheReader(run.samples, run.train_data, run.samples.train_rows, norm)
+        return torch.device("cpu"), samples.read
     reader = open_hidden_cache(run.cfg.data.hidden_cache or "", target=run.target,
                                dataset=run.train_data, layer_ids=run.layer_ids,
                                with_final_norm=soft)  # fmt: skip

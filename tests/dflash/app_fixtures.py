@@ -103,7 +103,7 @@ NON_DEFAULT = {
     "mask_token_id": 7, "draft_vocab_size": 64,
     "chat_template_kwargs": "{\"enable_thinking\": false}",
     "noise_schedule": "linear:0.5:1", "init_from": "runs/old/drafter",
-    "hidden_cache": "cache/",
+    "hidden_cache": "cache/", "strict_cache": True,
     "target": "builtin:other", "target_layers": (1, 3), "drafter_layers": 2,
     "block_size": 6, "num_anchors": 5, "loss_decay_gamma": 2.5, "use_soft_labels": True,
     "kl_temperature": 2.0, "kl_weight": 0.25, "streak_alpha": 0.5, "loss_chunk_size": 4, "lr": 1e-3,

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from dflash.drafter.io import save_drafter
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
@@ -53,3 +53,45 @@ def test_speculators_converts_a_saved_drafter_bit_exactly(tmp_path):
         assert torch.equal(theirs[name], tensor), name
     # The verifier's parts it filled in are the target's own.
     assert torch.equal(theirs["embed_tokens.weight"], target.embed_tokens.weight.to(torch.bfloat16))
+
+
+def test_speculators_reads_the_files_cache_hidden_writes(tmp_path, monkeypatch):
+    """`cache-hidden --format speculators`: speculators' own check and its training
+    dataset accept the files, and they train here from its Arrow dataset's loss masks."""
+    from click.testing import CliRunner
+    from speculators.data_generation.offline import check_hidden_states
+    from speculators.train.data import ArrowDataset
+
+    from dflash.cli import cli
+    from dflash.target import load as target_load
+    from tests.dflash.app_fixtures import _small_target_loader, write_corpus
+
+    monkeypatch.setattr(target_load, "load_target", _small_target_loader(target_load.load_target))
+    opts = ["--data", str(write_corpus(tmp_path)), "--seq-len", "32", "--batch-size", "2",
+            "--drafter-layers", "1"]  # fmt: skip
+    cache = tmp_path / "cache"
+    result = CliRunner().invoke(cli, ["cache-hidden", "--format", "speculators", "--output",
+                                      str(cache), *opts], catch_exceptions=False)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    files = sorted((cache / "hidden_states").glob("hs_*.safetensors"))
+    for path in files:
+        sample = load_file(str(path))
+        check_hidden_states(sample, sample["token_ids"].tolist())
+    dataset = ArrowDataset(max_len=32, datapath=str(cache), on_missing="raise",
+                           hidden_states_dtype=torch.float32)  # fmt: skip
+    assert len(dataset) == len(files)
+    item, ours = dataset[2], load_file(str(cache / "hidden_states" / "hs_2.safetensors"))
+    assert torch.equal(item["hidden_states"], ours["hidden_states"][:, :-1].flatten(1))
+    assert torch.equal(item["verifier_last_hidden_states"], ours["hidden_states"][:, -1])
+    assert torch.equal(torch.as_tensor(item["loss_mask"]).bool(), ours["loss_mask"])
+    # As speculators' vLLM generation leaves them: the loss masks only in the Arrow dataset.
+    (cache / "dflash_samples.json").unlink()
+    for path in files:
+        sample = load_file(str(path))
+        save_file({k: v for k, v in sample.items() if k != "loss_mask"}, str(path))
+    result = CliRunner().invoke(cli, ["train", "--hidden-cache", str(cache), *opts,
+                                      "--target-layers", "3", "--steps", "3", "--block-size",
+                                      "4", "--eval-prompts", "0", "--output-dir",
+                                      str(tmp_path / "run")], catch_exceptions=False)  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "speculators' layout" in result.output

@@ -1,0 +1,616 @@
+"""Per-sample hidden-state files in the layout vllm-project/speculators reads and writes.
+
+speculators extracts a target's hidden states with vLLM (the target served with tensor
+and pipeline parallelism) into one safetensors file per sample:
+
+  DIR/hidden_states/hs_{i}.safetensors
+      token_ids      int64[t]       the sample's tokens
+      hidden_states  [t, L, D]      the auxiliary layers' outputs, then (when vLLM ran
+                                    with the last layer included) the last decoder
+                                    layer's output before the final norm
+      loss_mask      [t]            (ours, and older speculators files) where the loss counts
+  DIR/                              speculators' preprocessed dataset (Arrow, `datasets`):
+                                    input_ids, loss_mask, seq_len per sample
+
+Older speculators files hold `input_ids`, `hidden_states` [t, K*D], `loss_mask` and
+`verifier_last_hidden_states` [t, D] instead; both are read. Layer numbers: speculators'
+`aux_hidden_state_layer_ids` count the embedding output as 0 (transformers'
+`hidden_states` tuple), so its id j is the output of our decoder layer j - 1, the one
+`--target-layers` names (its DFlash converter writes target_layer_ids + 1 the same way).
+
+`cache-hidden --format speculators` writes this layout from this project's target runner
+plus `dflash_samples.json`: which target layers the files hold, and which samples make
+each training row, so the rows trained from the files are the rows the online run packs.
+Without that manifest (files from speculators) samples are split by name into training
+and held-out ones and packed whole into rows of --seq-len, each a document of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from dflash.data.corpus import is_heldout
+from dflash.data.datasets import Batch, PackedDataset
+from dflash.data.packing import PackReport
+from dflash.data.sources import DataError, DataReport
+from dflash.data.tokenizer import tokenizer_fingerprint
+from dflash.files import replacing, write_json_atomic
+from dflash.target.model import TargetModel, TargetOutput
+
+SAMPLES_DIR = "hidden_states"
+MANIFEST = "dflash_samples.json"
+INDEX_NAME = "index.json"  # dflash.offline.hidden_cache's batch cache
+_FILE = re.compile(r"^hs_(\d+)\.safetensors$")
+
+
+class SampleCacheError(DataError):
+    """Sample files that cannot train this run; one line naming both values."""
+
+
+# --------------------------------------------------------------------------- formats
+
+
+def sample_dir(directory: Path) -> Path:
+    """Where the hs_{i} files are: DIR/hidden_states (speculators' layout) or DIR."""
+    nested = directory / SAMPLES_DIR
+    return nested if nested.is_dir() else directory
+
+
+def sample_files(directory: Path) -> dict[int, Path]:
+    where = sample_dir(directory)
+    if not where.is_dir():
+        return {}
+    found = {}
+    for path in where.iterdir():
+        match = _FILE.match(path.name)
+        if match:
+            found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def cache_format(directory: Path | str) -> str:
+    """`dflash` (index.json: batches of this project's cache) or `speculators` (hs_{i}
+    sample files); a directory with both or neither is one line."""
+    path = Path(directory)
+    batches, samples = (path / INDEX_NAME).is_file(), bool(sample_files(path))
+    if batches and samples:
+        raise SampleCacheError(
+            f"--hidden-cache {path} holds both a batch cache ({INDEX_NAME}) and per-sample "
+            "hs_*.safetensors files: point it at one of them"
+        )
+    if not (batches or samples):
+        raise SampleCacheError(
+            f"--hidden-cache {path}: neither a hidden-state cache ({INDEX_NAME}, written by "
+            "cache-hidden) nor per-sample hs_*.safetensors files (speculators' layout)"
+        )
+    return "dflash" if batches else "speculators"
+
+
+@dataclass(frozen=True)
+class SampleHeader:
+    """What one file holds, from its header alone (no tensor is read)."""
+
+    length: int
+    layers: int  # L of a [t, L, D] file; K of a flat [t, K*D] one (its last layer apart)
+    width: int  # D
+    dtype: str
+    stacked: bool  # [t, L, D] with token_ids; else flat, with input_ids
+    has_last: bool  # flat files: verifier_last_hidden_states present
+    has_mask: bool
+
+
+def read_header(path: Path, flat_width: int) -> SampleHeader:
+    """`flat_width`: D, to tell K of a flat [t, K*D] file."""
+    with safe_open(str(path), framework="pt") as f:
+        keys = set(f.keys())
+        if "hidden_states" not in keys or not keys & {"token_ids", "input_ids"}:
+            raise SampleCacheError(
+                f"{path} is not a hidden-state sample: it has {sorted(keys)}, not hidden_states "
+                "and token_ids"
+            )
+        hs = f.get_slice("hidden_states")
+        shape, dtype = hs.get_shape(), hs.get_dtype()
+        ids = f.get_slice("token_ids" if "token_ids" in keys else "input_ids").get_shape()
+        mask = f.get_slice("loss_mask").get_shape() if "loss_mask" in keys else None
+    if len(shape) == 3:
+        header = SampleHeader(shape[0], shape[1], shape[2], dtype, True, False, mask is not None)
+    elif len(shape) == 2 and flat_width and shape[1] % flat_width == 0:
+        header = SampleHeader(shape[0], shape[1] // flat_width, flat_width, dtype, False,
+                              "verifier_last_hidden_states" in keys, mask is not None)  # fmt: skip
+    else:
+        raise SampleCacheError(
+            f"{path}: hidden_states of shape {list(shape)} is neither [t, layers, D] nor "
+            f"[t, K*D] with the target's D={flat_width}"
+        )
+    if ids[0] != header.length:
+        raise SampleCacheError(
+            f"{path}: {ids[0]} token ids but hidden states for {header.length} positions"
+        )
+    if mask is not None and mask[0] != header.length:
+        raise SampleCacheError(
+            f"{path}: loss_mask has {mask[0]} entries, input_ids {header.length}"
+        )
+    return header
+
+
+def _arrow_loss_masks(directory: Path) -> dict[int, np.ndarray] | None:
+    """Loss masks of speculators' preprocessed dataset beside the files, by sample index."""
+    arrows = sorted(directory.glob("data-*.arrow"))
+    if not arrows:
+        return None
+    try:
+        import pyarrow as pa  # deferred: only speculators' own datasets need it
+    except ImportError:
+        raise SampleCacheError(
+            f"--hidden-cache {directory}: the loss masks are in speculators' Arrow dataset, "
+            "which needs pyarrow (pip install pyarrow)"
+        ) from None
+    masks: dict[int, np.ndarray] = {}
+    for arrow in arrows:
+        with pa.memory_map(str(arrow)) as source:
+            table = pa.ipc.open_stream(source).read_all()
+        for row in table.column("loss_mask").to_pylist():
+            masks[len(masks)] = np.asarray(row, dtype=bool)
+    return masks
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class SkipCounts:
+    missing: int = 0  # no file for a sample the manifest names
+    unreadable: int = 0  # truncated or not a safetensors file
+    nonfinite: int = 0  # found while training: the sample's loss positions are dropped
+    truncated: int = 0  # longer than --seq-len: cut
+
+    def total(self) -> int:
+        return self.missing + self.unreadable + self.nonfinite
+
+
+@dataclass
+class SampleCache:
+    """The sample files of one directory, checked against a run's target and layers."""
+
+    directory: Path
+    files: dict[int, Path]
+    headers: dict[int, SampleHeader]
+    layer_ids: list[int]
+    has_last: bool
+    manifest: dict[str, Any] | None
+    skipped: SkipCounts = field(default_factory=SkipCounts)
+    train_rows: SampleRows | None = None  # set when the run's datasets are built
+    _arrow_masks: dict[int, np.ndarray] | None = None
+    _arrow_read: bool = False
+
+    def arrow_mask(self, index: int) -> np.ndarray | None:
+        """The loss mask speculators' Arrow dataset beside the files holds for `index`."""
+        if not self._arrow_read:
+            self._arrow_masks, self._arrow_read = _arrow_loss_masks(self.directory), True
+        return None if self._arrow_masks is None else self._arrow_masks.get(index)
+
+    def describe(self) -> str:
+        kind = "written by cache-hidden" if self.manifest else "speculators' layout"
+        aux = [i + 1 for i in self.layer_ids]
+        return (
+            f"hidden cache: {len(self.headers):,} samples in {sample_dir(self.directory)} "
+            f"({kind}): target layers {self.layer_ids} (speculators' aux ids {aux})"
+            + (", and the last layer for soft labels" if self.has_last else "")
+            + "; the target's decoder layers never run while training"
+        )
+
+
+def open_sample_cache(
+    directory: Path | str,
+    *,
+    target: TargetModel,
+    layer_ids: list[int] | None,
+    soft_labels: bool,
+    strict: bool = False,
+) -> SampleCache:
+    """Headers of every file, checked: one width, dtype and layer count, the target's
+    hidden size and dtype, the run's layers (`layer_ids`; None: --target-layers unset),
+    soft labels only with the last layer present. Unreadable files are counted and
+    left out (`strict`: one line instead)."""
+    path = Path(directory)
+    files = sample_files(path)
+    manifest = None
+    if (path / MANIFEST).is_file():
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError) as err:
+            raise SampleCacheError(f"{path / MANIFEST} is unreadable: {err}") from None
+        if manifest.get("tokenizer") != tokenizer_fingerprint(target.tokenizer):
+            raise SampleCacheError(
+                f"--hidden-cache {path} was written with tokenizer {manifest.get('tokenizer')!r}, "
+                f"target {target.spec} has {tokenizer_fingerprint(target.tokenizer)!r}"
+            )
+    skipped = SkipCounts()
+    headers: dict[int, SampleHeader] = {}
+    d = target.hidden_size
+    for index, file in files.items():
+        try:
+            headers[index] = read_header(file, d)
+        except (OSError, SafetensorError) as err:
+            if strict:
+                raise SampleCacheError(
+                    f"hidden-state sample {file} is unreadable (truncated?): {err}"
+                ) from None
+            skipped.unreadable += 1
+    if not headers:
+        raise SampleCacheError(f"--hidden-cache {path}: no readable hs_*.safetensors file")
+    first_index = next(iter(headers))
+    first = headers[first_index]
+    for index, header in headers.items():
+        shape, ref = (header.layers, header.width, header.stacked), (first.layers, first.width,
+                                                                     first.stacked)  # fmt: skip
+        if shape != ref or header.dtype != first.dtype:
+            raise SampleCacheError(
+                f"hidden-state samples of different shapes: {files[first_index].name} holds "
+                f"{first.layers} layers of width {first.width} ({first.dtype}), "
+                f"{files[index].name} {header.layers} of {header.width} ({header.dtype})"
+            )
+    if first.width != d:
+        raise SampleCacheError(
+            f"--hidden-cache {path}: hidden width {first.width}, target {target.spec} has "
+            f"hidden size {d}"
+        )
+    want_dtype = str(target.embed_tokens.weight.dtype).removeprefix("torch.")
+    if _short(first.dtype) != want_dtype:
+        raise SampleCacheError(
+            f"--hidden-cache {path}: hidden states in {_short(first.dtype)}, target "
+            f"{target.spec} runs in {want_dtype} (load it with that dtype)"
+        )
+    ids, has_last = _layers(path, first, manifest, layer_ids, target.num_layers)
+    if soft_labels and not has_last:
+        raise SampleCacheError(
+            f"--use-soft-labels: the samples in {path} have no last-layer states (speculators: "
+            "vLLM's --include-last-layer; cache-hidden: --use-soft-labels)"
+        )
+    if manifest is not None:
+        named = {i for row in manifest["rows"] + manifest.get("heldout_rows", []) for i, *_ in row}
+        lost = named - set(headers)
+        if lost and strict:
+            raise SampleCacheError(
+                f"--hidden-cache {path}: {len(lost)} samples named in {MANIFEST} are missing or "
+                f"unreadable (e.g. hs_{min(lost)}.safetensors)"
+            )
+        skipped.missing = len(lost - set(files))
+    return SampleCache(path, files, headers, ids, has_last, manifest, skipped)
+
+
+def _short(dtype: str) -> str:
+    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(dtype, dtype.lower())
+
+
+def _layers(
+    path: Path,
+    header: SampleHeader,
+    manifest: dict[str, Any] | None,
+    wanted: list[int] | None,
+    num_layers: int,
+) -> tuple[list[int], bool]:
+    """Our layer ids of the files' auxiliary layers, and whether the last layer follows."""
+    if manifest is not None:
+        ids, has_last = [int(i) for i in manifest["layer_ids"]], bool(manifest["last_layer"])
+    elif wanted is None:
+        raise SampleCacheError(
+            f"--hidden-cache {path}: speculators' files do not record their layers: pass "
+            "--target-layers (speculators' aux_hidden_state_layer_ids minus 1)"
+        )
+    else:
+        ids = list(wanted)
+        # speculators' trainer always takes a [t, L, D] file's last slice for the
+        # verifier's last layer (vLLM runs with it included): so do we.
+        has_last = header.stacked or header.has_last
+        count = header.layers - 1 if header.stacked else header.layers
+        if count != len(ids):
+            then = " (then the last layer)" if header.stacked else ""
+            raise SampleCacheError(
+                f"--hidden-cache {path}: the files hold {count} auxiliary layers{then}, "
+                f"--target-layers names {len(ids)} ({ids})"
+            )
+    if wanted is not None and list(wanted) != ids:
+        raise SampleCacheError(
+            f"--hidden-cache {path} holds target layers {ids}, --target-layers names {list(wanted)}"
+        )
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise SampleCacheError(
+            f"--hidden-cache {path}: layer {bad[0]} of {ids} is not a layer of the target "
+            f"({num_layers} layers)"
+        )
+    return ids, has_last
+
+
+# --------------------------------------------------------------------------- rows
+
+
+@dataclass
+class SampleRows:
+    """Packed rows and, per row, its samples: (sample index, start in the row, length)."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    doc_ids: np.ndarray
+    positions: np.ndarray
+    segments: list[list[tuple[int, int, int]]]
+
+
+def _pack(
+    samples: list[tuple[int, np.ndarray, np.ndarray]], seq_len: int, pad_id: int,
+    skipped: SkipCounts,
+) -> SampleRows:  # fmt: skip
+    """Samples placed whole (cut to seq_len) into rows, each a document of its own."""
+    rows: list[list[tuple[int, np.ndarray, np.ndarray]]] = [[]]
+    used = 0
+    for index, ids, mask in samples:
+        if len(ids) > seq_len:
+            ids, mask = ids[:seq_len], mask[:seq_len]
+            skipped.truncated += 1
+        if used + len(ids) > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append((index, ids, mask))
+        used += len(ids)
+    return _assemble([r for r in rows if r], seq_len, pad_id)
+
+
+def _assemble(
+    rows: list[list[tuple[int, np.ndarray, np.ndarray]]], seq_len: int, pad_id: int
+) -> SampleRows:
+    n = len(rows)
+    ids = np.full((n, seq_len), pad_id, np.int32)
+    mask = np.zeros((n, seq_len), bool)
+    doc, pos = np.zeros((n, seq_len), np.int32), np.zeros((n, seq_len), np.int32)
+    segments: list[list[tuple[int, int, int]]] = []
+    for r, row in enumerate(rows):
+        at, segs = 0, []
+        for k, (index, sample_ids, sample_mask) in enumerate(row):
+            t = len(sample_ids)
+            ids[r, at : at + t], mask[r, at : at + t] = sample_ids, sample_mask
+            doc[r, at : at + t], pos[r, at : at + t] = k, np.arange(t)
+            segs.append((index, at, t))
+            at += t
+        doc[r, at:], pos[r, at:] = len(row), np.arange(seq_len - at)  # padding: its own document
+        segments.append(segs)
+    return SampleRows(ids, mask, doc, pos, segments)
+
+
+def _read_sample(cache: SampleCache, index: int) -> tuple[np.ndarray, np.ndarray]:
+    with safe_open(str(cache.files[index]), framework="np") as f:
+        keys = set(f.keys())
+        ids = f.get_tensor("token_ids" if "token_ids" in keys else "input_ids").astype(np.int32)
+        mask = f.get_tensor("loss_mask").astype(bool) if "loss_mask" in keys else None
+    if mask is None:
+        mask = cache.arrow_mask(index)
+        if mask is None:
+            raise SampleCacheError(
+                f"{cache.files[index]} has no loss_mask, and no speculators dataset beside "
+                f"{cache.directory} holds it"
+            )
+        if len(mask) < len(ids):
+            raise SampleCacheError(
+                f"sample {index}: loss_mask has {len(mask)} entries, input_ids {len(ids)}"
+            )
+        mask = mask[: len(ids)]
+    return ids, mask
+
+
+def sample_datasets(
+    cache: SampleCache,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    heldout_fraction: float,
+    pad_id: int,
+    log: Callable[[str], None] = print,
+) -> tuple[PackedDataset, PackedDataset, SampleRows]:
+    """(train, held-out) rows of the samples, and the train rows' segments: the rows the
+    manifest records, else the samples split by name and packed whole."""
+    report = DataReport()
+    if cache.manifest is not None:
+        if int(cache.manifest["seq_len"]) != seq_len:
+            raise SampleCacheError(
+                f"--hidden-cache {cache.directory} was packed for --seq-len "
+                f"{cache.manifest['seq_len']}, this run {seq_len}"
+            )
+        built = []
+        for key in ("rows", "heldout_rows"):
+            rows = []
+            for row in cache.manifest.get(key, []):
+                pieces = []
+                for index, *_ in row:
+                    if index in cache.headers:
+                        pieces.append((index, *_read_sample(cache, index)))
+                rows.append(pieces)
+            built.append(_assemble([r for r in rows if r], seq_len, pad_id) if any(rows) else None)
+        train_rows, held_rows = built
+    else:
+        names = {i: cache.files[i].name for i in cache.headers}
+        train_ids = [i for i in cache.headers if not is_heldout(names[i], heldout_fraction)]
+        held_ids = [i for i in cache.headers if is_heldout(names[i], heldout_fraction)]
+        if not train_ids:
+            train_ids, held_ids = list(cache.headers), []
+        train_rows = _pack([(i, *_read_sample(cache, i)) for i in train_ids], seq_len, pad_id,
+                           cache.skipped)  # fmt: skip
+        held_rows = (_pack([(i, *_read_sample(cache, i)) for i in held_ids], seq_len, pad_id,
+                           cache.skipped) if held_ids else None)  # fmt: skip
+    if train_rows is None:
+        raise SampleCacheError(f"--hidden-cache {cache.directory}: no training sample is readable")
+    report.pack = PackReport(documents=sum(len(s) for s in train_rows.segments))
+    if cache.skipped.truncated:
+        log(f"hidden cache: {cache.skipped.truncated} samples longer than --seq-len {seq_len} "
+            "were cut to it")  # fmt: skip
+    lost = cache.skipped.missing + cache.skipped.unreadable
+    if lost:
+        log(f"hidden cache: {lost} sample files missing or unreadable, left out "
+            "(--strict-cache stops instead)")  # fmt: skip
+    datasets = []
+    for rows in (train_rows, held_rows if held_rows is not None else train_rows):
+        datasets.append(PackedDataset(rows.ids, rows.mask, batch_size, seed,
+                                      doc_ids=rows.doc_ids, positions=rows.positions,
+                                      report=report))  # fmt: skip
+    return datasets[0], datasets[1], train_rows
+
+
+class SampleCacheReader:
+    """The target stage of a run trained from sample files: batch i's features, built
+    from the files of its rows' samples (memory-mapped: only this batch's bytes are read).
+
+    Thread contract: `read` may be called from several threads; counters are locked.
+    """
+
+    def __init__(self, cache: SampleCache, dataset: PackedDataset, rows: SampleRows,
+                 norm: torch.nn.Module | None) -> None:  # fmt: skip
+        self.cache, self.dataset, self.rows, self.norm = cache, dataset, rows, norm
+        self.k = len(cache.layer_ids)
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+
+    def _sample(self, index: int) -> tuple[Tensor, Tensor | None, int]:
+        """(aux [t, K*D], last [t, D] or None, bytes read) of one sample."""
+        header = self.cache.headers[index]
+        with safe_open(str(self.cache.files[index]), framework="pt") as f:
+            if header.stacked:
+                hs = f.get_tensor("hidden_states")  # [t, L, D]
+                aux = hs[:, : self.k].reshape(header.length, -1)
+                last = hs[:, self.k] if self.cache.has_last else None
+            else:
+                aux = f.get_tensor("hidden_states")
+                last = f.get_tensor("verifier_last_hidden_states") if header.has_last else None
+        size = aux.numel() * aux.element_size() + (0 if last is None else last.numel()
+                                                      * last.element_size())  # fmt: skip
+        return aux, last, size
+
+    def read(self, batch: Batch) -> TargetOutput:
+        rows = self.dataset.row_indices(batch.batch_id)
+        b, t = batch.input_ids.shape
+        hidden = None
+        final = None
+        read = 0
+        for r, row in enumerate(rows):
+            for index, start, length in self.rows.segments[int(row)]:
+                aux, last, size = self._sample(index)
+                read += size
+                if hidden is None:
+                    hidden = aux.new_zeros(b, t, aux.shape[-1])
+                    if self.norm is not None and last is not None:
+                        final = last.new_zeros(b, t, last.shape[-1])
+                if not (torch.isfinite(aux).all() and (last is None or torch.isfinite(last).all())):
+                    batch.loss_mask[r, start : start + length] = False  # learned from: nothing
+                    with self._lock:
+                        self.cache.skipped.nonfinite += 1
+                    continue
+                hidden[r, start : start + length] = aux[:length]
+                if final is not None and last is not None:
+                    final[r, start : start + length] = last[:length]
+        with self._lock:
+            self.bytes_read += read
+        assert hidden is not None, "every row holds a sample"
+        if final is not None and self.norm is not None:
+            with torch.no_grad():
+                final = self.norm(final.to(next(self.norm.parameters()).device)).to(final.dtype)
+        return TargetOutput(hidden=hidden, logits=None, final_hidden=final)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_sample_cache(
+    target: TargetModel,
+    train: PackedDataset,
+    heldout: PackedDataset,
+    output_dir: Path | str,
+    *,
+    layer_ids: list[int],
+    with_last_layer: bool,
+    batch_rows: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Every document of the train (and held-out) rows as one hs_{i} file, the features
+    taken from the row's forward (document masks keep each document to itself, so a
+    document's states are what it alone gives), and the manifest of rows. Written in
+    speculators' layout; `datasets`, when installed, adds speculators' Arrow dataset."""
+    if train.doc_ids is None or train.positions is None:
+        raise SampleCacheError(
+            "cache-hidden --format speculators writes one file per document: use --packing docs"
+        )
+    out = Path(output_dir)
+    files = out / SAMPLES_DIR
+    files.mkdir(parents=True, exist_ok=True)
+    last = target.num_layers - 1
+    capture_ids = list(layer_ids) + ([last] if with_last_layer else [])
+    manifest: dict[str, Any] = {
+        "format": "speculators", "target": target.spec, "layer_ids": list(layer_ids),
+        "aux_hidden_state_layer_ids": [i + 1 for i in layer_ids], "last_layer": with_last_layer,
+        "tokenizer": tokenizer_fingerprint(target.tokenizer), "seq_len": train.seq_len,
+        "dtype": str(target.embed_tokens.weight.dtype).removeprefix("torch."),
+    }  # fmt: skip
+    arrow: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    index = 0
+    total = len(train) + (len(heldout) if heldout is not train else 0)
+    done = 0
+    for key, dataset in (("rows", train), ("heldout_rows", heldout)):
+        manifest[key] = []
+        if key == "heldout_rows" and dataset is train:
+            continue
+        for begin in range(0, len(dataset), batch_rows):
+            rows = np.arange(begin, min(begin + batch_rows, len(dataset)))
+            ids = torch.from_numpy(dataset.ids[rows].astype(np.int64))
+            docs = torch.from_numpy(dataset.doc_ids[rows].astype(np.int64))
+            out_ = target.capture(ids.to(target.device), capture_ids, with_logits=False,
+                                  doc_ids=docs.to(target.device))  # fmt: skip
+            d = target.hidden_size
+            stacked = out_.hidden.view(len(rows), dataset.seq_len, len(capture_ids), d).cpu()
+            for r, row in enumerate(rows):
+                segments = []
+                mask_row = dataset.mask[row]
+                for doc in np.unique(dataset.doc_ids[row]):
+                    where = np.nonzero(dataset.doc_ids[row] == doc)[0]
+                    start, length = int(where[0]), len(where)
+                    if not mask_row[start : start + length].any():
+                        continue  # padding, or a piece with nothing to learn
+                    tensors = {
+                        "token_ids": ids[r, start : start + length].clone(),
+                        "hidden_states": stacked[r, start : start + length].contiguous(),
+                        "loss_mask": torch.from_numpy(mask_row[start : start + length].copy()),
+                    }
+                    with replacing(files / f"hs_{index}.safetensors") as tmp:
+                        save_file(tensors, str(tmp))
+                    segments.append([index, start, length])
+                    arrow["input_ids"].append(tensors["token_ids"].tolist())
+                    arrow["loss_mask"].append(tensors["loss_mask"].int().tolist())
+                    arrow["seq_len"].append(length)
+                    index += 1
+                manifest[key].append(segments)
+            done += len(rows)
+            if progress is not None:
+                progress(done, total)
+    write_json_atomic(out / MANIFEST, manifest)
+    _write_arrow(out, arrow)
+    return out
+
+
+def _write_arrow(out: Path, columns: dict[str, list[Any]]) -> None:
+    """speculators' preprocessed dataset (its trainer reads input_ids, loss_mask and
+    seq_len there), when `datasets` is installed; the files stand on their own without."""
+    try:
+        from datasets import Dataset  # deferred: an optional dependency
+    except ImportError:
+        return
+    # Its preprocessing saves the dataset in torch format; its trainer compares tensors.
+    Dataset.from_dict(columns).with_format("torch").save_to_disk(str(out))
