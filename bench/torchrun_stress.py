@@ -6,6 +6,8 @@ repeats `tests/dflash/run/test_pipelined.py::test_torchrun_two_ranks_train_ident
 
     python bench/torchrun_stress.py                # 20 runs, one busy process per core
     python bench/torchrun_stress.py --runs 5 --load 0
+    python bench/torchrun_stress.py --test \
+        tests/dflash/offline/test_sample_cache.py::test_two_gloo_ranks_train_from_speculators_files
 
 Each failure prints the end of its output (an abort shows as `terminate called ...`).
 """
@@ -32,9 +34,9 @@ def _busy(stop: mp.synchronize.Event) -> None:
             x = (x * 31 + 7) % 1_000_003
 
 
-def _run_once(timeout_s: float) -> tuple[bool, float, str]:
+def _run_once(test: str, timeout_s: float) -> tuple[bool, float, str]:
     start_s = time.perf_counter()
-    cmd = [sys.executable, "-m", "pytest", TEST, "-x", "-q", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", test, "-x", "-q", "-p", "no:cacheprovider"]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
         ok, output = proc.returncode == 0, proc.stdout + proc.stderr
@@ -48,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--load", type=int, default=os.cpu_count() or 1, help="busy processes")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per run")
+    parser.add_argument("--test", default=TEST, help="the pytest node id to repeat")
     args = parser.parse_args(argv)
     stop = mp.Event()
     busy = [mp.Process(target=_busy, args=(stop,), daemon=True) for _ in range(args.load)]
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     passed, durations = 0, []
     try:
         for i in range(args.runs):
-            ok, seconds, output = _run_once(args.timeout_s)
+            ok, seconds, output = _run_once(args.test, args.timeout_s)
             passed += ok
             durations.append(seconds)
             print(f"run {i + 1}/{args.runs}: {'pass' if ok else 'FAIL'} in {seconds:.0f} s",

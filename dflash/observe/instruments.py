@@ -163,6 +163,8 @@ def flops_figures(run: Any) -> FlopsFigures:
     geo = target.geometry
     per_target = target_flops_per_token(weights, geo.num_layers, geo.num_heads, geo.head_dim,
                                         seq_len)  # fmt: skip
+    if cfg.data.hidden_cache is not None:
+        per_target = 0.0  # the target stage reads features from disk
     drafter = drafter_flops_of(run.drafter, seq_len)
     block_tokens = rows * cfg.loss.num_anchors * run.drafter.config.block_size
     per_step = drafter.per_step(block_tokens, rows * seq_len)

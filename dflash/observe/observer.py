@@ -186,9 +186,11 @@ class Observer:
         devices: Sequence[Any] = (),
         flops: FlopsFigures | None = None,
         stream: IO[str] | None = None,
+        read_bytes: Callable[[], int] | None = None,
     ) -> None:
         """Starts the reporter (rank 0 prints to `stream`), the metrics and the timeline's
-        counters on the pipeline's `snapshot`; `devices`: every stage's device."""
+        counters on the pipeline's `snapshot`; `devices`: every stage's device;
+        `read_bytes`: bytes a hidden-state cache reader has read (its rate is a column)."""
         # The start-up phases timed before this point (run.startup) stay in the stats:
         # the first table, printed when the first step ends, shows them. Shares are per
         # thread, so they do not dilute the stage threads' shares or the verdict.
@@ -198,15 +200,18 @@ class Observer:
         self._start_metrics(snapshot, memory)
         self._watch_timeline(snapshot)
         if self.is_main:
-            self._start_reporter(snapshot, memory, flops, stream)
+            self._start_reporter(snapshot, memory, flops, stream, read_bytes)
 
     def _start_reporter(self, snapshot: Callable[[], CounterSnapshot], memory: PeakMemory,
-                        flops: FlopsFigures | None, stream: IO[str] | None) -> None:  # fmt: skip
+                        flops: FlopsFigures | None, stream: IO[str] | None,
+                        read_bytes: Callable[[], int] | None = None) -> None:  # fmt: skip
         reporter = Reporter(self.stats, interval_s=self.cfg.report_interval_s, title="interval",
                             stream=stream)  # fmt: skip
         w = self.world_size
         reporter.add_rate("target", lambda: snapshot().target_tokens * w, "tok/s")
         reporter.add_rate("drafter", lambda: snapshot().drafter_tokens * w, "tok/s")
+        if read_bytes is not None:  # the target stage reads a cache: how fast, per rank
+            reporter.add_rate("cache read", lambda: read_bytes() / 2**20, "MiB/s")
         reporter.add_gauge("batch_queue", lambda: snapshot().queued_now.get("batch_queue", 0))
         reporter.add_gauge("hs_queue", lambda: snapshot().queued_now.get("hs_queue", 0))
         if flops is not None:
@@ -333,6 +338,8 @@ def _add_flops(reporter: Reporter, snapshot: Callable[[], CounterSnapshot], flop
     sides = (("target", flops.target_per_token, flops.target_peak_tflops),
              ("drafter", flops.drafter_per_token, flops.drafter_peak_tflops))  # fmt: skip
     for side, per_token, peak in sides:
+        if per_token == 0:  # the target stage reads a cache: it computes nothing
+            continue
 
         def tera(side: str = side, per_token: float = per_token) -> float:
             tokens = getattr(snapshot(), f"{side}_tokens") * world_size

@@ -202,6 +202,7 @@ class HiddenCacheReader:
         self.num_batches = cached_batches(index)
         self._handles: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self.bytes_read = 0  # tensor bytes handed out by `read`
         for shard in index["shards"]:
             path = directory / shard["file"]
             size = path.stat().st_size if path.exists() else -1
@@ -280,6 +281,10 @@ class HiddenCacheReader:
                 )
             with torch.no_grad():
                 logits = lm_head(final.to(lm_head.weight.device))
+        size = hidden.numel() * hidden.element_size()
+        size += 0 if final is None else final.numel() * final.element_size()
+        with self._lock:
+            self.bytes_read += size
         return TargetOutput(hidden=hidden, logits=logits, final_hidden=final)
 
     def get(self, index: int, lm_head: torch.nn.Module | None = None) -> tuple[Batch, TargetOutput]:

@@ -62,6 +62,7 @@ class StepShape:
     num_target_features: int | None = None  # K; None: drafter_layers
     document_masks: bool = False  # --packing docs: the target attends through a [T, T] mask
     draft_vocab_size: int | None = None  # rows of the drafter's head; None: the whole vocabulary
+    from_cache: bool = False  # --hidden-cache: the target never runs on the device
 
     def __post_init__(self) -> None:
         for name in ("drafter_layers", "block_size", "num_anchors", "seq_len", "batch_size",
@@ -159,8 +160,12 @@ def _memory(s: StepShape) -> dict[str, float]:
     else:
         kept = layers * per_layer
     loss_rows = q if s.loss_chunk_size is None else min(s.loss_chunk_size, s.blocks) * s.block_size
+    if s.from_cache:  # the device holds the drafter's copies of the embedding and head only
+        target_weights, target_act = 2.0 * g.vocab_size * d * s.target_bytes, 0.0
+    else:
+        target_weights = g.params() * s.target_bytes
     return {
-        "target weights": g.params() * s.target_bytes,
+        "target weights": target_weights,
         "drafter weights+grads+AdamW": s.drafter_params() * 16.0,
         "target activations": target_act + queue,
         "drafter activations": kept * s.activation_bytes + rows_t * d * 4,
@@ -182,6 +187,8 @@ def _flops(s: StepShape) -> dict[str, float]:
     passes = 2 if s.loss_chunk_size is None else 3  # the chunked loss recomputes its forward
     loss = head * passes + (head * (passes - 1) if s.soft_labels else 0)
     accum = s.grad_accum
+    if s.from_cache:
+        target = 0  # read from disk
     return {"target": target * accum, "drafter": drafter * accum, "lm head": loss * accum}
 
 
@@ -247,6 +254,7 @@ def shape_for_config(cfg: TrainConfig, geometry: TargetGeometry, device_type: st
         num_target_features=len(layer_ids) if layer_ids else None,
         document_masks=cfg.data.packing == "docs",
         draft_vocab_size=cfg.drafter.draft_vocab_size,
+        from_cache=cfg.data.hidden_cache is not None,
     )  # fmt: skip
 
 

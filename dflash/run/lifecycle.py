@@ -97,6 +97,7 @@ class Run:
     initialized_from: Path | None = None
     final_saved: bool = False  # the final checkpoint and OUTPUT_DIR/drafter are written
     samples: SampleCache | None = None  # training from per-sample hidden-state files
+    cache_bytes_read: Callable[[], int] | None = None  # the cache reader's count, once reading
     _fingerprint: str | None = None
 
     @property

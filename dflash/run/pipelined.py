@@ -183,7 +183,8 @@ def run_pipeline(
             setup = _setup(cfg, log, start, observer, progress_stream)
         if observer is not None:
             observer.attach(setup.pipe.snapshot, (*placement.targets, *placement.drafters),
-                            setup.book.flops, stream=setup.progress.line_stream())  # fmt: skip
+                            setup.book.flops, stream=setup.progress.line_stream(),
+                            read_bytes=setup.run.cache_bytes_read)  # fmt: skip
         train_start_s, cpu_start_s = time.perf_counter(), time.process_time()
         with SignalStop(setup.pipe.group.stop) as signals:
             try:

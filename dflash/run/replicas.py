@@ -74,6 +74,7 @@ def cache_reader(
     if run.samples is not None and run.samples.train_rows is not None:
         norm = run.target.final_norm() if soft else None
         samples = SampleCacheReader(run.samples, run.train_data, run.samples.train_rows, norm)
+        run.cache_bytes_read = lambda: samples.bytes_read
         return torch.device("cpu"), samples.read
     reader = open_hidden_cache(run.cfg.data.hidden_cache or "", target=run.target,
                                dataset=run.train_data, layer_ids=run.layer_ids,
@@ -81,6 +82,7 @@ def cache_reader(
     if last_batch_index is not None:
         reader.covers(last_batch_index)
         reader.verify(run.next_batch_index, last_batch_index)
+    run.cache_bytes_read = lambda: reader.bytes_read
     # Soft labels come from the cached final-norm states, as online: never logits.
     return torch.device("cpu"), reader.read
 

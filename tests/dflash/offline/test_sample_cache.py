@@ -3,6 +3,9 @@ speculators` writes them, `train --hidden-cache` trains from them (and from file
 speculators' vLLM data generation writes them), and what bad files get."""
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +19,11 @@ from dflash.offline.sample_cache import SampleCacheError, cache_format
 from dflash.run import pipelined as pipeline
 from tests.dflash.app_fixtures import (  # noqa: F401 - fixture
     record_losses,
+    script_env,
     small_cfg,
+    small_target_everywhere,
     tiny_target,
+    torchrun_command,
     write_corpus,
 )
 from tests.dflash.offline.test_hidden_cache import _traced
@@ -101,6 +107,7 @@ def test_files_without_a_manifest_train_with_the_layers_named(tmp_path):
     assert result.exit_code == 0, result.output
     assert "speculators' aux ids [4]" in result.output
     assert "the target's decoder layers never run while training" in result.output
+    assert "cache read" in result.output  # the reader's MiB/s in the interval table
     assert (
         "files hold 1 auxiliary layers (then the last layer), --target-layers names 2"
         in _one_error(_train(tmp_path, cache, target_layers="1,3"))
@@ -158,3 +165,27 @@ def test_bad_sample_files_are_one_line_or_a_counted_skip(tmp_path):
 def test_a_directory_of_neither_format_is_named(tmp_path):
     with pytest.raises(SampleCacheError, match="neither a hidden-state cache"):
         cache_format(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+@pytest.mark.usefixtures("tiny_target")
+def test_two_gloo_ranks_train_from_speculators_files(tmp_path):
+    """The multi-node recipe of the README on one host: 2 torchrun ranks (gloo) read the
+    files `cache-hidden --format speculators` wrote and train one drafter."""
+    cache = _write(tmp_path, tmp_path / "cache")
+    out = tmp_path / "run"
+    args = ["train", "--hidden-cache", str(cache), "--block-size", "4", "--eval-prompts", "0",
+            "--output-dir", str(out), *_flags({**OPTS, "steps": 4})]  # fmt: skip
+    proc = subprocess.run([*torchrun_command(2), __file__, *args], env=script_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["pipeline"]["world_size"] == 2 and summary["steps"] == 4
+    assert summary["hidden_cache_skipped"]["nonfinite"] == 0
+    assert "2 ranks" in (proc.stdout + proc.stderr).split("interval: total")[-1].splitlines()[0]
+
+
+if __name__ == "__main__":  # a torchrun worker: the small target, then the command line
+    small_target_everywhere()
+    cli(sys.argv[1:], prog_name="dflash-train")
