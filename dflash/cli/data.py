@@ -23,6 +23,7 @@ from dflash.cli.options import (
     schema_options,
 )
 from dflash.config.settings import DataConfig, config_from_options
+from dflash.offline.server import ServerSettings
 from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateSettings
 
 _REGEN = RegenerateSettings()  # the defaults of the regenerate options
@@ -108,10 +109,43 @@ class _RegenBar:
 @schema_option("seed", "Seed of sampling when --temperature is above 0.")
 @schema_option("heldout_fraction", "Share of documents held out (as in train): not regenerated.")
 @schema_option("chat_template_kwargs")
+@click.option(
+    "--server", default=None, metavar="URL",
+    help="An OpenAI-compatible server (vLLM, SGLang, llama.cpp's llama-server) serving the "
+    "target: its /v1/completions writes the replies, and only --target's tokenizer loads "
+    "here (e.g. http://localhost:8000).",
+)  # fmt: skip
+@click.option("--concurrency", default=8, show_default=True, type=click.IntRange(min=1),
+              help="With --server: requests in flight at once.")  # fmt: skip
+@click.option("--request-timeout", default=600.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="With --server: seconds a request may take before it is retried.")  # fmt: skip
+@click.option(
+    "--retries",
+    default=5,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="With --server: retries of a failed request (waits 1 s, doubling).",
+)
+@click.option(
+    "--server-model",
+    default=None,
+    help="With --server: the served model to use (unset: the only one served).",
+)
 @device_option("the target")
 @debug_option
 def regenerate_command(
-    target: str | None, source: str, output: str, device: str, debug: bool, **given: Any
+    target: str | None,
+    source: str,
+    output: str,
+    device: str,
+    debug: bool,
+    server: str | None,
+    concurrency: int,
+    request_timeout: float,
+    retries: int,
+    server_model: str | None,
+    **given: Any,
 ) -> None:
     """Regenerate training data with the target's own replies (the recommended recipe)."""
     from dflash.run.offline import regenerate_data  # deferred: torch, so --help answers at once
@@ -130,10 +164,14 @@ def regenerate_command(
             heldout_fraction=known.data.heldout_fraction,
         )  # fmt: skip
         spec = config_from_options({"target": target}).target.spec
+        served = None
+        if server is not None:
+            served = ServerSettings(server, concurrency=concurrency, timeout_s=request_timeout,
+                                    retries=retries, model=server_model)  # fmt: skip
         try:
             return regenerate_data(spec, device, source, output, settings, progress=bar,
-                                   log=echo_err,
-                                   chat_template_kwargs=known.target.template_kwargs)  # fmt: skip
+                                   log=echo_err, chat_template_kwargs=known.target.template_kwargs,
+                                   server=served)  # fmt: skip
         finally:
             bar.close()
 

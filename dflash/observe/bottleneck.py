@@ -34,6 +34,7 @@ class WaitShares:
     target_input_wait: float  # target threads waiting on batch_queue.get
     target_output_wait: float  # target threads blocked on hs_queue.put (queue full)
     drafter_wait: float  # drafter threads waiting on hs_queue.get
+    reads_cache: bool = False  # the target stage reads a hidden-state cache (target.read)
 
 
 def wait_shares(snap: StatsSnapshot) -> WaitShares:
@@ -49,6 +50,7 @@ def wait_shares(snap: StatsSnapshot) -> WaitShares:
         target_input_wait=share(BATCH_WAIT, targets),
         target_output_wait=share(HS_PUT, targets),
         drafter_wait=share(HS_WAIT, drafters),
+        reads_cache=names.TARGET_READ in snap.phases and names.TARGET_FORWARD not in snap.phases,
     )
 
 
@@ -111,13 +113,20 @@ def verdict(
                 f"drafters waited {_pct(shares.drafter_wait)} on hs_queue and targets "
                 f"{_pct(shares.target_input_wait)} on batch_queue: {input_bound}"
             )
+        if shares.reads_cache:  # no device helps: the disk or its reader is the limit
+            return (
+                f"drafters waited {_pct(shares.drafter_wait)} on hs_queue: reader-bound; the "
+                "hidden-state cache is read slower than the drafters train (faster storage, "
+                "or the cache on local disk of each node)"
+            )
         return (
             f"drafters waited {_pct(shares.drafter_wait)} on hs_queue: target-bound; "
             + _more_devices("target", shared_device)
         )
     if shares.target_output_wait >= threshold:
+        who = "the cache reader" if shares.reads_cache else "targets"
         return (
-            f"targets waited {_pct(shares.target_output_wait)} on a full hs_queue: "
+            f"{who} waited {_pct(shares.target_output_wait)} on a full hs_queue: "
             "drafter-bound; " + _more_devices("drafter", shared_device)
         )
     if shares.target_input_wait >= threshold:

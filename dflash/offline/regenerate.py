@@ -41,6 +41,7 @@ from dflash.data.packing import frame
 from dflash.data.sources import CUT_KEY, DataReport, iter_jsonl, read_jsonl
 from dflash.data.tokenizer import decode_text, encode_texts, special_ids
 from dflash.files import cache_dir, write_json_atomic
+from dflash.offline.server import CompletionClient, TokenizerTarget
 from dflash.offline.settings import RegenerateError, RegenerateSettings
 from dflash.target.generation import generate_batch, generate_padded
 from dflash.target.model import TargetModel, target_fingerprint
@@ -123,6 +124,22 @@ def expand_items(tokenizer: Any, items: list[dict], settings: RegenerateSettings
 # --------------------------------------------------------------------------- decoding
 
 
+@dataclass
+class Reply:
+    """One generated reply: its new token ids (decoded here) or a server's text."""
+
+    tokens: list[int] | None
+    text: str | None
+    cut: bool  # ended at --max-new-tokens, not at a stop token
+
+    def decoded(self, tokenizer: Any, prefix: list[int] | None = None) -> str:
+        """The reply's text (`prefix`: the window's kept tokens, before it)."""
+        if self.tokens is not None:
+            return decode_text(tokenizer, (prefix or []) + self.tokens)
+        head = decode_text(tokenizer, prefix) if prefix else ""
+        return head + (self.text or "")
+
+
 class _Decoder:
     """Runs prompts in batches; counts generated tokens."""
 
@@ -139,6 +156,10 @@ class _Decoder:
         self.new_tokens = 0
         self.batches = 0
         self.on_batch = on_batch  # after each batch: this chunk's new tokens so far
+
+    def replies(self, prompts: list[list[int]]) -> list[Reply]:
+        cap = self.settings.max_new_tokens
+        return [Reply(new, None, len(new) >= cap) for new in self.run(prompts)]
 
     def run(self, prompts: list[list[int]]) -> list[list[int]]:
         if self.target.is_hf:
@@ -189,7 +210,37 @@ class _Decoder:
         return results
 
 
-def regenerate_chunk(decoder: _Decoder, items: list[dict]) -> list[dict]:
+class _ServerDecoder:
+    """Prompts answered by an OpenAI-compatible server, `--concurrency` at a time."""
+
+    def __init__(
+        self,
+        target: TokenizerTarget,
+        client: CompletionClient,
+        settings: RegenerateSettings,
+        chunk: int,
+        on_batch: Callable[[int], None] | None = None,
+    ) -> None:
+        self.target, self.client, self.settings, self.chunk = target, client, settings, chunk
+        self.stops = settings.stop_token_ids
+        self.new_tokens = 0
+        self.on_batch = on_batch
+        self._wave = 0
+
+    def replies(self, prompts: list[list[int]]) -> list[Reply]:
+        self._wave += 1
+        done = self.client.complete_all(
+            prompts, max_tokens=self.settings.max_new_tokens,
+            temperature=self.settings.temperature, stop_token_ids=self.stops,
+            seed=self.settings.seed * 1_000_003 + self.chunk * 1_009 + self._wave * 65_537,
+        )  # fmt: skip
+        self.new_tokens += sum(c.tokens for c in done)
+        if self.on_batch is not None:
+            self.on_batch(self.new_tokens)
+        return [Reply(None, c.text, c.cut) for c in done]
+
+
+def regenerate_chunk(decoder: _Decoder | _ServerDecoder, items: list[dict]) -> list[dict]:
     """The regenerated records of `items` (assistant turns in waves, texts at once). A
     conversation that ends with a user turn (a prompt set) gets the reply to it."""
     tok = decoder.target.tokenizer
@@ -203,8 +254,8 @@ def regenerate_chunk(decoder: _Decoder, items: list[dict]) -> list[dict]:
             messages.append({"role": "assistant", "content": ""})
     prefixes = [r.pop("_prefix") if "_prefix" in r else None for r in records]
     texts = [(i, p) for i, p in enumerate(prefixes) if p is not None]
-    for (i, prefix), new in zip(texts, decoder.run([p for _, p in texts]), strict=True):
-        records[i]["text"] = decode_text(tok, prefix + new)
+    for (i, prefix), reply in zip(texts, decoder.replies([p for _, p in texts]), strict=True):
+        records[i]["text"] = reply.decoded(tok, prefix)
     turn = 0
     while True:  # wave `turn`: the turn-th assistant reply of every conversation that has one
         wave = []
@@ -215,11 +266,11 @@ def regenerate_chunk(decoder: _Decoder, items: list[dict]) -> list[dict]:
         if not wave:
             return records
         prompts = [chat_prompt_ids(tok, records[i]["messages"][:j]) for i, j in wave]
-        for (i, j), new in zip(wave, decoder.run(prompts), strict=True):
+        for (i, j), reply in zip(wave, decoder.replies(prompts), strict=True):
             message = records[i]["messages"][j]
-            message["content"] = decode_text(tok, new)
+            message["content"] = reply.decoded(tok)
             message.pop(CUT_KEY, None)
-            if len(new) >= decoder.settings.max_new_tokens:  # no stop token came in time
+            if reply.cut:  # no stop token came in time
                 message[CUT_KEY] = True
         turn += 1
 
@@ -227,15 +278,25 @@ def regenerate_chunk(decoder: _Decoder, items: list[dict]) -> list[dict]:
 # --------------------------------------------------------------------------- resumable output
 
 
-def run_record(target: TargetModel, items: list[dict], settings: RegenerateSettings) -> dict:
-    """What identifies a regeneration run: target, inputs and settings."""
+def run_record(
+    target: TargetModel | TokenizerTarget,
+    items: list[dict],
+    settings: RegenerateSettings,
+    server: CompletionClient | None = None,
+) -> dict:
+    """What identifies a regeneration run: target (or the model a server serves),
+    inputs and settings."""
     data = hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()
     template = {"chat_template_kwargs": target.chat_template_kwargs}
+    if server is not None:
+        identity = server.identity(target)  # type: ignore[arg-type]
+    else:
+        identity = target_fingerprint(target)  # type: ignore[arg-type]
     return {
         **(template if target.chat_template_kwargs else {}),  # older records stay resumable
         "format": 1,
         "target": target.spec,
-        "target_hash": target_fingerprint(target),
+        "target_hash": identity,
         "data": data[:20],
         "lines": len(items),
         "settings": json.loads(json.dumps(asdict(settings))),
@@ -273,14 +334,16 @@ def _resume_point(output: Path, record: dict, chunk_lines: int) -> int:
 
 
 def regenerate(
-    target: TargetModel,
+    target: TargetModel | TokenizerTarget,
     source: str,
     output: Path | str,
     *,
     settings: RegenerateSettings,
     progress: Callable[[RegenProgress], None] | None = None,
+    server: CompletionClient | None = None,
 ) -> RegenReport:
-    """Regenerate `source` (`embedded`, a text file/folder or JSONL) into `output`."""
+    """Regenerate `source` (`embedded`, a text file/folder or JSONL) into `output`, by
+    the target in this process or (`server`, with a TokenizerTarget) by a server."""
     start_s, out = time.perf_counter(), Path(output)
     report = DataReport()
     items = expand_items(
@@ -299,7 +362,7 @@ def regenerate(
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     done = first_line = _resume_point(
-        out, run_record(target, items, settings), settings.chunk_lines
+        out, run_record(target, items, settings, server), settings.chunk_lines
     )
     new_tokens = 0
     with open(out, "a", encoding="utf-8") as f:
@@ -310,7 +373,12 @@ def regenerate(
                     rate = (so_far + chunk_tokens) / max(time.perf_counter() - start_s, 1e-9)
                     progress(RegenProgress(done, len(items), so_far + chunk_tokens, rate))
 
-            decoder = _Decoder(target, settings, begin // settings.chunk_lines, batch_done)
+            chunk = begin // settings.chunk_lines
+            decoder: _Decoder | _ServerDecoder
+            if server is not None:
+                decoder = _ServerDecoder(target, server, settings, chunk, batch_done)  # type: ignore[arg-type]
+            else:
+                decoder = _Decoder(target, settings, chunk, batch_done)  # type: ignore[arg-type]
             records = regenerate_chunk(decoder, items[begin : begin + settings.chunk_lines])
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
             f.flush()

@@ -14,9 +14,11 @@ from typing import Any
 
 from dflash.config.devices import decide_placement, resolve_device
 from dflash.config.settings import TrainConfig
+from dflash.data.chat import use_template_kwargs as use_chat_kwargs
 from dflash.offline.hidden_cache import open_hidden_cache, write_hidden_cache
 from dflash.offline.regenerate import RegenProgress, RegenReport, regenerate
 from dflash.offline.sample_cache import SAMPLES_DIR, sample_files, write_sample_cache
+from dflash.offline.server import CompletionClient, ServerSettings, TokenizerTarget
 from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateError, RegenerateSettings
 from dflash.run.lifecycle import (
     check_target_fits,
@@ -90,9 +92,19 @@ def regenerate_data(
     progress: Callable[[RegenProgress], None] | None = None,
     log: Callable[[str], None] = print,
     chat_template_kwargs: dict[str, Any] | None = None,
+    server: ServerSettings | None = None,
 ) -> RegenReport:
     """`dflash-train regenerate`: the target on `device` (`auto`: cuda:0 when present)
-    rewrites `source` into `output` with its own replies."""
+    rewrites `source` into `output` with its own replies; with `server`, the server's
+    replies, and only the target's tokenizer loads here."""
+    if server is not None:
+        tokenizer = target_load.load_tokenizer(target_spec)
+        use_chat_kwargs(tokenizer, chat_template_kwargs or {})
+        served = TokenizerTarget(target_spec, tokenizer, dict(chat_template_kwargs or {}))
+        client = CompletionClient(server)
+        client.connect(served, log)
+        return regenerate(served, source, output, settings=settings, progress=progress,
+                          server=client)  # fmt: skip
     dev = resolve_device(device, "--device")
     target = target_load.load_target(target_spec, dev, target_load.target_dtype(dev), log=log)
     use_template_kwargs(target, chat_template_kwargs or {}, log)

@@ -27,6 +27,14 @@ from tracing import PhaseStats
         (WaitShares(0.60, 0.00, 0.50), "input-bound"),
         (WaitShares(0.30, 0.00, 0.05), "targets waited 30% on batch_queue: input-bound"),
         (WaitShares(0.05, 0.04, 0.10), "balanced: no stage waited more than 10%"),
+        (
+            WaitShares(0.02, 0.01, 0.41, reads_cache=True),
+            "drafters waited 41% on hs_queue: reader-bound; the hidden-state cache is read",
+        ),
+        (
+            WaitShares(0.02, 0.55, 0.03, reads_cache=True),
+            "the cache reader waited 55% on a full hs_queue: drafter-bound",
+        ),
     ],
 )
 def test_verdict_names_the_bottleneck(shares: WaitShares, expected: str) -> None:

@@ -1,0 +1,221 @@
+"""Regeneration through an OpenAI-compatible server (vLLM, SGLang, llama.cpp's server).
+
+A target too large for this process is served by an inference engine with tensor and
+pipeline parallelism; `regenerate --server URL` sends it the prompts this project
+renders (token ids, so the server sees exactly the training tokenization) to
+`/v1/completions`, `--concurrency` at a time, and records the text of each reply. The
+target's tokenizer (and its chat template) is all that loads here.
+
+Failures: a request that cannot connect, times out or gets 429/5xx is retried with
+exponential backoff up to `retries` times; another 4xx is one line at once. The model
+the server serves is checked against `--target`'s tokenizer before any prompt is sent:
+by the server's `/tokenize` where it has one (vLLM, SGLang and llama.cpp do), else by
+name.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+from dflash.data.tokenizer import encode_texts, tokenizer_fingerprint
+from dflash.errors import first_line
+from dflash.offline.settings import RegenerateError
+
+PROBE = "Speculative decoding drafts 16 tokens; the target checks them all at once."
+
+
+class ServerError(RegenerateError):
+    """The server cannot serve this regeneration; one line naming the URL and why."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    url: str  # the server's base URL, with or without /v1
+    concurrency: int = 8
+    timeout_s: float = 600.0  # per request
+    retries: int = 5
+    model: str | None = None  # the served model to use; None: the server's only one
+    backoff_s: float = 1.0  # first wait; doubles each retry
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ServerError(f"--server {self.url!r}: expected an http:// or https:// URL")
+        for name, low in (("concurrency", 1), ("retries", 0)):
+            if getattr(self, name) < low:
+                raise ServerError(f"--{name} {getattr(self, name)} must be >= {low}")
+        if not self.timeout_s > 0:
+            raise ServerError(f"--request-timeout {self.timeout_s} must be > 0")
+
+    @property
+    def base(self) -> str:
+        return self.url.rstrip("/").removesuffix("/v1")
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: int  # the server's count of generated tokens
+    cut: bool  # ended at max_tokens, not at a stop
+
+
+@dataclass
+class TokenizerTarget:
+    """What regeneration needs of a target it does not run: its tokenizer and name."""
+
+    spec: str
+    tokenizer: Any
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    stop_token_ids: tuple[int, ...] = ()
+    is_hf: bool = True
+
+
+class CompletionClient:
+    """Requests to one server; thread-safe (each call opens its own connection)."""
+
+    def __init__(self, settings: ServerSettings, sleep: Callable[[float], None] = time.sleep):
+        self.settings, self._sleep = settings, sleep
+        self.model = settings.model or ""
+        self.retried = 0
+
+    # -- HTTP
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        url = self.settings.base + path
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", "Authorization": "Bearer EMPTY"}
+        wait = self.settings.backoff_s
+        for attempt in range(self.settings.retries + 1):
+            request = urllib.request.Request(url, data=data, headers=headers, method=method)
+            try:
+                with urllib.request.urlopen(request, timeout=self.settings.timeout_s) as reply:
+                    return json.loads(reply.read().decode())
+            except urllib.error.HTTPError as err:
+                detail = err.read().decode(errors="replace")[:200]
+                if err.code != 429 and err.code < 500:
+                    raise ServerError(f"--server {url}: HTTP {err.code}: {detail}") from None
+                why = f"HTTP {err.code}: {detail}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
+                why = first_line(getattr(err, "reason", err))
+            except ValueError as err:
+                raise ServerError(f"--server {url}: the reply is not JSON: {err}") from None
+            if attempt == self.settings.retries:
+                raise ServerError(
+                    f"--server {url}: {why} (after {self.settings.retries} retries)"
+                ) from None
+            self.retried += 1
+            self._sleep(wait)
+            wait *= 2
+        raise AssertionError("unreachable")
+
+    # -- checks
+
+    def served_models(self) -> list[str]:
+        reply = self._request("GET", "/v1/models")
+        try:
+            return [str(m["id"]) for m in reply["data"]]
+        except (KeyError, TypeError):
+            raise ServerError(
+                f"--server {self.settings.base}: /v1/models lists no models"
+            ) from None
+
+    def connect(self, target: TokenizerTarget, log: Callable[[str], None]) -> None:
+        """The served model (one line when --server-model is not among them, or the
+        server serves several and none is named), then its tokenizer against ours."""
+        models = self.served_models()
+        if self.settings.model:
+            if self.settings.model not in models:
+                raise ServerError(
+                    f"--server {self.settings.base} serves {models}, not --server-model "
+                    f"{self.settings.model!r}"
+                )
+        elif len(models) != 1:
+            raise ServerError(
+                f"--server {self.settings.base} serves {len(models)} models {models}: name one "
+                "with --server-model"
+            )
+        else:
+            self.model = models[0]
+        ours = encode_texts(target.tokenizer, [PROBE])[0].tolist()
+        theirs = self._tokenize(PROBE)
+        if theirs is None:
+            served, named = PurePosixPath(self.model).name, PurePosixPath(target.spec).name
+            if served.lower() != named.lower():
+                log(f"regenerate: {self.settings.base} has no /tokenize to compare tokenizers; "
+                    f"it serves {self.model!r} for --target {target.spec}")  # fmt: skip
+            return
+        if theirs != ours:
+            raise ServerError(
+                f"--server {self.settings.base} serves {self.model!r}, whose tokenizer differs "
+                f"from --target {target.spec}'s: a probe is {theirs[:8]}... there, "
+                f"{ours[:8]}... here"
+            )
+        log(
+            f"regenerate: {self.settings.base} serves {self.model!r}, tokenizer equal to "
+            f"--target {target.spec}'s; {self.settings.concurrency} requests at a time"
+        )
+
+    def _tokenize(self, text: str) -> list[int] | None:
+        """The server's ids of `text` without special tokens, or None without /tokenize.
+        One body for both dialects: llama.cpp reads content/add_special, vLLM and SGLang
+        model/prompt/add_special_tokens; each ignores the other's keys."""
+        body = {"content": text, "add_special": False, "model": self.model, "prompt": text,
+                "add_special_tokens": False}  # fmt: skip
+        try:
+            reply = self._request("POST", "/tokenize", body)
+        except ServerError as err:
+            if "HTTP 404" in str(err) or "HTTP 405" in str(err):
+                return None
+            raise
+        tokens = reply.get("tokens") if isinstance(reply, dict) else None
+        if not isinstance(tokens, list):
+            return None
+        return [t["id"] if isinstance(t, dict) else int(t) for t in tokens]
+
+    # -- completions
+
+    def complete(self, prompt: list[int], *, max_tokens: int, temperature: float, seed: int,
+                 stop_token_ids: tuple[int, ...]) -> Completion:  # fmt: skip
+        body: dict[str, Any] = {
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": temperature, "seed": seed, "stream": False,
+            # Plain sampling, as in-process: no top-k/top-p/min-p a server defaults to.
+            "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+        }  # fmt: skip
+        if stop_token_ids:
+            body["stop_token_ids"] = list(stop_token_ids)  # vLLM/SGLang; EOS ends it anyway
+        reply = self._request("POST", "/v1/completions", body)
+        try:
+            choice = reply["choices"][0]
+            text, reason = str(choice["text"]), choice.get("finish_reason")
+        except (KeyError, IndexError, TypeError):
+            raise ServerError(
+                f"--server {self.settings.base}: /v1/completions gave no choices: "
+                f"{json.dumps(reply)[:200]}"
+            ) from None
+        usage = reply.get("usage") or {}
+        return Completion(text, int(usage.get("completion_tokens") or 0), reason == "length")
+
+    def complete_all(self, prompts: list[list[int]], **kwargs: Any) -> list[Completion]:
+        """Every prompt, `concurrency` in flight; results in prompt order."""
+        seed = int(kwargs.pop("seed"))
+        with ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="regen") as pool:
+            futures = [pool.submit(self.complete, p, seed=seed + i, **kwargs)
+                       for i, p in enumerate(prompts)]  # fmt: skip
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for future in futures:  # the run stops: send nothing more
+                    future.cancel()
+                raise
+
+    def identity(self, target: TokenizerTarget) -> str:
+        """What a resumed regeneration must find again: the served model and tokenizer."""
+        return f"server:{self.model}:{tokenizer_fingerprint(target.tokenizer)}"
