@@ -191,6 +191,7 @@ def regenerate_command(
 _CACHE_OPTIONS = (
     "target", "target_layers", "drafter_layers", "data", "packing", "seq_len", "batch_size",
     "seed", "heldout_fraction", "use_soft_labels", "steps", "target_devices",
+    "chat_template_kwargs",
 )  # fmt: skip
 
 
