@@ -337,6 +337,10 @@ def open_run_samples(
         soft_labels=cfg.loss.use_soft_labels, strict=d.strict_cache,
     )  # fmt: skip
     log(cache.describe())
+    if target.head_only:
+        log(f"target {target.spec}: only its embedding, LM head and final norm are loaded "
+            "(the decoder stays unallocated); evaluation needs the whole target: run "
+            "`dflash-train eval` where it fits")  # fmt: skip
     if d.source != DataConfig.source:
         log(f"data: the rows are the samples of {d.hidden_cache}; --data {d.source} is not read")
     return cache
@@ -417,8 +421,11 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     # in host memory (the drafter copies the embedding and LM head it shares) until the
     # final evaluation needs them on the target device.
     load_on = torch.device("cpu") if cfg.data.hidden_cache else placement.target
+    # From per-sample files only the embedding, LM head and final norm are ever used.
+    head_only = bool(cfg.data.hidden_cache) and cache_format(cfg.data.hidden_cache) == "speculators"
     with tracing.phase(names.TARGET_LOAD):
-        target = target_load.load_target(cfg.target.spec, load_on, dtype, log=log)
+        target = target_load.load_target(cfg.target.spec, load_on, dtype, log=log,
+                                         head_only=head_only)  # fmt: skip
     use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
     check_draft_vocab(cfg, target)
@@ -527,6 +534,8 @@ def complete_run(run: Run, phase: PhaseFn = null_phase) -> tuple[dict[str, Any],
     with phase(names.CHECKPOINT_SAVE):
         save_final(run)
     eval_start_s = time.perf_counter()
+    if run.target.head_only:  # no decoder to verify drafts with
+        return {"tau": None, "eval_skipped": "the target was loaded without its decoder"}, 0.0
     with phase(names.EVAL):
         if run.cfg.run.eval_prompts and run.target.device != run.placement.target:
             run.target.to(run.placement.target)  # kept on the host while training from a cache

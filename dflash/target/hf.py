@@ -5,6 +5,7 @@ transformers is imported only when such a target loads, so it stays optional.
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
@@ -13,14 +14,20 @@ from typing import Any
 from urllib.parse import urlparse
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from dflash.errors import first_line
 from dflash.target.geometry import TargetError, geometry_from_hf_config
 from dflash.target.model import TargetModel
 
-__all__ = ["hf_stop_token_ids", "hub_unreachable", "load_hf_target"]
+__all__ = [
+    "can_load_head_only",
+    "hf_stop_token_ids",
+    "hub_unreachable",
+    "load_hf_head",
+    "load_hf_target",
+]
 
 HUB_PROBE_S = 3.0
 """How long a hub lookup waits to learn whether the hub can be reached at all: without
@@ -91,6 +98,79 @@ def load_hf_target(spec: str, device: torch.device | str, dtype: torch.dtype | N
         stop_token_ids=hf_stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
     )
     return target.to(device)
+
+
+def _weight_files(path: Path) -> dict[str, Path] | None:
+    """Tensor name -> safetensors file of a local directory, or None without them."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as err:
+            raise TargetError(f"{index} is unreadable: {first_line(err)}") from None
+        return {name: path / file for name, file in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        return None
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def can_load_head_only(spec: str) -> bool:
+    """A local Hugging Face directory whose weights are safetensors files."""
+    path = Path(spec).expanduser()
+    return (path / "config.json").is_file() and (
+        (path / "model.safetensors.index.json").is_file() or (path / "model.safetensors").is_file()
+    )
+
+
+def load_hf_head(spec: str, dtype: torch.dtype | None) -> TargetModel:
+    """The target's embedding, LM head and final norm (and its tokenizer and config), on
+    the CPU; its decoder layers are built on the meta device and never hold weights, so
+    a 700B target costs here what its embedding and head cost. For training from
+    hidden-state files: anything that would run the decoder fails at once."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(spec).expanduser()
+    files = _weight_files(path)
+    if files is None:
+        raise TargetError(f"target {spec} has no safetensors weights to read its head from")
+    dtype = dtype or torch.float32
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (ValueError, OSError, KeyError) as err:
+        raise TargetError(f"cannot read target {spec}: {first_line(err)}") from None
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    norm = getattr(decoder, "norm", None)
+    if not isinstance(head, nn.Linear) or not isinstance(norm, nn.Module):
+        raise TargetError(f"target {spec}: cannot find its LM head and final norm")
+    wanted = {id(m): m for m in (embed, head, norm)}
+    names = {name: module for name, module in model.named_modules() if id(module) in wanted}
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for prefix, module in names.items():
+        module.to_empty(device="cpu")
+        for pname, param in module.named_parameters(recurse=False):
+            key = f"{prefix}.{pname}"
+            if key not in files and module is head and tied:
+                continue  # tied: the embedding's rows, copied below
+            if key not in files:
+                raise TargetError(f"target {spec}: its weights have no {key!r}")
+            with safe_open(str(files[key]), framework="pt") as f:
+                with torch.no_grad():
+                    param.copy_(f.get_tensor(key).to(dtype))
+    if tied:
+        head.weight = embed.weight
+    geometry = geometry_from_hf_config(model.config)
+    layers = _find_decoder_layers(model, geometry.num_layers)
+    target = TargetModel(model, layers, spec=spec, tokenizer=tokenizer, geometry=geometry,
+                         stop_token_ids=hf_stop_token_ids(tokenizer, getattr(
+                             model, "generation_config", None)))  # fmt: skip
+    target.head_only = True
+    return target
 
 
 def hub_unreachable(timeout_s: float = HUB_PROBE_S) -> str | None:

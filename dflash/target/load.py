@@ -16,7 +16,7 @@ import torch
 from dflash.data.tokenizer import ByteTokenizer
 from dflash.errors import first_line
 from dflash.target.geometry import TargetError
-from dflash.target.hf import load_hf_target
+from dflash.target.hf import can_load_head_only, load_hf_head, load_hf_target
 from dflash.target.model import TargetModel
 from dflash.target.tiny import TinyLM, load_tiny_lm, prepare_builtin_target
 
@@ -60,10 +60,15 @@ def load_target(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | None = None,
     log: Callable[[str], None] = print,
+    head_only: bool = False,
 ) -> TargetModel:
-    """`builtin:tiny` (prepared and cached on first use), a local HF directory or a hub id."""
+    """`builtin:tiny` (prepared and cached on first use), a local HF directory or a hub id.
+    `head_only`: a local HF directory's embedding, LM head and final norm alone, on the
+    CPU (`load_hf_head`); other targets load whole."""
     if spec.startswith(BUILTIN_PREFIX):
         return _builtin_target(spec[len(BUILTIN_PREFIX) :], device, dtype, log)
+    if head_only and can_load_head_only(spec):
+        return load_hf_head(spec, dtype)
     return load_hf_target(spec, device, dtype)
 
 

@@ -171,6 +171,9 @@ class TargetModel(nn.Module):
         self.chat_template_kwargs: dict[str, Any] = {}
         self.data_mask_token: MaskToken | None = None
         self.stop_token_ids = tuple(stop_token_ids)  # generation ends at any of these
+        # Only the embedding, LM head and final norm hold weights (dflash.target.hf's
+        # load_hf_head): the decoder is on the meta device and must never run.
+        self.head_only = False
         self.embed_tokens: nn.Embedding = model.get_input_embeddings()
         self.lm_head: nn.Linear = model.get_output_embeddings()
         found = (self.embed_tokens.embedding_dim, len(layers), self.lm_head.out_features)

@@ -1,0 +1,68 @@
+"""A target loaded for its embedding, LM head and final norm alone (training from
+per-sample hidden-state files): those equal the whole model's, the decoder holds no
+weights, and training from the files gives the losses of the whole target."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash.cli import cli
+from dflash.target import hf
+from dflash.target.load import load_target
+from tests.dflash.app_fixtures import record_losses
+from tests.dflash.hf_fixtures import WORDS, save_hf_target
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_the_head_is_the_whole_models_and_the_decoder_holds_nothing(tmp_path, arch):
+    directory = save_hf_target(tmp_path / arch, arch)
+    whole, head = load_target(str(directory)), load_target(str(directory), head_only=True)
+    assert head.head_only and not whole.head_only
+    assert torch.equal(head.embed_tokens.weight, whole.embed_tokens.weight)
+    assert torch.equal(head.lm_head.weight, whole.lm_head.weight)
+    assert torch.equal(head.final_norm().weight, whole.final_norm().weight)
+    decoder = [p for n, p in head.model.named_parameters() if ".layers." in n]
+    assert decoder and all(p.is_meta for p in decoder)
+    assert head.tokenizer.vocab == whole.tokenizer.vocab and head.geometry == whole.geometry
+    with pytest.raises((NotImplementedError, RuntimeError)):
+        head.capture(torch.tensor([[1, 2, 3]]), [0], with_logits=False)
+
+
+def test_training_from_files_with_the_head_alone_gives_the_whole_targets_losses(
+    tmp_path, monkeypatch
+):
+    directory = save_hf_target(tmp_path / "target", "qwen3")
+    corpus = tmp_path / "chats.jsonl"
+    chats = [{"messages": [{"role": "user", "content": " ".join(WORDS[i % 7: i % 7 + 5])},
+                           {"role": "assistant", "content": " ".join(WORDS[i % 5: i % 5 + 9])}]}
+             for i in range(40)]  # fmt: skip
+    corpus.write_text("".join(json.dumps(c) + "\n" for c in chats))
+    opts = ["--target", str(directory), "--data", str(corpus), "--seq-len", "48",
+            "--batch-size", "2", "--drafter-layers", "1", "--use-soft-labels"]  # fmt: skip
+    cache = tmp_path / "cache"
+    args = ["cache-hidden", "--format", "speculators", "--output", str(cache), *opts]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+
+    def train(out: str):
+        seen = record_losses(monkeypatch)
+        args = ["train", "--hidden-cache", str(cache), *opts, "--steps", "5", "--eval-prompts",
+                "2", "--output-dir", str(tmp_path / out), "--log-every", "1",
+                "--block-size", "4"]  # fmt: skip
+        result = CliRunner().invoke(cli, args, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return [loss for _, loss in seen], result.output
+
+    head_losses, said = train("head")
+    assert "only its embedding, LM head and final norm are loaded" in said
+    summary = json.loads((tmp_path / "head" / "summary.json").read_text())
+    assert summary["tau"] is None and "without its decoder" in summary["eval_skipped"]
+    monkeypatch.setattr(hf, "can_load_head_only", lambda spec: False)
+    from dflash.target import load as target_load
+
+    monkeypatch.setattr(target_load, "can_load_head_only", lambda spec: False)
+    whole_losses, said = train("whole")
+    assert "only its embedding" not in said
+    assert head_losses == whole_losses and len(head_losses) == 5
