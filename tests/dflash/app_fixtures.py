@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def _small_target_loader(real_load):
     """A load_target whose builtin targets are an untrained small tiny LM."""
 
-    def load(spec, device="cpu", dtype=None, log=print):
+    def load(spec, device="cpu", dtype=None, log=print, head_only=False):
         if not spec.startswith("builtin:"):
-            return real_load(spec, device, dtype, log)
+            return real_load(spec, device, dtype, log, head_only=head_only)
         torch.manual_seed(123)
         return target_load.wrap_tiny(TinyLM(SMALL_LM), spec=spec).to(device=device, dtype=dtype)
 

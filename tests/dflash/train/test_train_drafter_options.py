@@ -53,7 +53,7 @@ def target_rows(monkeypatch):
     loads = []
 
     def use(vocab_size: int, tokenizer_mask: int | None) -> list[str]:
-        def load(spec, device="cpu", dtype=None, log=print):
+        def load(spec, device="cpu", dtype=None, log=print, head_only=False):
             loads.append(spec)
             torch.manual_seed(123)
             lm = TinyLM(dataclasses.replace(SMALL_LM, vocab_size=vocab_size))
