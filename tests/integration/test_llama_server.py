@@ -95,7 +95,7 @@ def _prompts(path: Path, count: int = len(PROMPTS)) -> Path:
 def _regenerate(url: str, tokenizer: Path, data: Path, out: Path, *extra: str,
                 **popen: object) -> subprocess.Popen:  # fmt: skip
     args = [sys.executable, "-m", "dflash.cli", "regenerate", "--server", url, "--target",
-            str(tokenizer), "--data", str(data), "--output", str(out), "--max-new-tokens", "24",
+            str(tokenizer), "--data", str(data), "--output", str(out), "--max-new-tokens", "16",
             "--heldout-fraction", "0.01", *extra]  # fmt: skip
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **popen)  # type: ignore[call-overload]  # fmt: skip

