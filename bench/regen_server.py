@@ -57,7 +57,8 @@ def main() -> None:
     port = _port()
     server = subprocess.Popen([binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port),
                                "-np", "8", "-c", "16384", "--threads", str(os.cpu_count())],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"})  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(240):

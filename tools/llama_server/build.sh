@@ -88,7 +88,6 @@ if [ -x "$bin" ]; then
   exit 0
 fi
 
-mkdir -p "$out_dir"
 work=$(mktemp -d "${TMPDIR:-/tmp}/llama-server-build.XXXXXX")
 # Build into a private name and rename: concurrent builds (two test sessions)
 # never see or leave a half-written binary.
@@ -145,6 +144,7 @@ if command -v ldd >/dev/null 2>&1 && ldd "$built" | grep -Eq 'lib(llama|ggml|mtm
   ldd "$built" >&2
   exit 1
 fi
+mkdir -p "$out_dir"
 cp "$built" "$tmp"
 strip "$tmp" 2>/dev/null || true
 "$tmp" --version >&2
