@@ -28,7 +28,9 @@ and held-out ones and packed whole into rows of --seq-len, each a document of it
 from __future__ import annotations
 
 import json
+import os
 import re
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,26 +111,56 @@ class SampleHeader:
     stacked: bool  # [t, L, D] with token_ids; else flat, with input_ids
     has_last: bool  # flat files: verifier_last_hidden_states present
     has_mask: bool
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (offset, bytes)
+
+
+def _tensor_table(path: Path) -> dict[str, dict[str, Any]]:
+    """The tensors of a safetensors file from its header alone, each with its absolute
+    byte span; a file shorter than its header says is an OSError (truncated). Parsed
+    here, not by safe_open, so the reader can `pread` one tensor's bytes: opening 100K
+    small files through safe_open costs more than reading them."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise OSError(f"{path.name}: {size} bytes, not a safetensors file")
+        n = struct.unpack("<Q", head)[0]
+        if n > min(size, 100 * 2**20):
+            raise OSError(f"{path.name}: header of {n} bytes in a file of {size}")
+        try:
+            table = json.loads(f.read(n))
+        except ValueError as err:
+            raise OSError(f"{path.name}: header is not JSON ({err})") from None
+    table.pop("__metadata__", None)
+    end = 8 + n
+    for entry in table.values():
+        begin, stop = entry["data_offsets"]
+        entry["span"] = (end + begin, stop - begin)
+        if end + stop > size:
+            raise OSError(f"{path.name}: truncated ({size} bytes, its tensors need {end + stop})")
+    return table
 
 
 def read_header(path: Path, flat_width: int) -> SampleHeader:
     """`flat_width`: D, to tell K of a flat [t, K*D] file."""
-    with safe_open(str(path), framework="pt") as f:
-        keys = set(f.keys())
-        if "hidden_states" not in keys or not keys & {"token_ids", "input_ids"}:
-            raise SampleCacheError(
-                f"{path} is not a hidden-state sample: it has {sorted(keys)}, not hidden_states "
-                "and token_ids"
-            )
-        hs = f.get_slice("hidden_states")
-        shape, dtype = hs.get_shape(), hs.get_dtype()
-        ids = f.get_slice("token_ids" if "token_ids" in keys else "input_ids").get_shape()
-        mask = f.get_slice("loss_mask").get_shape() if "loss_mask" in keys else None
+    table = _tensor_table(path)
+    keys = set(table)
+    if "hidden_states" not in keys or not keys & {"token_ids", "input_ids"}:
+        raise SampleCacheError(
+            f"{path} is not a hidden-state sample: it has {sorted(keys)}, not hidden_states "
+            "and token_ids"
+        )
+    shape, dtype = table["hidden_states"]["shape"], table["hidden_states"]["dtype"]
+    ids = table["token_ids" if "token_ids" in keys else "input_ids"]["shape"]
+    mask = table["loss_mask"]["shape"] if "loss_mask" in keys else None
+    spans = {name: entry["span"] for name, entry in table.items()}
     if len(shape) == 3:
-        header = SampleHeader(shape[0], shape[1], shape[2], dtype, True, False, mask is not None)
+        header = SampleHeader(shape[0], shape[1], shape[2], dtype, True, False,
+                              mask is not None, spans)  # fmt: skip
     elif len(shape) == 2 and flat_width and shape[1] % flat_width == 0:
         header = SampleHeader(shape[0], shape[1] // flat_width, flat_width, dtype, False,
-                              "verifier_last_hidden_states" in keys, mask is not None)  # fmt: skip
+                              "verifier_last_hidden_states" in keys, mask is not None,
+                              spans)  # fmt: skip
     else:
         raise SampleCacheError(
             f"{path}: hidden_states of shape {list(shape)} is neither [t, layers, D] nor "
@@ -289,6 +321,9 @@ def open_sample_cache(
             )
         skipped.missing = len(lost - set(files))
     return SampleCache(path, files, headers, ids, has_last, manifest, skipped)
+
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _short(dtype: str) -> str:
@@ -481,46 +516,68 @@ class SampleCacheReader:
         self.bytes_read = 0
         self._lock = threading.Lock()
 
-    def _sample(self, index: int) -> tuple[Tensor, Tensor | None, int]:
-        """(aux [t, K*D], last [t, D] or None, bytes read) of one sample."""
-        header = self.cache.headers[index]
-        with safe_open(str(self.cache.files[index]), framework="pt") as f:
+    def _tensor(self, fd: int, header: SampleHeader, name: str, dtype: torch.dtype) -> Tensor:
+        offset, size = header.spans[name]
+        buf = bytearray(size)
+        if os.preadv(fd, [buf], offset) != size:
+            raise SampleCacheError(f"a hidden-state sample shrank while training ({name})")
+        return torch.frombuffer(buf, dtype=dtype) if size else torch.zeros(0, dtype=dtype)
+
+    def _fill(self, index: int, hidden: Tensor, final: Tensor | None) -> int:
+        """Copies one sample's features into hidden[t, K*D] (and final[t, D]) of its place
+        in the row; -> bytes read. The tensor's bytes alone are read (pread at the
+        header's offsets), and copied once."""
+        header, k = self.cache.headers[index], self.k
+        t, dtype = hidden.shape[0], hidden.dtype
+        fd = os.open(self.cache.files[index], os.O_RDONLY)
+        try:
+            hs = self._tensor(fd, header, "hidden_states", dtype)
             if header.stacked:
-                hs = f.get_tensor("hidden_states")  # [t, L, D]
-                aux = hs[:, : self.k].reshape(header.length, -1)
-                last = hs[:, self.k] if self.cache.has_last else None
+                hs = hs.view(header.length, header.layers, header.width)
+                hidden.view(t, k, -1).copy_(hs[:t, :k])
+                if final is not None:
+                    final.copy_(hs[:t, k])
             else:
-                aux = f.get_tensor("hidden_states")
-                last = f.get_tensor("verifier_last_hidden_states") if header.has_last else None
-        size = aux.numel() * aux.element_size() + (0 if last is None else last.numel()
-                                                      * last.element_size())  # fmt: skip
-        return aux, last, size
+                hidden.copy_(hs.view(header.length, -1)[:t])
+                if final is not None:
+                    last = self._tensor(fd, header, "verifier_last_hidden_states", dtype)
+                    final.copy_(last.view(header.length, -1)[:t])
+        finally:
+            os.close(fd)
+        return hs.numel() * hs.element_size()
 
     def read(self, batch: Batch) -> TargetOutput:
         rows = self.dataset.row_indices(batch.batch_id)
         b, t = batch.input_ids.shape
-        hidden = None
-        final = None
+        first = next(iter(self.cache.headers.values()))
+        dtype, d = _TORCH_DTYPES[_short(first.dtype)], first.width
+        hidden = torch.zeros(b, t, self.k * d, dtype=dtype)
+        soft = self.norm is not None and self.cache.has_last
+        final = torch.zeros(b, t, d, dtype=dtype) if soft else None
         read = 0
+        places = []
         for r, row in enumerate(rows):
             for index, start, length in self.rows.segments[int(row)]:
-                aux, last, size = self._sample(index)
-                read += size
-                if hidden is None:
-                    hidden = aux.new_zeros(b, t, aux.shape[-1])
-                    if self.norm is not None and last is not None:
-                        final = last.new_zeros(b, t, last.shape[-1])
-                if not (torch.isfinite(aux).all() and (last is None or torch.isfinite(last).all())):
-                    batch.loss_mask[r, start : start + length] = False  # learned from: nothing
+                span = slice(start, start + length)
+                read += self._fill(
+                    index, hidden[r, span], None if final is None else final[r, span]
+                )
+                places.append((r, span))
+        # One check of the whole batch; only a batch with a bad sample looks for it.
+        if not (torch.isfinite(hidden).all() and (final is None or torch.isfinite(final).all())):
+            for r, span in places:
+                bad = not torch.isfinite(hidden[r, span]).all() or (
+                    final is not None and not torch.isfinite(final[r, span]).all()
+                )
+                if bad:
+                    hidden[r, span] = 0
+                    if final is not None:
+                        final[r, span] = 0
+                    batch.loss_mask[r, span] = False  # learned from: nothing
                     with self._lock:
                         self.cache.skipped.nonfinite += 1
-                    continue
-                hidden[r, start : start + length] = aux[:length]
-                if final is not None and last is not None:
-                    final[r, start : start + length] = last[:length]
         with self._lock:
             self.bytes_read += read
-        assert hidden is not None, "every row holds a sample"
         if final is not None and self.norm is not None:
             with torch.no_grad():
                 final = self.norm(final.to(next(self.norm.parameters()).device)).to(final.dtype)
