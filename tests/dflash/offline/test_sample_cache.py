@@ -76,7 +76,7 @@ def test_training_from_speculators_files_gives_the_online_losses(tmp_path, monke
     )
     assert manifest["aux_hidden_state_layer_ids"] == [i + 1 for i in manifest["layer_ids"]]
     seen = record_losses(monkeypatch)
-    opts = {**OPTS, "use_soft_labels": soft, "log_every": 1, "block_size": 4}
+    opts = {**OPTS, "use_soft_labels": soft, "log_every": 1, "block_size": 4, "steps": 20}
     data = str(write_corpus(tmp_path))
     online, _ = _traced(
         lambda: pipeline.run_pipeline(
@@ -86,7 +86,7 @@ def test_training_from_speculators_files_gives_the_online_losses(tmp_path, monke
     online_losses, seen[:] = list(seen), []
     cfg = small_cfg(tmp_path, tmp_path / "cached", data=data, hidden_cache=str(cache), **opts)
     cached, spans = _traced(lambda: pipeline.run_pipeline(cfg, log=lambda _: None))
-    assert [b for b, _ in seen] == list(range(6))
+    assert [b for b, _ in seen] == list(range(20))  # the bar: 20 steps equal to 1e-5
     for (_, a), (_, b) in zip(seen, online_losses, strict=True):
         assert a == pytest.approx(b, abs=1e-5)
     assert names.TARGET_READ in spans and names.TARGET_FORWARD not in spans
