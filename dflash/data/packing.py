@@ -134,7 +134,7 @@ def pack_concat(ids: np.ndarray, mask: np.ndarray, seq_len: int, pad_id: int):
     return ids[:keep].reshape(num_rows, seq_len), mask[:keep].reshape(num_rows, seq_len)
 
 
-class _RowBuilder:
+class RowBuilder:
     """Rows filled piece by piece; every piece is a document of its own in the row."""
 
     def __init__(self, seq_len: int, pad_id: int) -> None:
@@ -180,7 +180,7 @@ def pack_documents(docs: list[Document], seq_len: int, pad_id: int, eos_id: int 
     is padded); a last row less than half full is dropped unless it is the only one.
     """
     report = PackReport(documents=len(docs))
-    builder = _RowBuilder(seq_len, pad_id)
+    builder = RowBuilder(seq_len, pad_id)
     min_piece = max(2, seq_len // 8)
     for doc in docs:
         if doc.turn_ends is not None:

@@ -32,7 +32,7 @@ import os
 import re
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,15 +45,15 @@ from torch import Tensor
 
 from dflash.data.corpus import is_heldout
 from dflash.data.datasets import Batch, PackedDataset
-from dflash.data.packing import PackReport
+from dflash.data.packing import PackReport, RowBuilder
 from dflash.data.sources import DataError, DataReport
 from dflash.data.tokenizer import tokenizer_fingerprint
 from dflash.files import replacing, write_json_atomic
+from dflash.offline.hidden_cache import INDEX_NAME
 from dflash.target.model import TargetModel, TargetOutput
 
 SAMPLES_DIR = "hidden_states"
 MANIFEST = "dflash_samples.json"
-INDEX_NAME = "index.json"  # dflash.offline.hidden_cache's batch cache
 _FILE = re.compile(r"^hs_(\d+)\.safetensors$")
 
 
@@ -70,23 +70,26 @@ def sample_dir(directory: Path) -> Path:
     return nested if nested.is_dir() else directory
 
 
-def sample_files(directory: Path) -> dict[int, Path]:
+def _sample_paths(directory: Path) -> Iterator[tuple[int, Path]]:
     where = sample_dir(directory)
-    if not where.is_dir():
-        return {}
-    found = {}
-    for path in where.iterdir():
-        match = _FILE.match(path.name)
-        if match:
-            found[int(match.group(1))] = path
-    return dict(sorted(found.items()))
+    if where.is_dir():
+        for path in where.iterdir():
+            match = _FILE.match(path.name)
+            if match:
+                yield int(match.group(1)), path
+
+
+def sample_files(directory: Path) -> dict[int, Path]:
+    return dict(sorted(_sample_paths(directory)))
 
 
 def cache_format(directory: Path | str) -> str:
     """`dflash` (index.json: batches of this project's cache) or `speculators` (hs_{i}
     sample files); a directory with both or neither is one line."""
     path = Path(directory)
-    batches, samples = (path / INDEX_NAME).is_file(), bool(sample_files(path))
+    # The first sample file settles it: a cache may hold 100K of them.
+    batches = (path / INDEX_NAME).is_file()
+    samples = next(_sample_paths(path), None) is not None
     if batches and samples:
         raise SampleCacheError(
             f"--hidden-cache {path} holds both a batch cache ({INDEX_NAME}) and per-sample "
@@ -110,7 +113,6 @@ class SampleHeader:
     dtype: str
     stacked: bool  # [t, L, D] with token_ids; else flat, with input_ids
     has_last: bool  # flat files: verifier_last_hidden_states present
-    has_mask: bool
     spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (offset, bytes)
 
 
@@ -155,12 +157,10 @@ def read_header(path: Path, flat_width: int) -> SampleHeader:
     mask = table["loss_mask"]["shape"] if "loss_mask" in keys else None
     spans = {name: entry["span"] for name, entry in table.items()}
     if len(shape) == 3:
-        header = SampleHeader(shape[0], shape[1], shape[2], dtype, True, False,
-                              mask is not None, spans)  # fmt: skip
+        header = SampleHeader(shape[0], shape[1], shape[2], dtype, True, False, spans)
     elif len(shape) == 2 and flat_width and shape[1] % flat_width == 0:
         header = SampleHeader(shape[0], shape[1] // flat_width, flat_width, dtype, False,
-                              "verifier_last_hidden_states" in keys, mask is not None,
-                              spans)  # fmt: skip
+                              "verifier_last_hidden_states" in keys, spans)  # fmt: skip
     else:
         raise SampleCacheError(
             f"{path}: hidden_states of shape {list(shape)} is neither [t, layers, D] nor "
@@ -207,9 +207,6 @@ class SkipCounts:
     unreadable: int = 0  # truncated or not a safetensors file
     nonfinite: int = 0  # found while training: the sample's loss positions are dropped
     truncated: int = 0  # longer than --seq-len: cut
-
-    def total(self) -> int:
-        return self.missing + self.unreadable + self.nonfinite
 
 
 @dataclass
@@ -309,7 +306,7 @@ def open_sample_cache(
     if soft_labels and not has_last:
         raise SampleCacheError(
             f"--use-soft-labels: the samples in {path} have no last-layer states (speculators: "
-            "vLLM's --include-last-layer; cache-hidden: --use-soft-labels)"
+            "vLLM's --include-last-layer; cache-hidden --format speculators always writes it)"
         )
     if manifest is not None:
         named = {i for row in manifest["rows"] + manifest.get("heldout_rows", []) for i, *_ in row}
@@ -406,21 +403,17 @@ def _pack(
 def _assemble(
     rows: list[list[tuple[int, np.ndarray, np.ndarray]]], seq_len: int, pad_id: int
 ) -> SampleRows:
-    n = len(rows)
-    ids = np.full((n, seq_len), pad_id, np.int32)
-    mask = np.zeros((n, seq_len), bool)
-    doc, pos = np.zeros((n, seq_len), np.int32), np.zeros((n, seq_len), np.int32)
+    """Rows of the packer's layout (dflash.data.packing.RowBuilder: each sample a document
+    of its own, the padding one more), and where each sample lies in its row."""
+    builder = RowBuilder(seq_len, pad_id)
     segments: list[list[tuple[int, int, int]]] = []
-    for r, row in enumerate(rows):
-        at, segs = 0, []
-        for k, (index, sample_ids, sample_mask) in enumerate(row):
-            t = len(sample_ids)
-            ids[r, at : at + t], mask[r, at : at + t] = sample_ids, sample_mask
-            doc[r, at : at + t], pos[r, at : at + t] = k, np.arange(t)
-            segs.append((index, at, t))
-            at += t
-        doc[r, at:], pos[r, at:] = len(row), np.arange(seq_len - at)  # padding: its own document
-        segments.append(segs)
+    for row in rows:
+        segments.append([])
+        for index, sample_ids, sample_mask in row:
+            segments[-1].append((index, builder.used, len(sample_ids)))
+            builder.add(sample_ids, sample_mask)
+        builder.flush()  # a no-op when the last sample filled the row
+    ids, mask, doc, pos = (np.stack(a) for a in zip(*builder.rows, strict=True))
     return SampleRows(ids, mask, doc, pos, segments)
 
 
@@ -504,7 +497,8 @@ def sample_datasets(
 
 class SampleCacheReader:
     """The target stage of a run trained from sample files: batch i's features, built
-    from the files of its rows' samples (memory-mapped: only this batch's bytes are read).
+    from the files of its rows' samples (each tensor pread alone: only this batch's
+    bytes are read).
 
     Thread contract: `read` may be called from several threads; counters are locked.
     """
@@ -513,6 +507,8 @@ class SampleCacheReader:
                  norm: torch.nn.Module | None) -> None:  # fmt: skip
         self.cache, self.dataset, self.rows, self.norm = cache, dataset, rows, norm
         self.k = len(cache.layer_ids)
+        first = next(iter(cache.headers.values()))  # open_sample_cache: all alike
+        self.dtype, self.width = _TORCH_DTYPES[_short(first.dtype)], first.width
         self.bytes_read = 0
         self._lock = threading.Lock()
 
@@ -549,8 +545,7 @@ class SampleCacheReader:
     def read(self, batch: Batch) -> TargetOutput:
         rows = self.dataset.row_indices(batch.batch_id)
         b, t = batch.input_ids.shape
-        first = next(iter(self.cache.headers.values()))
-        dtype, d = _TORCH_DTYPES[_short(first.dtype)], first.width
+        dtype, d = self.dtype, self.width
         hidden = torch.zeros(b, t, self.k * d, dtype=dtype)
         soft = self.norm is not None and self.cache.has_last
         final = torch.zeros(b, t, d, dtype=dtype) if soft else None

@@ -33,7 +33,12 @@ PROBE = "Speculative decoding drafts 16 tokens; the target checks them all at on
 
 
 class ServerError(RegenerateError):
-    """The server cannot serve this regeneration; one line naming the URL and why."""
+    """The server cannot serve this regeneration; one line naming the URL and why.
+    `status`: the HTTP status the server answered with, if it answered."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,6 @@ class TokenizerTarget:
     spec: str
     tokenizer: Any
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    stop_token_ids: tuple[int, ...] = ()
-    is_hf: bool = True
 
 
 class CompletionClient:
@@ -83,7 +86,6 @@ class CompletionClient:
     def __init__(self, settings: ServerSettings, sleep: Callable[[float], None] = time.sleep):
         self.settings, self._sleep = settings, sleep
         self.model = settings.model or ""
-        self.retried = 0
 
     # -- HTTP
 
@@ -100,7 +102,8 @@ class CompletionClient:
             except urllib.error.HTTPError as err:
                 detail = err.read().decode(errors="replace")[:200]
                 if err.code != 429 and err.code < 500:
-                    raise ServerError(f"--server {url}: HTTP {err.code}: {detail}") from None
+                    raise ServerError(f"--server {url}: HTTP {err.code}: {detail}",
+                                      err.code) from None  # fmt: skip
                 why = f"HTTP {err.code}: {detail}"
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
                 why = first_line(getattr(err, "reason", err))
@@ -110,7 +113,6 @@ class CompletionClient:
                 raise ServerError(
                     f"--server {url}: {why} (after {self.settings.retries} retries)"
                 ) from None
-            self.retried += 1
             self._sleep(wait)
             wait *= 2
         raise AssertionError("unreachable")
@@ -171,7 +173,7 @@ class CompletionClient:
         try:
             reply = self._request("POST", "/tokenize", body)
         except ServerError as err:
-            if "HTTP 404" in str(err) or "HTTP 405" in str(err):
+            if err.status in (404, 405):
                 return None
             raise
         tokens = reply.get("tokens") if isinstance(reply, dict) else None

@@ -319,14 +319,20 @@ def _warm_start(cfg: TrainConfig, resuming: bool) -> tuple[Path, DrafterConfig] 
     return where, saved
 
 
+def reads_samples(cfg: TrainConfig) -> bool:
+    """--hidden-cache names per-sample files (speculators' layout), not a batch cache."""
+    return (
+        cfg.data.hidden_cache is not None and cache_format(cfg.data.hidden_cache) == "speculators"
+    )
+
+
 def open_run_samples(
     cfg: TrainConfig, target: TargetModel, log: Callable[[str], None] = print
-) -> SampleCache | None:
-    """The per-sample hidden-state files of --hidden-cache (speculators' layout), checked
-    against the target and --target-layers, and said at start; None for a batch cache."""
+) -> SampleCache:
+    """The per-sample hidden-state files of --hidden-cache (`reads_samples`), checked
+    against the target and --target-layers, and said at start."""
     d = cfg.data
-    if d.hidden_cache is None or cache_format(d.hidden_cache) != "speculators":
-        return None
+    assert d.hidden_cache is not None
     if d.packing != "docs":
         raise SampleCacheError(
             f"--hidden-cache {d.hidden_cache} holds one file per sample: each is a document "
@@ -422,10 +428,10 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     # final evaluation needs them on the target device.
     load_on = torch.device("cpu") if cfg.data.hidden_cache else placement.target
     # From per-sample files only the embedding, LM head and final norm are ever used.
-    head_only = bool(cfg.data.hidden_cache) and cache_format(cfg.data.hidden_cache) == "speculators"
+    from_samples = reads_samples(cfg)
     with tracing.phase(names.TARGET_LOAD):
         target = target_load.load_target(cfg.target.spec, load_on, dtype, log=log,
-                                         head_only=head_only)  # fmt: skip
+                                         head_only=from_samples)  # fmt: skip
     use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
     check_draft_vocab(cfg, target)
@@ -433,7 +439,7 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     target.needs_mask_from_data(cfg.drafter.mask_token_id)
     if warm is not None:
         check_fits_target(warm[1], target, f"--init-from {warm[0]}")
-    samples = open_run_samples(cfg, target, log)
+    samples = open_run_samples(cfg, target, log) if from_samples else None
     layer_ids = samples.layer_ids if samples else resolve_layer_ids(cfg, target.num_layers)
     with tracing.phase(names.DATA_PREPARE):
         train, heldout = run_datasets(cfg, target, log, samples)
