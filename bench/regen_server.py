@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash.data.chat import chat_prompt_ids  # noqa: E402
-from dflash.offline.server import CompletionClient, ServerSettings  # noqa: E402
 from dflash.target.load import load_tokenizer  # noqa: E402
+from dflash.target.served import CompletionClient, ServerSettings  # noqa: E402
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools" / "llama_server"
 TOPICS = ["a sorting function in Python", "the water cycle", "why the sky is blue",

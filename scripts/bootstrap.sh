@@ -4,9 +4,12 @@
 #   deps      the third-party packages (PyTorch is a multi-GiB install), shared by every
 #             checkout and keyed by the pinned constraints and pyproject; the project
 #             itself is never installed there
-#   checkout  a small venv of this checkout alone, keyed by its path: its site-packages
-#             adds the deps' (a .pth file) and holds the editable install of this
-#             checkout, so two clones used in turn each run their own code
+#   checkout  a small venv of this checkout alone, keyed by its path only (never by a
+#             DFLASH_VENV another checkout's bootstrap left in the shell): its
+#             site-packages adds the deps' (a .pth file) and holds the editable install
+#             of this checkout, so two clones used in turn each run their own code; its
+#             bin/ runs the deps' console scripts (torchrun, pytest, ...) with its own
+#             interpreter, so `torchrun -m dflash.cli` runs this checkout from any folder
 # The work runs in a subshell with its own `set -euo pipefail`: sourcing this file
 # changes only DFLASH_VENV and PATH of the calling shell, never its options.
 _dflash_venv=$(
@@ -16,7 +19,7 @@ _dflash_venv=$(
   cache=${DFLASH_CACHE_DIR:-$HOME/.cache/dflash-train}
   key=$(cat "$root/constraints.txt" "$root/pyproject.toml" | sha256sum | cut -c1-12)
   deps=${DFLASH_DEPS_VENV:-$cache/venv-$(sha256sum < "$root/constraints.txt" | cut -c1-12)}
-  venv=${DFLASH_VENV:-$cache/checkouts/$(printf %s "$root" | sha256sum | cut -c1-12)}
+  venv=$cache/checkouts/$(printf %s "$root" | sha256sum | cut -c1-12)
   if [ ! -x "$deps/bin/python" ]; then
     echo "bootstrap: creating $deps (first run downloads PyTorch, a few minutes)" >&2
     "$python" -m venv "$deps"
@@ -40,6 +43,19 @@ _dflash_venv=$(
       --no-build-isolation -e "$root" >&2
     echo "$want" > "$venv/.dflash-stamp"
   fi
+  # Each Python console script of the deps gets a wrapper here that runs it with this
+  # venv's interpreter: the deps' own interpreter does not see this checkout's code.
+  # Written aside and renamed, so a shell sourcing this meanwhile never runs half a file.
+  for script in "$deps"/bin/*; do
+    name=${script##*/}
+    case $name in pip | pip3 | pip3.* | python | python3 | python3.* | activate* | Activate.ps1) continue ;; esac
+    if [ -e "$venv/bin/$name" ] || [ ! -f "$script" ]; then continue; fi
+    if ! head -n 2 "$script" 2>/dev/null | grep -qF "$deps/bin/python"; then continue; fi
+    printf '#!/bin/sh\n# bootstrap.sh: the deps'"'"' %s, run by this checkout'"'"'s interpreter\nexec %s %s "$@"\n' \
+      "$name" "'$venv/bin/python'" "'$script'" > "$venv/bin/.$name.$$"
+    chmod 755 "$venv/bin/.$name.$$"
+    mv -f "$venv/bin/.$name.$$" "$venv/bin/$name"
+  done
   echo "$venv:$deps"
 )
 # Not `$(...) || ...`: that context would switch errexit off inside the subshell.

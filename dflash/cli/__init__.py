@@ -5,8 +5,36 @@ options  option types, options derived from the config tree, one-line errors
 train    `train` and `prepare-target`
 results  `eval`, `report` and `export`
 data     `regenerate` and `cache-hidden`
+startup  the signal handlers of the first milliseconds
+
+This module imports nothing heavy: `main` puts the signal handlers in place before the
+command line's own imports, and `cli` is looked up on first use.
 """
 
-from dflash.cli.app import cli, main
+from __future__ import annotations
+
+from typing import Any
+
+from dflash.cli.startup import entering, install_startup_handlers
 
 __all__ = ["cli", "main"]
+
+
+def main() -> None:
+    """`dflash-train` (and `python -m dflash.cli`): a signal from the first millisecond
+    on is one line and exit code 130/143."""
+    install_startup_handlers()
+    from dflash.cli.app import main as run_command  # deferred: after the handlers
+
+    try:
+        run_command()
+    finally:
+        entering("shut-down")  # exit handlers (telemetry flushes) run after this
+
+
+def __getattr__(name: str) -> Any:
+    if name == "cli":
+        from dflash.cli.app import cli
+
+        return cli
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

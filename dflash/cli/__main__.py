@@ -2,6 +2,6 @@
 
 import sys
 
-from dflash.cli.app import main
+from dflash.cli import main
 
 sys.exit(main())

@@ -6,12 +6,13 @@ options and calls one entry point of the library.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
 
 from dflash.cli import data, results, train
-from dflash.pipeline.queues import Interrupted, StopSignals
+from dflash.pipeline.queues import Interrupted, StopSignals, TrainingInterrupted
 
 
 class _DefaultGroup(click.Group):
@@ -29,8 +30,18 @@ class _DefaultGroup(click.Group):
         except Interrupted as exc:  # one line, and the exit code (130, 143) it carries
             click.echo(f"Error: {exc.describe()}", err=True)
             raise
+        except TrainingInterrupted as exc:  # the checkpoint and summary are written: the line
+            click.echo(f"Error: {_training_stop(exc)}", err=True)
+            raise
         finally:
             signals.restore()
+
+
+def _training_stop(exc: TrainingInterrupted) -> str:
+    """The last line of a training run that a signal stopped."""
+    steps = (exc.summary or {}).get("steps")
+    at = f" at step {steps}" if isinstance(steps, int) else ""
+    return f"stopped by {signal.Signals(exc.signum).name} during training{at}"
 
 
 def _main_phase() -> str | None:

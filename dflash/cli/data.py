@@ -18,13 +18,15 @@ from dflash.cli.options import (
     debug_option,
     device_option,
     echo_err,
+    locked_output,
     report_errors,
     schema_option,
     schema_options,
 )
+from dflash.cli.startup import exiting_at_once
 from dflash.config.settings import DataConfig, config_from_options
-from dflash.offline.server import ServerSettings
 from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateSettings
+from dflash.target.served import ServerSettings
 
 _REGEN = RegenerateSettings()  # the defaults of the regenerate options
 
@@ -148,9 +150,7 @@ def regenerate_command(
     **given: Any,
 ) -> None:
     """Regenerate training data with the target's own replies (the recommended recipe)."""
-    from dflash.run.offline import regenerate_data  # deferred: torch, so --help answers at once
-
-    check_output(output, "--output")
+    check_output(output, "--output", inputs=[("--data", source), ("--target", target)])
     check_cache_dir()
     bar = _RegenBar()
 
@@ -175,7 +175,11 @@ def regenerate_command(
         finally:
             bar.close()
 
-    report = report_errors(debug, go)
+    with locked_output(output, "--output", debug):  # before torch: a second writer at once
+        with exiting_at_once():
+            from dflash.run.offline import regenerate_data  # deferred: torch, so --help is quick
+
+        report = report_errors(debug, go)
     for line in report.skipped.lines(0):
         echo_err(line)
     resumed = f", continued after line {report.resumed_from_line}" * bool(report.resumed_from_line)
@@ -191,7 +195,7 @@ def regenerate_command(
 _CACHE_OPTIONS = (
     "target", "target_layers", "drafter_layers", "data", "packing", "seq_len", "batch_size",
     "seed", "heldout_fraction", "use_soft_labels", "steps", "target_devices",
-    "chat_template_kwargs",
+    "chat_template_kwargs", "chat_rendering",
 )  # fmt: skip
 
 
@@ -221,6 +225,14 @@ _CACHE_OPTIONS = (
     "layout (auxiliary layers, then the last layer with --use-soft-labels), which either "
     "tool trains from (--num-batches and --batches-per-shard do not apply).",
 )  # fmt: skip
+@click.option(
+    "--samples-only",
+    is_flag=True,
+    help="With --format speculators: write the documents (OUTPUT/samples.jsonl, "
+    "dflash_samples.json and the Arrow dataset) without their hidden states, loading only "
+    "the target's tokenizer, embedding and head, for vLLM to extract the states "
+    "(tools/vllm/extract_hidden_states.py).",
+)
 @schema_options(_CACHE_OPTIONS)
 @debug_option
 def cache_hidden_command(
@@ -229,28 +241,39 @@ def cache_hidden_command(
     num_batches: int | None,
     batches_per_shard: int,
     fmt: str,
+    samples_only: bool,
     debug: bool,
     **given: Any,
 ) -> None:
     """Run the target once over the training batches and write their hidden states, for
     `train --hidden-cache DIR` with the same target, layer and data options."""
-    from dflash.run.offline import write_run_cache  # deferred: torch
-
-    check_output(output, "--output", folder=True)
+    if samples_only and fmt != "speculators":
+        raise click.BadParameter("needs --format speculators", param_hint="--samples-only")
+    cfg = report_errors(debug, lambda: build_config(config_file, given))
+    inputs = [("--config", config_file), ("--data", cfg.data.source), ("--target", cfg.target.spec)]
+    check_output(output, "--output", folder=True, inputs=inputs)
     check_cache_dir()
+    with locked_output(output, "--output", debug):
+        with exiting_at_once():
+            from dflash.run.offline import write_run_cache  # deferred: torch
 
-    def go() -> Any:
-        cfg = build_config(config_file, given)
-        return write_run_cache(cfg, output, num_batches=num_batches,
-                               batches_per_shard=batches_per_shard, fmt=fmt,
-                               log=echo_err)  # fmt: skip
+        def go() -> Any:
+            return write_run_cache(
+                cfg,
+                output,
+                num_batches=num_batches,
+                batches_per_shard=batches_per_shard,
+                fmt=fmt,
+                samples_only=samples_only,
+                log=echo_err,
+            )
 
-    echo_err(report_errors(debug, go))
+        echo_err(report_errors(debug, go))
     click.echo(output)
 
 
-_INSPECT_OPTIONS = ("target", "chat_template_kwargs", "data", "seq_len", "batch_size",
-                    "heldout_fraction", "packing", "seed")  # fmt: skip
+_INSPECT_OPTIONS = ("target", "chat_template_kwargs", "chat_rendering", "data", "seq_len",
+                    "batch_size", "heldout_fraction", "packing", "seed")  # fmt: skip
 
 
 @click.command("inspect-data")
@@ -273,9 +296,9 @@ def inspect_data_command(
     """Show the training rows as the drafter will see them: the learned tokens inside
     ⟦ ⟧, where each document begins, what packing cut or dropped. Only the target's
     tokenizer loads, so a chat template is checked in seconds before a long run."""
-    from dflash.run.inspect import inspect_data  # deferred: torch
-
-    check_output(json_path, "--json")
+    check_output(json_path, "--json", inputs=[("--config", config_file), ("--data", given["data"])])
+    with exiting_at_once():
+        from dflash.run.inspect import inspect_data  # deferred: torch
 
     def go() -> Any:
         return inspect_data(build_config(config_file, given), rows, json_path, log=click.echo)

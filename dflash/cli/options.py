@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,9 @@ from dflash.config.settings import (
     values_from_mapping,
 )
 from dflash.errors import DFlashError, first_line
-from dflash.files import cache_dir, unwritable
+from dflash.files import cache_dir, write_text_atomic
+from dflash.run.folder import FolderLock
+from dflash.run.outputs import Output, output_problem, write_problem
 
 
 class InputError(click.ClickException):
@@ -163,22 +166,48 @@ def report_errors(debug: bool, run: Callable[[], Any]) -> Any:
         raise InputError(first_line(exc)) from None
 
 
-def check_output(value: str | None, flag: str, folder: bool = False) -> None:
+def check_output(
+    value: str | None,
+    flag: str,
+    folder: bool = False,
+    *,
+    inputs: Iterable[tuple[str, str | None]] = (),
+    own_run: str | None = None,
+) -> None:
     """An output path the command will write, checked before any model loads: one line
-    naming it (exit 2) when it cannot be written. `-` (standard output) and None pass."""
+    naming it (exit 2) when it cannot be written, is one of the command's `inputs`
+    ((flag, path) pairs) or inside one, or is a file a run writes (dflash.run.outputs;
+    `own_run`: the folder of the run this command is). `-` (standard output) and None
+    pass."""
     if value is None or value == "-":
         return
-    why = unwritable(value, folder=folder)
+    why = output_problem(Output(flag, value, folder=folder), inputs, own_run)
     if why is not None:
-        raise InputError(f"{flag} {value!r} cannot be written: {why}")
+        raise InputError(why)
 
 
 def check_cache_dir() -> None:
     """The cache folder (built-in targets, regenerated data) must take writes: found out
     now, not after minutes of target preparation."""
-    why = unwritable(cache_dir(), folder=True)
+    why = write_problem(cache_dir(), folder=True)
     if why is not None:
         raise InputError(f"DFLASH_CACHE_DIR {str(cache_dir())!r} cannot be written: {why}")
+
+
+@contextmanager
+def locked_output(value: str, flag: str, debug: bool) -> Iterator[None]:
+    """Holds the lock of an output only one process may write at a time (`regenerate`,
+    `cache-hidden`, `export`) for the block, taken before any work: a second writer is
+    one line naming the first (pid and host)."""
+    lock = FolderLock.for_output(value, flag)
+    try:
+        report_errors(debug, lock.acquire)
+    except OSError as exc:  # the checks passed, then the folder went away or read-only
+        raise InputError(f"{flag} {value!r} cannot be locked: {exc.strerror}") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def schema_options(names: tuple[str, ...]) -> Callable[[Callable], Callable]:
@@ -214,8 +243,18 @@ def echo_err(line: str) -> None:
 
 
 def write_json(json_path: str | None, figures: dict[str, Any]) -> None:
-    """Figures as JSON to `json_path` (`-`: standard output; None: nowhere)."""
+    """Figures as JSON to `json_path` (`-`: standard output; None: nowhere), replaced
+    atomically. When the file cannot be written after all (a full disk), the figures go
+    to standard output before the one-line error: minutes of measuring are not lost."""
+    text = json.dumps(figures, indent=2)
     if json_path == "-":
-        click.echo(json.dumps(figures, indent=2))
+        click.echo(text)
     elif json_path:
-        Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
+        try:
+            write_text_atomic(json_path, text + "\n")
+        except OSError as exc:
+            click.echo(text)
+            raise InputError(
+                f"--json {json_path!r} could not be written ({exc.strerror}): the figures "
+                "are on standard output"
+            ) from None

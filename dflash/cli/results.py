@@ -15,10 +15,12 @@ from dflash.cli.options import (
     debug_option,
     device_option,
     echo_err,
+    locked_output,
     report_errors,
     schema_option,
     write_json,
 )
+from dflash.cli.startup import exiting_at_once
 from dflash.config.settings import config_from_options
 from dflash.eval.settings import EvalSettings
 from dflash.observe.report import write_report
@@ -32,8 +34,27 @@ _TEMPERATURE_HELP = (
 
 @click.command("eval")
 @click.option(
-    "--drafter", "drafter_dir", required=True, type=click.Path(exists=True, file_okay=False),
-    help="Directory of a saved drafter (OUTPUT_DIR/drafter of a training run).",
+    "--drafter", "drafter_dir", default=None, type=click.Path(exists=True, file_okay=False),
+    help="Directory of a saved drafter (OUTPUT_DIR/drafter of a training run), evaluated in "
+    "this process. Required unless --server is given; with --server both are measured.",
+)  # fmt: skip
+@click.option(
+    "--server", default=None, metavar="URL",
+    help="An OpenAI-compatible server running the target with a DFlash drafter (vLLM with "
+    "--speculative-config): the prompts go to its /v1/completions and τ comes from the "
+    "engine's own counters on /metrics (e.g. http://localhost:8000).",
+)  # fmt: skip
+@click.option("--concurrency", default=1, show_default=True, type=click.IntRange(min=1),
+              help="With --server: requests in flight at once; 1 also measures each prompt's "
+              "τ, more gives the pooled τ alone.")  # fmt: skip
+@click.option("--request-timeout", default=600.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="With --server: seconds a request may take before it is retried.")  # fmt: skip
+@click.option("--retries", default=2, show_default=True, type=click.IntRange(min=0),
+              help="With --server: retries of a failed request (waits 1 s, doubling).")  # fmt: skip
+@click.option(
+    "--server-model", default=None,
+    help="With --server: the served model to use (unset: the only one served).",
 )  # fmt: skip
 @click.option(
     "--target", default=None, envvar="DFLASH_TARGET", show_envvar=True,
@@ -80,7 +101,12 @@ _TEMPERATURE_HELP = (
 )  # fmt: skip
 @debug_option
 def eval_command(
-    drafter_dir: str,
+    drafter_dir: str | None,
+    server: str | None,
+    concurrency: int,
+    request_timeout: float,
+    retries: int,
+    server_model: str | None,
     target: str | None,
     eval_data: str | None,
     max_new_tokens: int,
@@ -93,11 +119,17 @@ def eval_command(
     **given: Any,
 ) -> None:
     """Speculative decoding with KV caches: τ (per-prompt mean and pooled), acceptance
-    per block position, and the wall-clock speedup against plain greedy decoding."""
-    from dflash.eval.evaluate import evaluate_drafter_dir  # deferred: torch
-
-    check_output(json_path, "--json")
+    per block position, and the wall-clock speedup against plain greedy decoding; with
+    --server, the same figures as the serving engine measures them."""
+    if drafter_dir is None and server is None:
+        raise click.UsageError("give --drafter DIR (in this process), --server URL, or both")
+    inputs = [("--drafter", drafter_dir), ("--eval-data", eval_data)]
+    inputs += [("--data", given["data"]), ("--target", target)]
+    check_output(json_path, "--json", inputs=inputs)
     check_cache_dir()
+    with exiting_at_once():
+        from dflash.eval.evaluate import evaluate_drafter_dir, evaluate_server  # deferred: torch
+        from dflash.target.served import ServerSettings
 
     def go() -> dict[str, Any]:
         cfg = config_from_options(given)
@@ -109,10 +141,36 @@ def eval_command(
             draft_sampling=draft_sampling,
         )  # fmt: skip
         kwargs = cfg.target.template_kwargs if cfg.target.chat_template_kwargs else None
-        return evaluate_drafter_dir(Path(drafter_dir), target, settings, device, log=echo_err,
-                                    chat_template_kwargs=kwargs)  # fmt: skip
+        drafter = Path(drafter_dir) if drafter_dir is not None else None
+        served = None
+        if server is not None:
+            served_settings = ServerSettings(server, concurrency=concurrency,
+                                             timeout_s=request_timeout, retries=retries,
+                                             model=server_model)  # fmt: skip
+            served = evaluate_server(served_settings, drafter, target, settings, log=echo_err,
+                                     chat_template_kwargs=kwargs)  # fmt: skip
+        if drafter is None:
+            return {**served, "served": served} if served is not None else {}
+        figures = evaluate_drafter_dir(drafter, target, settings, device, log=echo_err,
+                                       chat_template_kwargs=kwargs)  # fmt: skip
+        if served is None:
+            return figures
+        for line in compare_lines(figures, served):
+            echo_err(line)
+        return {**figures, "served": served}
 
     write_json(json_path, report_errors(debug, go))
+
+
+def compare_lines(here: dict[str, Any], served: dict[str, Any]) -> list[str]:
+    """One line setting the engine's τ beside this process's."""
+    ratio = served["tau_pooled"] / here["tau_pooled"] if here["tau_pooled"] else float("nan")
+    faster = here["eval_s"] / served["eval_s"] if served["eval_s"] > 0 else float("nan")
+    return [
+        f"eval: τ pooled {served['tau_pooled']:.4f} by the server vs {here['tau_pooled']:.4f} "
+        f"in process (ratio {ratio:.4f}); the server took {served['eval_s']:.1f} s, this "
+        f"process {here['eval_s']:.1f} s ({faster:.1f}x)"
+    ]
 
 
 @click.command("report")
@@ -145,11 +203,12 @@ def export_command(
     drafter_dir: str, output_dir: str, num_target_layers: int | None, debug: bool
 ) -> None:
     """Convert an older run's drafter into the standard DFlash format serving engines load."""
-    from dflash.drafter.io import export_drafter  # deferred: torch
+    check_output(output_dir, "--output", folder=True, inputs=[("--drafter", drafter_dir)])
+    with locked_output(output_dir, "--output", debug):
+        with exiting_at_once():
+            from dflash.drafter.io import export_drafter  # deferred: torch
 
-    check_output(output_dir, "--output", folder=True)
+        def go() -> Path:
+            return export_drafter(drafter_dir, output_dir, num_target_layers=num_target_layers)
 
-    def go() -> Path:
-        return export_drafter(drafter_dir, output_dir, num_target_layers=num_target_layers)
-
-    click.echo(str(report_errors(debug, go)))
+        click.echo(str(report_errors(debug, go)))

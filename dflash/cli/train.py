@@ -9,16 +9,17 @@ import click
 from dflash.cli.options import (
     build_config,
     check_cache_dir,
-    check_output,
     debug_option,
     echo_err,
     report_errors,
     schema_option,
     train_options,
 )
+from dflash.cli.startup import exiting_at_once
 from dflash.config.settings import config_from_options
 from dflash.errors import first_line
 from dflash.pipeline.queues import PipelineError
+from dflash.run.outputs import check_run_outputs
 
 
 @click.command()
@@ -33,20 +34,19 @@ from dflash.pipeline.queues import PipelineError
 @train_options
 def train(config_file: str | None, **given: Any) -> None:
     """Train a drafter: final drafter in OUTPUT_DIR/drafter/, figures in summary.json."""
-    from dflash.run.pipelined import run_training  # deferred: torch, so --help answers at once
-
     debug = bool(given.get("debug"))
     cfg = report_errors(debug, lambda: build_config(config_file, given))
-    if not cfg.run.dry_run:  # every file the run writes besides OUTPUT_DIR's own
-        check_output(cfg.telemetry.trace_file, "--trace-file")
-        if cfg.telemetry.timeline not in (None, "off"):
-            check_output(cfg.telemetry.timeline, "--timeline")
-        check_cache_dir()
     if cfg.run.dry_run:
-        from dflash.run.estimate import dry_run_lines  # deferred: torch
+        with exiting_at_once():
+            from dflash.run.estimate import dry_run_lines  # deferred: torch
 
         click.echo("\n".join(report_errors(cfg.run.debug, lambda: dry_run_lines(cfg))))
         return
+    # Every path the run writes: --output-dir, and the files besides its folder's.
+    report_errors(cfg.run.debug, lambda: check_run_outputs(cfg, config_file))
+    check_cache_dir()
+    with exiting_at_once():
+        from dflash.run.pipelined import run_training  # deferred: torch, so --help answers at once
     try:
         report_errors(cfg.run.debug, lambda: run_training(cfg, log=echo_err))
     except PipelineError as exc:
@@ -66,9 +66,9 @@ def train(config_file: str | None, **given: Any) -> None:
 @debug_option
 def prepare_target(target: str | None, debug: bool) -> None:
     """Prepare (train or download) and cache a target so that `train` starts at once."""
-    from dflash.target.load import prepare_target_spec  # deferred: torch
-
     check_cache_dir()
+    with exiting_at_once():
+        from dflash.target.load import prepare_target_spec  # deferred: torch
 
     def go() -> None:
         spec = config_from_options({"target": target}).target.spec

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 
 from tracing.config import TracingConfigError, parse_endpoint
 from tracing.profiler import parse_steps
@@ -16,6 +17,7 @@ __all__ = [
     "device_list",
     "endpoint",
     "layer_ids",
+    "layer_order",
     "noise_ratios",
     "noise_spec",
     "not_blank",
@@ -119,4 +121,20 @@ def layer_ids(ids: tuple[int, ...] | None) -> str | None:
         return "give at least one layer id"
     if any(i < 0 for i in ids):
         return "ids must be >= 0"
-    return "ids repeat" if len(set(ids)) != len(ids) else None
+    reason = layer_order(ids)
+    return None if reason is None else f"{reason} (give {','.join(map(str, sorted(set(ids))))})"
+
+
+def layer_order(ids: Sequence[int]) -> str | None:
+    """Why `ids` cannot be the captured target layers of a drafter an engine serves, or
+    None. vLLM and SGLang capture each named layer once and concatenate them in ascending
+    order, whatever order the drafter's config lists them in: the `fc` input columns of
+    a drafter trained on another order would meet other layers' states."""
+    seen: set[int] = set()
+    for i in ids:
+        if i in seen:
+            return f"layer {i} is named twice: vLLM and SGLang capture each layer once"
+        seen.add(i)
+    if list(ids) != sorted(ids):
+        return "ids must be ascending: vLLM and SGLang concatenate the layers in that order"
+    return None

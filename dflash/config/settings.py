@@ -75,6 +75,14 @@ class DataConfig(Section):
         min=0.0,
         max=1.0,
     )
+    chat_rendering: Literal["whole", "per-turn"] = setting(
+        "whole",
+        "How a chat becomes training tokens: `whole` renders the conversation once and "
+        "learns each reply where it stands in it; `per-turn` makes each reply a document of "
+        "its own after the prompt a server gives for it (the template on the turns before it "
+        "with the generation prompt and --chat-template-kwargs: a non-thinking Qwen3's empty "
+        "think block before every reply).",
+    )
     packing: Literal["docs", "concat"] = setting(
         "docs",
         "How documents fill rows: `docs` keeps each document to itself (the target, the "
@@ -107,8 +115,9 @@ class TargetConfig(Section):
     )  # fmt: skip
     layer_ids: tuple[int, ...] | None = setting(
         None,
-        "Comma-separated 0-based target layer ids to capture; unset spreads as many as "
-        "--drafter-layers evenly from layer 1 to L-3.",
+        "Comma-separated 0-based target layer ids to capture, ascending and each once (the "
+        "order vLLM and SGLang concatenate them in); unset spreads as many as "
+        "--drafter-layers evenly from layer 1 to L-3 (wider on a shallow target).",
         option="target_layers", check=checks.layer_ids,
     )  # fmt: skip
     chat_template_kwargs: str | None = setting(
@@ -298,6 +307,20 @@ class RunConfig(Section):
     )
     eval_new_tokens: int = setting(64, "Tokens generated per evaluation prompt.", min=1)
     eval_prompt_tokens: int = setting(64, "Length of each evaluation prompt, in tokens.", min=1)
+    eval_engine: Literal["in-process", "vllm"] = setting(
+        "in-process",
+        "Where the final τ is measured: `in-process` (KV-cached target and drafter, with the "
+        "speedup against greedy decoding), or `vllm`: the saved drafter served beside the "
+        "target by --vllm-command on loopback, τ read from the engine's own counters as "
+        "`eval --server` reads them.",
+    )
+    vllm_command: str = setting(
+        "vllm serve",
+        "With --eval-engine vllm: the command that starts vLLM's OpenAI server; --model, "
+        "--host, --port and --speculative-config are added (vLLM's CPU build: "
+        "`PYTHON -m vllm.entrypoints.openai.api_server`; add flags such as "
+        "--gpu-memory-utilization here).",
+    )
     debug: bool = setting(False, "Show full tracebacks instead of one-line errors.")
     allow_over_memory: bool = setting(
         False,

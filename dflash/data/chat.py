@@ -17,6 +17,7 @@ from dflash.data.tokenizer import encode_texts
 from dflash.errors import DFlashError
 
 KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+CHAT_RENDERINGS = ("whole", "per-turn")  # --chat-rendering, declared in dflash.config
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,54 @@ def render_chat(tokenizer: Any, messages: list[dict]) -> RenderedChat:
     if not getattr(tokenizer, "chat_template", None):
         return _render_plain(tokenizer, messages)
     return _render_generation_mask(tokenizer, messages) or _render_spans(tokenizer, messages)
+
+
+def render_turns(tokenizer: Any, messages: list[dict]) -> list[RenderedChat]:
+    """One document per assistant reply, as a server prompts for it (`--chat-rendering
+    per-turn`): the turns before the reply rendered with the generation prompt
+    (`chat_prompt_ids`: the template with add_generation_prompt=True and the template
+    arguments) are context; the reply and the template's end-of-turn marker are learned.
+
+    Separate documents, not one row holding every turn: a template's prompt for reply k
+    need not be a prefix of its prompt for reply k+1 (a non-thinking Qwen3 puts an empty
+    think block before the reply it prompts for, which its rendering of that reply as
+    history leaves out), so no one token sequence shows each reply after the very tokens
+    the server gives the target for it. The earlier turns are read again for every reply
+    (tokens grow with the square of the turns), as context only. A reply with no turn
+    before it has no prompt a server would give and is left out; a document is never cut
+    (one longer than a row is dropped and counted, as a chat whose first reply does not
+    fit)."""
+    out: list[RenderedChat] = []
+    for number, msg in enumerate(messages):
+        if msg["role"] != "assistant" or not msg["content"] or number == 0:
+            continue
+        prompt = np.asarray(chat_prompt_ids(tokenizer, messages[:number]), np.int32)
+        (reply,) = encode_texts(tokenizer, [msg["content"] + _reply_end(tokenizer)])
+        ids = np.concatenate([prompt, reply]).astype(np.int32)
+        mask = np.concatenate([np.zeros(len(prompt), bool), np.ones(len(reply), bool)])
+        out.append(RenderedChat(ids, mask, np.asarray([len(ids)], np.int64)))
+    return out
+
+
+def _reply_end(tokenizer: Any) -> str:
+    """What follows a reply and is learned with it, as in the whole rendering: the
+    template's end-of-turn marker (the target writes it, then stops), or the newline
+    that ends a turn without a template."""
+    if getattr(tokenizer, "chat_template", None):
+        return _assistant_suffix(tokenizer).rstrip()
+    return "\n"
+
+
+def render_documents(tokenizer: Any, messages: list[dict], rendering: str) -> list[RenderedChat]:
+    """The documents of one conversation by --chat-rendering: `whole` (one, `render_chat`)
+    or `per-turn` (one per reply, `render_turns`)."""
+    if rendering == "whole":
+        return [render_chat(tokenizer, messages)]
+    if rendering == "per-turn":
+        return render_turns(tokenizer, messages)
+    raise DFlashError(
+        f"--chat-rendering {rendering!r}: expected one of {', '.join(CHAT_RENDERINGS)}"
+    )
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:

@@ -145,12 +145,15 @@ def load_corpus(
     tokenizer: Any,
     heldout_fraction: float = DataConfig.heldout_fraction,
     keep_cut: bool = False,
+    rendering: str = DataConfig.chat_rendering,
 ) -> Corpus:
-    """Framed train/held-out documents of `--data` (documents split by name hash)."""
+    """Framed train/held-out documents of `--data` (documents split by name hash); chats
+    rendered by `rendering` (--chat-rendering)."""
     if source in (EMBEDDED, EMBEDDED_CORPUS):
         return embedded_tokens(tokenizer, heldout_fraction)
     report = DataReport()
-    docs = [d for d in read_documents(source, tokenizer, report, keep_cut) if len(d.ids) > 0]
+    read = read_documents(source, tokenizer, report, keep_cut, rendering)
+    docs = [d for d in read if len(d.ids) > 0]
     if not docs or not any(d.mask.any() for d in docs):
         why = f" (skipped {report.skipped_lines} lines; first: {report.first_bad_line})"
         raise DataError(
@@ -196,12 +199,13 @@ def build_datasets(
     packing: str = DataConfig.packing,
     log: Callable[[str], None] | None = None,
     keep_cut: bool = False,
+    rendering: str = DataConfig.chat_rendering,
 ) -> tuple[PackedDataset, PackedDataset]:
     """(train, held-out) datasets of packed rows of `source` (see `datasets_from_corpus`);
     `embedded` here is the corpus as it is (the run substitutes the regenerated text)."""
     if packing not in PACKING_MODES:
         raise DataError(f"--packing {packing!r}: expected one of {', '.join(PACKING_MODES)}")
-    corpus = load_corpus(source, tokenizer, heldout_fraction, keep_cut)
+    corpus = load_corpus(source, tokenizer, heldout_fraction, keep_cut, rendering)
     return datasets_from_corpus(corpus, tokenizer, seq_len, batch_size, seed, heldout_fraction,
                                 packing=packing, log=log)  # fmt: skip
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash.data.chat import KNOWN_ROLES, ChatTemplateError, render_chat
+from dflash.data.chat import KNOWN_ROLES, ChatTemplateError, render_documents
 from dflash.data.packing import Document, PackReport
 from dflash.data.tokenizer import encode_texts
 from dflash.errors import DFlashError
@@ -101,10 +101,16 @@ drafter trained on it learns endings the target does not write."""
 
 
 def read_jsonl(
-    path: Path, tokenizer: Any, report: DataReport | None = None, keep_cut: bool = False
+    path: Path,
+    tokenizer: Any,
+    report: DataReport | None = None,
+    keep_cut: bool = False,
+    rendering: str = "whole",
 ) -> list[Document]:
     """Documents of a JSONL file: one object per line with `text` or `messages`; a
-    conversation with a reply `regenerate` cut is left out (counted) unless `keep_cut`."""
+    conversation with a reply `regenerate` cut is left out (counted) unless `keep_cut`.
+    `rendering` (--chat-rendering) makes a conversation one document or one per reply;
+    those of one conversation share its name, and so its side of the held-out split."""
     report = report if report is not None else DataReport()
     docs: list[Document] = []
     templated = bool(getattr(tokenizer, "chat_template", None))
@@ -118,10 +124,10 @@ def read_jsonl(
             report.cut_replies += 1
             continue
         try:
-            chat = render_chat(tokenizer, obj["messages"])
+            chats = render_documents(tokenizer, obj["messages"], rendering)
         except ChatTemplateError as exc:
             raise DataError(f"{where}: {exc}") from None
-        docs.append(Document(where, chat.ids, chat.mask, templated, chat.turn_ends))
+        docs += [Document(where, c.ids, c.mask, templated, c.turn_ends) for c in chats]
     return docs
 
 
@@ -135,16 +141,20 @@ def _read_text_file(path: Path, tokenizer: Any, name: str) -> list[Document]:
 
 
 def read_documents(
-    source: str, tokenizer: Any, report: DataReport | None = None, keep_cut: bool = False
+    source: str,
+    tokenizer: Any,
+    report: DataReport | None = None,
+    keep_cut: bool = False,
+    rendering: str = "whole",
 ) -> list[Document]:
-    """Documents of a text file, a JSONL file or a folder of them."""
+    """Documents of a text file, a JSONL file or a folder of them (`read_jsonl`)."""
     report = report if report is not None else DataReport()
     path = Path(source).expanduser()
     if not path.exists():
         raise DataError(f"--data {source!r}: no such file or folder")
     if path.is_file():
         if path.suffix == ".jsonl":
-            return read_jsonl(path, tokenizer, report, keep_cut)
+            return read_jsonl(path, tokenizer, report, keep_cut, rendering)
         return _read_text_file(path, tokenizer, path.name)
     docs: list[Document] = []
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
@@ -152,7 +162,7 @@ def read_documents(
         if any(part.startswith(".") for part in rel.parts):
             continue
         if file.suffix == ".jsonl":
-            docs += read_jsonl(file, tokenizer, report, keep_cut)
+            docs += read_jsonl(file, tokenizer, report, keep_cut, rendering)
             continue
         try:
             docs += _read_text_file(file, tokenizer, rel.as_posix())

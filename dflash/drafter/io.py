@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import platform
+import sys
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,7 @@ from dflash.errors import first_line
 from dflash.files import replacing, write_json_atomic
 from dflash.nn.rope import RopeError, RopeSpec, rope_from_config
 from dflash.target import load as target_load  # by module: tests swap load_target
-from dflash.target.model import TargetModel
+from dflash.target.model import TargetModel, last_layer_warning
 
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_FILE, WEIGHTS_FILE, METADATA_FILE = "config.json", "model.safetensors", "dflash_train.json"
@@ -158,6 +160,17 @@ def save_drafter(
     }
     write_json_atomic(out / METADATA_FILE, meta)
     return out
+
+
+def pruned_head_note(cfg: DrafterConfig) -> str | None:
+    """One line on how the engines serve a drafter with a draft vocabulary, else None."""
+    if not cfg.pruned_vocab:
+        return None
+    return (
+        f"drafter: its head proposes {cfg.draft_vocab_size} of the {cfg.vocab_size} tokens "
+        "(--draft-vocab-size): vLLM serves it as saved; SGLang would ignore the pruned head "
+        "(it drops lm_head.weight, d2t and t2d and drafts through the target's full head)"
+    )
 
 
 def read_drafter_config(directory: Path | str) -> DrafterConfig:
@@ -309,12 +322,21 @@ def _target_num_layers(spec: str) -> int:
     return target_load.load_target(spec, device="cpu").num_layers
 
 
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr)  # stdout is the command's answer (the new directory)
+
+
 def export_drafter(
-    old_dir: Path | str, new_dir: Path | str, *, num_target_layers: int | None = None
+    old_dir: Path | str,
+    new_dir: Path | str,
+    *,
+    num_target_layers: int | None = None,
+    log: Callable[[str], None] = _to_stderr,
 ) -> Path:
     """Convert a drafter saved by the first dflash-train layout into the DFlash format.
 
     num_target_layers None -> read from the old drafter's target (loaded on the CPU).
+    `log` gets the warning when the drafter reads the target's last layer.
     """
     src, out = Path(old_dir), Path(new_dir)
     try:
@@ -363,4 +385,7 @@ def export_drafter(
             "mask_token_id": cfg.mask_token_id, "mask_token_source": "exported",
             "exported_from": str(src), "versions": _versions()}  # fmt: skip
     write_json_atomic(out / METADATA_FILE, meta)
+    warning = last_layer_warning(cfg.target_layer_ids, layers)
+    if warning is not None:
+        log(warning)
     return out

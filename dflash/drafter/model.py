@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from dflash.config.checks import layer_order
 from dflash.drafter.attention import BlockLayout, block_sparse_attention
 from dflash.drafter.vocab import DraftVocab
 from dflash.errors import DFlashError
@@ -29,7 +30,7 @@ from dflash.nn.layers import (
     split_heads,
 )
 from dflash.nn.rope import RopeSpec, rope_frequencies
-from dflash.target.model import TargetModel, default_target_layers, validate_target_layers
+from dflash.target.model import TargetModel, choose_target_layers
 
 # q[B, H, Q, Hd], k/v[B, Hkv, T+Q, Hd] -> [B, H, Q, Hd] under the training block mask.
 AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -139,6 +140,13 @@ class DrafterConfig:
             self.num_kv_heads = self.num_heads
         if self.num_target_layers == 0:
             self.num_target_layers = max(self.target_layer_ids) + 1
+        reason = layer_order(self.target_layer_ids)
+        if reason is not None:
+            # Its fc columns follow this order; an engine would feed them in another.
+            raise DrafterError(
+                f"target_layer_ids {self.target_layer_ids}: {reason}, so no engine would "
+                "serve this drafter as it was trained"
+            )
         if self.block_size < 2:
             raise DrafterError(f"block size {self.block_size} is too small: use at least 2")
         if self.num_heads % self.num_kv_heads:
@@ -176,8 +184,7 @@ class DrafterConfig:
         mask_token_id None -> the tokenizer's mask token, else the first spare row
         (TargetModel.mask_token; its error says what to give when neither exists).
         """
-        ids = target_layer_ids or default_target_layers(target.num_layers, num_layers)
-        validate_target_layers(ids, target.num_layers)
+        ids = choose_target_layers(target_layer_ids or None, target.num_layers, num_layers)
         geo, mask = target.geometry, target.mask_token(mask_token_id)
         return cls(
             hidden_size=target.hidden_size,

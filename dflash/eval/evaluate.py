@@ -18,18 +18,22 @@ import torch
 
 from dflash.config.devices import resolve_device
 from dflash.config.settings import RunConfig
+from dflash.data.chat import use_template_kwargs
 from dflash.data.datasets import PackedDataset, build_datasets, heldout_prompts
 from dflash.data.sources import DataReport
 from dflash.data.tokenizer import decode_text
-from dflash.drafter.io import load_drafter, saved_chat_template_kwargs
+from dflash.drafter.io import load_drafter, read_drafter_config, saved_chat_template_kwargs
 from dflash.drafter.model import DFlashDrafter
-from dflash.eval.prompts import read_conversations, render_prompt
+from dflash.eval.prompts import PromptError, read_conversations, render_prompt
+from dflash.eval.served import evaluate_served, format_served
 from dflash.eval.settings import EvalSettings
 from dflash.eval.speculative import SpecStats, speculative_generate
 from dflash.target import load as target_mod  # by module: tests swap load_target
 from dflash.target.decoding import check_decoding
 from dflash.target.generation import generate
+from dflash.target.hf import load_stop_token_ids
 from dflash.target.model import TargetModel
+from dflash.target.served import CompletionClient, ServerSettings, TokenizerTarget
 
 
 @dataclass
@@ -309,4 +313,65 @@ def evaluate_drafter_dir(
     }
     for line in format_eval(figures, where):
         log(line)
+    return figures
+
+
+def _served_target_spec(drafter_dir: Path | None, target_spec: str | None) -> str:
+    if target_spec:
+        return target_spec
+    spec = read_drafter_config(drafter_dir).target_spec if drafter_dir is not None else ""
+    if not spec:
+        raise PromptError("eval --server: name the served target's tokenizer with --target")
+    return spec
+
+
+def evaluate_server(
+    server: ServerSettings,
+    drafter_dir: Path | None,
+    target_spec: str | None,
+    settings: EvalSettings,
+    log: Callable[[str], None] = print,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`dflash-train eval --server URL`: τ as the serving engine measures it, on the
+    prompts the in-process evaluation uses; only the target's tokenizer loads here."""
+    if settings.temperature != 0.0:
+        raise PromptError("eval --server measures greedy decoding: leave --temperature at 0")
+    spec = _served_target_spec(drafter_dir, target_spec)
+    source = _PromptSource(settings, log)
+    tokenizer = target_mod.load_tokenizer(spec)
+    kwargs = chat_template_kwargs
+    if kwargs is None:
+        kwargs = saved_chat_template_kwargs(drafter_dir) if drafter_dir is not None else {}
+    use_template_kwargs(tokenizer, kwargs)
+    client = CompletionClient(server)
+    client.connect(TokenizerTarget(spec, tokenizer, dict(kwargs)), log, command="eval")
+    prompts, where = source.prompts(tokenizer)
+    if source.follow_up(tokenizer) is not None:
+        log(
+            "eval: --server answers the first user turn of each conversation; later turns "
+            "are not sent"
+        )
+    stops = load_stop_token_ids(spec, tokenizer)
+    result = evaluate_served(
+        client, prompts, settings.max_new_tokens, stops, concurrency=server.concurrency, log=log
+    )
+    figures = {
+        **result.figures(),
+        "server": server.base,
+        "server_model": client.model,
+        "prompts": len(prompts),
+        "max_new_tokens": settings.max_new_tokens,
+        "target": spec,
+        "block_size": result.block_size,
+    }
+    for line in format_served(figures, f"{server.base} on {where}"):
+        log(line)
+    if drafter_dir is not None:
+        saved = read_drafter_config(drafter_dir).block_size
+        if saved != result.block_size:
+            log(
+                f"eval: the server drafts {result.block_size - 1} tokens per step, the drafter "
+                f"{drafter_dir} was trained with block size {saved} ({saved - 1} drafts)"
+            )
     return figures

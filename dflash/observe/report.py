@@ -203,6 +203,13 @@ def tau_notes(summary: dict[str, Any]) -> list[str]:
     of accepted drafts inside repeated spans, and the training estimate against it."""
     notes = []
     tau = summary.get("tau")
+    served = summary.get("served")
+    if isinstance(served, dict):
+        notes.append(
+            f"τ measured by the serving engine ({served.get('server')}): its own counters over "
+            f"{served.get('requests')} held-out prompts, {served.get('num_drafts')} drafts "
+            f"of {served.get('num_speculative_tokens')} tokens"
+        )
     if isinstance(summary.get("repeated_share"), float):
         without = summary.get("tau_without_repeats")
         notes.append(

@@ -148,10 +148,14 @@ def write_hidden_cache(
     with_final_norm: bool = False,
     batches_per_shard: int = BATCHES_PER_SHARD,
     progress: Callable[[int, int], None] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> Path:
     """Cache batches [0, num_batches) of `dataset`; continues an interrupted cache.
 
-    `progress(done, total)` is called after every shard.
+    A cache written before is verified first, every shard against its size and checksum
+    in the index; a missing or damaged one is written again (`log` says which), so a
+    rerun, as a reader's error advises, repairs it. `progress(done, total)` is called
+    after every shard.
     """
     if num_batches < 1 or batches_per_shard < 1:
         raise HiddenCacheError(
@@ -163,28 +167,68 @@ def write_hidden_cache(
         target, dataset, layer_ids=layer_ids, with_final_norm=with_final_norm
     )
     index = _open_for_writing(directory, fingerprint)
+    shard_of = _ShardWriter(target, dataset, directory, layer_ids, with_final_norm)
+    for position, shard in enumerate(index["shards"]):
+        why = shard_damage(directory, shard)
+        if why is not None:
+            first, count = shard["first_batch"], shard["num_batches"]
+            index["shards"][position] = shard_of(shard["file"], first, count)
+            write_json_atomic(directory / INDEX_NAME, index)
+            if log is not None:
+                log(f"cache-hidden: {directory / shard['file']} was {why}: written again")
     done = cached_batches(index)
     while done < num_batches:
         count = min(batches_per_shard, num_batches - done)
-        tensors: dict[str, Tensor] = {}
-        for i in range(done, done + count):
-            batch = dataset.batch(i)
-            hidden, final = _capture(target, batch, layer_ids, with_final_norm)
-            tensors[f"hidden.{i}"] = hidden.contiguous().cpu()
-            tensors[f"input_ids.{i}"] = batch.input_ids.to(torch.int32).contiguous()
-            if final is not None:
-                tensors[f"final.{i}"] = final.contiguous().cpu()
         name = f"shard-{len(index['shards']):05d}.safetensors"
-        with replacing(directory / name) as tmp:
-            save_file(tensors, str(tmp))
-            digest, size = sha256_file(tmp), tmp.stat().st_size
-        shard = {"file": name, "first_batch": done, "num_batches": count}
-        index["shards"].append({**shard, "bytes": size, "sha256": digest})
+        index["shards"].append(shard_of(name, done, count))
         write_json_atomic(directory / INDEX_NAME, index)
         done += count
         if progress is not None:
             progress(done, num_batches)
     return directory
+
+
+def shard_damage(directory: Path, shard: dict[str, Any]) -> str | None:
+    """What is wrong with a listed shard's file (missing, truncated, corrupt), or None."""
+    path = directory / shard["file"]
+    size = path.stat().st_size if path.is_file() else -1
+    if size < 0:
+        return "missing"
+    if size != shard["bytes"]:
+        return f"truncated ({size} of {shard['bytes']} bytes)"
+    if sha256_file(path) != shard["sha256"]:
+        return "corrupt (checksum mismatch)"
+    return None
+
+
+class _ShardWriter:
+    """Writes the shard of batches [first, first + count): its index entry."""
+
+    def __init__(
+        self,
+        target: TargetModel,
+        dataset: PackedDataset,
+        directory: Path,
+        layer_ids: list[int],
+        with_final_norm: bool,
+    ) -> None:
+        self.target, self.dataset, self.directory = target, dataset, directory
+        self.layer_ids, self.with_final_norm = layer_ids, with_final_norm
+
+    def __call__(self, name: str, first: int, count: int) -> dict[str, Any]:
+        tensors: dict[str, Tensor] = {}
+        for i in range(first, first + count):
+            batch = self.dataset.batch(i)
+            hidden, final = _capture(self.target, batch, self.layer_ids, self.with_final_norm)
+            tensors[f"hidden.{i}"] = hidden.contiguous().cpu()
+            tensors[f"input_ids.{i}"] = batch.input_ids.to(torch.int32).contiguous()
+            if final is not None:
+                tensors[f"final.{i}"] = final.contiguous().cpu()
+        with replacing(self.directory / name) as tmp:
+            save_file(tensors, str(tmp))
+            digest, size = sha256_file(tmp), tmp.stat().st_size
+        shard = {"file": name, "first_batch": first, "num_batches": count}
+        return {**shard, "bytes": size, "sha256": digest}
 
 
 # --------------------------------------------------------------------------- reading

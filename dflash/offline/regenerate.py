@@ -13,11 +13,13 @@ existing output from another run (or without the record) is refused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -41,10 +43,10 @@ from dflash.data.packing import frame
 from dflash.data.sources import CUT_KEY, DataReport, iter_jsonl, read_jsonl
 from dflash.data.tokenizer import decode_text, encode_texts, special_ids
 from dflash.files import cache_dir, write_json_atomic
-from dflash.offline.server import CompletionClient, TokenizerTarget
 from dflash.offline.settings import RegenerateError, RegenerateSettings
 from dflash.target.generation import generate_batch, generate_padded
 from dflash.target.model import TargetModel, target_fingerprint
+from dflash.target.served import CompletionClient, TokenizerTarget
 
 
 @dataclass
@@ -360,12 +362,16 @@ def regenerate(
             f"--data {source!r}: no conversation has a user turn, so there is nothing for the "
             "target to answer (a prompt set needs at least one user message per line)"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    done = first_line = _resume_point(
-        out, run_record(target, items, settings, server), settings.chunk_lines
-    )
+    record = run_record(target, items, settings, server)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        done = first_line = _resume_point(out, record, settings.chunk_lines)
+    except OSError as exc:
+        raise write_failure(exc, out, 0) from None
     new_tokens = 0
-    with open(out, "a", encoding="utf-8") as f:
+    # Unbuffered: a chunk that cannot be written is cut off again at once (`append_lines`),
+    # with nothing left in a buffer for closing the file to fail on once more.
+    with open(out, "ab", buffering=0) as f:
         for begin in range(done, len(items), settings.chunk_lines):
 
             def batch_done(chunk_tokens: int, done: int = done, so_far: int = new_tokens) -> None:
@@ -380,15 +386,46 @@ def regenerate(
             else:
                 decoder = _Decoder(target, settings, chunk, batch_done)  # type: ignore[arg-type]
             records = regenerate_chunk(decoder, items[begin : begin + settings.chunk_lines])
-            f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-            f.flush()
-            os.fsync(f.fileno())
+            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+            append_lines(f.fileno(), text.encode("utf-8"), out, begin)
             done, new_tokens = begin + len(records), new_tokens + decoder.new_tokens
             if progress is not None:
                 rate = new_tokens / max(time.perf_counter() - start_s, 1e-9)
                 progress(RegenProgress(done, len(items), new_tokens, rate))
     wall_s = time.perf_counter() - start_s
     return RegenReport(out, len(items), first_line, new_tokens, wall_s, report)
+
+
+def append_lines(fd: int, data: bytes, path: Path, lines_before: int) -> None:
+    """Appends whole lines to `path` (open as `fd`) and syncs them; a write that fails
+    (a full disk) leaves the file as it was, without a partial last line, and is one
+    RegenerateError naming the path, the space left and the lines that are complete."""
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):  # else the next run drops it (_resume_point)
+            os.ftruncate(fd, start)
+        raise write_failure(exc, path, lines_before) from None
+
+
+def write_failure(exc: OSError, path: Path, lines: int) -> RegenerateError:
+    """The one-line error of a write to `path` that failed with `lines` complete."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = f"{shutil.disk_usage(probe).free / 2**30:.2f} GiB free there"
+    except OSError:
+        free = "free space unknown"
+    return RegenerateError(
+        f"--output {path}: could not write ({exc.strerror or type(exc).__name__}; {free}): "
+        f"its first {lines} lines are complete; the same command continues after them once "
+        "there is room"
+    )
 
 
 # --------------------------------------------------------------------------- the embedded default

@@ -28,9 +28,10 @@ import torch
 from dflash.config.devices import DeviceError, decide_placement
 from dflash.config.settings import LossConfig, TrainConfig
 from dflash.drafter.vocab import check_draft_vocab_size
-from dflash.errors import DFlashError
-from dflash.target.geometry import TargetGeometry, geometry_from_hf_config
+from dflash.errors import DFlashError, first_line
+from dflash.target.geometry import TargetError, TargetGeometry, geometry_from_hf_config
 from dflash.target.hf import hub_unreachable
+from dflash.target.model import choose_target_layers
 from dflash.target.synthetic import KNOWN_SHAPES
 from dflash.target.tiny import TinyLMConfig
 
@@ -219,6 +220,7 @@ def geometry_for_spec(spec: str) -> tuple[TargetGeometry, str]:
     if spec.startswith("builtin:"):
         return TinyLMConfig().geometry(), f"{spec} config"
     path = Path(spec).expanduser()
+    unreachable: str | None = None
     try:
         if (path / "config.json").is_file():
             raw = json.loads((path / "config.json").read_text())
@@ -227,11 +229,13 @@ def geometry_for_spec(spec: str) -> tuple[TargetGeometry, str]:
             return KNOWN_SHAPES[spec], f"the published shape of {spec}"
         from transformers import AutoConfig  # deferred: an optional dependency
 
-        cached_only = hub_unreachable() is not None
-        config = AutoConfig.from_pretrained(spec, local_files_only=cached_only)
+        unreachable = hub_unreachable()
+        config = AutoConfig.from_pretrained(spec, local_files_only=unreachable is not None)
         return geometry_from_hf_config(config), spec
     except (OSError, ValueError, KeyError, ImportError) as err:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if isinstance(err, OSError) and unreachable is not None:
+            reason = f"not in the Hugging Face cache, and the hub cannot be reached: {unreachable}"
         raise EstimateError(
             f"--target {spec!r}: cannot read its config for the estimate ({reason}); "
             "give a local model directory"
@@ -296,6 +300,8 @@ def local_limits(spec: str) -> tuple[TargetGeometry, int | None] | None:
             text = raw.get("text_config") or raw
             limit = text.get("max_position_embeddings")
             return geometry_from_hf_config(raw), limit if isinstance(limit, int) else None
+        except TargetError as err:  # a GPT-2: refused now, not once its weights loaded
+            raise TargetError(f"target {spec}: {first_line(err).removeprefix('target ')}") from None
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None  # the target's own loading names what is wrong with it
     if spec in KNOWN_SHAPES:
@@ -322,9 +328,10 @@ def check_seq_len(cfg: TrainConfig, positions: int | None) -> None:
 def check_sizes_before_work(
     cfg: TrainConfig, device: Any, device_bytes: float | None = None
 ) -> None:
-    """Before any model loads: --seq-len within the target's positions, and the step's
+    """Before any model loads: --seq-len within the target's positions, the step's
     estimated peak memory within the drafter device's (or the host's) memory unless
-    --allow-over-memory. A target known only through the hub is checked once loaded."""
+    --allow-over-memory, then the target layers. A target known only through the hub is
+    checked once loaded."""
     known = local_limits(cfg.target.spec)
     if known is None:
         return
@@ -333,6 +340,16 @@ def check_sizes_before_work(
     size = cfg.drafter.draft_vocab_size
     if size is not None and size > geometry.vocab_size:
         check_draft_vocab_size(size, geometry.vocab_size, ())
+    check_memory(cfg, geometry, device, device_bytes)
+    if cfg.target.layer_ids is not None or cfg.data.hidden_cache is None:
+        # Unset with a cache: per-sample files may name the layers themselves.
+        choose_target_layers(cfg.target.layer_ids, geometry.num_layers, cfg.drafter.num_layers)
+
+
+def check_memory(
+    cfg: TrainConfig, geometry: TargetGeometry, device: Any, device_bytes: float | None
+) -> None:
+    """The step's estimated peak memory within the device's, unless --allow-over-memory."""
     device = torch.device(device)
     limit = device_bytes if device_bytes is not None else device_memory_bytes(device)
     estimate = estimate_step(shape_for_config(cfg, geometry, device.type))

@@ -25,6 +25,7 @@ from dflash.config.settings import TrainConfig
 from dflash.files import write_json_atomic
 
 LOCK_FILE = ".dflash-run.lock"
+OUTPUT_LOCK_SUFFIX = ".dflash-lock"  # `.NAME.dflash-lock`: the lock of output NAME
 METRICS_FILE = "metrics.jsonl"
 # What a run writes into its folder (the hidden-state cache lives elsewhere and is
 # keyed by its data: --overwrite leaves it).
@@ -36,46 +37,98 @@ RUN_DIRS = ("checkpoints", "drafter", "profile")
 
 
 class FolderLock:
-    """The exclusive lock of one output folder, held from `acquire` to `release`."""
+    """The exclusive lock of one output, held from `acquire` to `release`: a run's folder
+    (OUTPUT_DIR/.dflash-run.lock, kept after the run: it marks the folder as a run's), or
+    with `for_output` any file or folder a command writes (a hidden sibling lock file,
+    removed again at release)."""
 
-    def __init__(self, output_dir: Path, created: bool = False) -> None:
-        self.path = output_dir / LOCK_FILE
+    def __init__(
+        self,
+        output_dir: Path,
+        created: bool = False,
+        *,
+        lock_path: Path | None = None,
+        flag: str = "--output-dir",
+    ) -> None:
+        self.output = output_dir
+        self.path = lock_path or output_dir / LOCK_FILE
+        self.flag = flag
         self.created = created  # this run made the folder: a refused run removes it again
+        self.keep_file = lock_path is None
+        self._made: list[Path] = []  # folders made for the lock file, removed when empty
         self._fd: int | None = None
+
+    @classmethod
+    def for_output(cls, output: Path | str, flag: str) -> FolderLock:
+        """The lock of an output file or folder that one process at a time may write:
+        `.NAME.dflash-lock` beside it."""
+        path = Path(output).expanduser()
+        return cls(path, lock_path=path.parent / f".{path.name}{OUTPUT_LOCK_SUFFIX}", flag=flag)
 
     def acquire(self) -> None:
         """Takes the lock or raises ConfigError naming the process that holds it."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise ConfigError(
-                f"--output-dir {str(self.path.parent)!r} is in use by another run ({holder}): "
-                "wait for it to end or choose another folder"
-            ) from None
-        except BaseException:
-            os.close(fd)
-            raise
+        self._make_parents()
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                self._remove_made()
+                raise ConfigError(self._in_use(holder)) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            if _still_there(fd, self.path):
+                break
+            os.close(fd)  # its holder removed it as we opened it: lock the new one
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         self._fd = fd
 
     def release(self) -> None:
-        """Idempotent. The file stays: removing it would let a waiting run lock a file
-        that a third one no longer sees."""
+        """Idempotent. A run folder's lock file stays (a refused run that made the folder
+        removes both); an output's is removed while still locked, and a process that
+        opened it meanwhile finds it gone and locks the new one (`acquire`)."""
         fd, self._fd = self._fd, None
         if fd is None:
             return
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)
             folder = self.path.parent
-            if self.created and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
+            if not self.keep_file:
+                self.path.unlink()
+            elif self.created and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
                 self.path.unlink()  # nothing of the run was written: leave no trace
                 folder.rmdir()
         os.close(fd)  # closing the last descriptor drops the flock
+        self._remove_made()
+
+    def _in_use(self, holder: str) -> str:
+        where = f"{self.flag} {str(self.output)!r}"
+        if self.keep_file:
+            return (
+                f"{where} is in use by another run ({holder}): wait for it to end or choose "
+                "another folder"
+            )
+        return (
+            f"{where} is being written by another process ({holder}): wait for it to end or "
+            f"choose another {self.flag}"
+        )
+
+    def _make_parents(self) -> None:
+        missing = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]
+        for folder in reversed(missing):
+            folder.mkdir(exist_ok=True)
+            self._made.insert(0, folder)
+
+    def _remove_made(self) -> None:
+        for folder in self._made:  # deepest first; one the command wrote into stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        self._made = []
 
     def __enter__(self) -> FolderLock:
         self.acquire()
@@ -83,6 +136,14 @@ class FolderLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _still_there(fd: int, path: Path) -> bool:
+    """The locked descriptor is still the file at `path`."""
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except OSError:
+        return False
 
 
 def _read_holder(fd: int) -> str:

@@ -42,7 +42,7 @@ def inspect_data(
             "corpus, made at the first train; showing the corpus it starts from")  # fmt: skip
         source = EMBEDDED_CORPUS
     corpus = load_corpus(source, tokenizer, cfg.data.heldout_fraction,
-                         cfg.data.keep_cut_replies)  # fmt: skip
+                         cfg.data.keep_cut_replies, cfg.data.chat_rendering)  # fmt: skip
     train, _ = datasets_from_corpus(
         corpus, tokenizer, cfg.data.seq_len, cfg.data.batch_size, cfg.run.seed,
         cfg.data.heldout_fraction, packing=cfg.data.packing, log=log,

@@ -26,13 +26,21 @@ import tracing
 from dflash import names
 from dflash.config.devices import Placement, decide_placement
 from dflash.config.settings import DataConfig, TrainConfig
+from dflash.data.chat import use_template_kwargs as use_chat_kwargs
 from dflash.data.corpus import EMBEDDED
-from dflash.data.datasets import PackedDataset, build_datasets, datasets_from_corpus, pad_id
+from dflash.data.datasets import (
+    PackedDataset,
+    build_datasets,
+    datasets_from_corpus,
+    heldout_prompts,
+    pad_id,
+)
 from dflash.data.sources import DataError
 from dflash.drafter.io import (
     METADATA_FILE,
     check_fits_target,
     init_drafter_from,
+    pruned_head_note,
     read_drafter_config,
     save_drafter,
 )
@@ -62,18 +70,29 @@ from dflash.run.checkpoint import (
     save_checkpoint,
     save_failure,
 )
+from dflash.run.engine import check_vllm_command, measure_with_vllm
 from dflash.run.estimate import check_seq_len, check_sizes_before_work, estimate_for_config
 from dflash.run.folder import METRICS_FILE, FolderLock, claim_output_dir, write_run_start
-from dflash.run.progress import format_loss_config, format_run_config, format_summary
+from dflash.run.outputs import check_run_folder
+from dflash.run.progress import (
+    HeldLog,
+    format_loss_config,
+    format_run_config,
+    format_summary,
+    live_log,
+)
 from dflash.target import load as target_load  # by module: tests swap load_target
+from dflash.target.geometry import TargetError
 from dflash.target.model import (
     MaskToken,
     TargetModel,
     check_mask_token_unused,
-    default_target_layers,
+    choose_target_layers,
     frozen_parts,
-    validate_target_layers,
+    last_layer_warning,
 )
+from dflash.target.served import TokenizerTarget
+from dflash.train.optim import DivergedError
 from dflash.train.step import DrafterTrainer, PhaseFn, null_phase
 
 
@@ -159,6 +178,8 @@ def start_run(cfg: TrainConfig, info: DistInfo | None = None) -> Start:
     it yet) and the process group."""
     info = dist_info_from_env() if info is None else info
     placement = decide_placement(cfg.pipeline, info.local_rank, info.local_world_size)
+    if info.is_main:
+        check_run_folder(cfg)  # no input, and inside no other run, before anything is made
     lock = claim_output_dir(cfg) if info.is_main else None
     try:
         init_distributed(info, placement.drafter)
@@ -220,11 +241,7 @@ def choose_draft_vocab(
 
 
 def resolve_layer_ids(cfg: TrainConfig, num_layers: int) -> list[int]:
-    if cfg.target.layer_ids is None:
-        return default_target_layers(num_layers, cfg.drafter.num_layers)
-    ids = list(cfg.target.layer_ids)
-    validate_target_layers(ids, num_layers)
-    return ids
+    return choose_target_layers(cfg.target.layer_ids, num_layers, cfg.drafter.num_layers)
 
 
 def use_template_kwargs(
@@ -247,18 +264,27 @@ def check_target_fits(cfg: TrainConfig, target: TargetModel) -> None:
 
 
 # What batch i is made of: a resume with another value would continue on other batches.
-_RESUMED_DATA_KEYS = ("source", "seq_len", "batch_size", "heldout_fraction", "packing")
+_RESUMED_DATA_KEYS = (
+    "source",
+    "seq_len",
+    "batch_size",
+    "heldout_fraction",
+    "packing",
+    "chat_rendering",
+)
 
 
 def _check_resume_compatible(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> None:
     """A checkpoint continues only the same drafter on the same target and data (the
-    hidden-state cache may come or go: it holds the same batches' features)."""
-    current = cfg.to_dict()
+    hidden-state cache may come or go: it holds the same batches' features). A key the
+    checkpoint lacks predates its option, whose default keeps the behaviour of then."""
+    current, defaults = cfg.to_dict(), TrainConfig().to_dict()
     keys = [(section, key) for section in ("target", "drafter") for key in current[section]]
     if not cfg.run.allow_data_change:
         keys += [("data", key) for key in _RESUMED_DATA_KEYS]
     for section, key in keys:
-        value, old = current[section][key], saved.get(section, {}).get(key)
+        value = current[section][key]
+        old = saved.get(section, {}).get(key, defaults[section][key])
         if old != value:
             hint = " (--allow-data-change continues on the new data)" if section == "data" else ""
             raise CheckpointError(
@@ -352,41 +378,83 @@ def open_run_samples(
     return cache
 
 
+@dataclass
+class EarlyRows:
+    """A data file's rows, built from the target's tokenizer before its weights load."""
+
+    train: PackedDataset
+    heldout: PackedDataset
+    held: HeldLog  # the data's report, printed once the mask token is chosen too
+
+
+def rows_before_target(cfg: TrainConfig, log: Callable[[str], None] = print) -> EarlyRows | None:
+    """Data that cannot train (no learnable tokens, most conversations dropped, an
+    explicit mask id it uses) is refused before the target's weights load, minutes for a
+    large one: a data file's rows need only the tokenizer. None where the rows need the
+    target itself (`--data embedded`: its own continuations; per-sample hidden states) or
+    its tokenizer does not load alone (the target's own load then says why)."""
+    d = cfg.data
+    if d.source == EMBEDDED or reads_samples(cfg):
+        return None
+    try:
+        tokenizer = target_load.load_tokenizer(cfg.target.spec)
+    except TargetError:
+        return None
+    use_chat_kwargs(tokenizer, cfg.target.template_kwargs)
+    held = HeldLog(log)
+    train, heldout = build_datasets(
+        d.source, tokenizer, d.seq_len, d.batch_size * cfg.optim.grad_accum, cfg.run.seed,
+        d.heldout_fraction, packing=d.packing, log=held, keep_cut=d.keep_cut_replies,
+        rendering=d.chat_rendering,
+    )  # fmt: skip
+    if cfg.drafter.mask_token_id is not None:
+        check_mask_token_unused(cfg.drafter.mask_token_id, (train.ids, heldout.ids, heldout.stream))
+    check_trainable(train, cfg)
+    return EarlyRows(train, heldout, held)
+
+
 def run_datasets(
     cfg: TrainConfig,
     target: TargetModel,
     log: Callable[[str], None] = print,
     samples: SampleCache | None = None,
+    early: EarlyRows | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
     """Train and held-out rows of a run (`cache-hidden` cuts its batches the same way);
     an explicit mask token the data uses is refused here. `--data embedded` trains on
     the target's own continuations of the corpus (regenerated once, cached); `samples`
-    (per-sample hidden-state files) are the rows themselves."""
+    (per-sample hidden-state files) are the rows themselves; `early` rows were built
+    before the target loaded (`rows_before_target`)."""
     d, tok = cfg.data, target.tokenizer
     rows = d.batch_size * cfg.optim.grad_accum  # the step splits it into micro-batches
-    if samples is not None:
+    held = HeldLog(log)  # the data's report, once the data can train: else the Error alone
+    if early is not None:
+        train, heldout, held = early.train, early.heldout, early.held
+    elif samples is not None:
         train, heldout, samples.train_rows = sample_datasets(
             samples, seq_len=d.seq_len, batch_size=rows, seed=cfg.run.seed,
-            heldout_fraction=d.heldout_fraction, pad_id=pad_id(tok), log=log,
+            heldout_fraction=d.heldout_fraction, pad_id=pad_id(tok), log=held,
         )  # fmt: skip
     elif d.source == EMBEDDED:
         with tracing.phase(names.DATA_REGENERATE):
-            path = embedded_regeneration(target, d.heldout_fraction, log)
+            path = embedded_regeneration(target, d.heldout_fraction, live_log(log))
         corpus = regenerated_corpus(path, tok, d.heldout_fraction)
         train, heldout = datasets_from_corpus(
             corpus, tok, d.seq_len, rows, cfg.run.seed, d.heldout_fraction,
-            packing=d.packing, log=log,
+            packing=d.packing, log=held,
         )  # fmt: skip
     else:
         train, heldout = build_datasets(
             d.source, tok, d.seq_len, rows, cfg.run.seed, d.heldout_fraction,
-            packing=d.packing, log=log, keep_cut=d.keep_cut_replies,
+            packing=d.packing, log=held, keep_cut=d.keep_cut_replies,
+            rendering=d.chat_rendering,
         )  # fmt: skip
     if cfg.drafter.mask_token_id is not None:
         check_mask_token_unused(cfg.drafter.mask_token_id, (train.ids, heldout.ids, heldout.stream))
     elif target.needs_mask_from_data(None):
         target.choose_mask_from_data((train.ids, heldout.ids, heldout.stream))
     check_trainable(train, cfg)
+    held.release()
     return train, heldout
 
 
@@ -422,6 +490,8 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
             _check_resume_compatible(cfg, resume.config, resume.path)
     warm = _warm_start(cfg, resuming=resume is not None)
     check_sizes_before_work(cfg, placement.drafter)
+    if cfg.run.eval_engine == "vllm" and cfg.run.eval_prompts:
+        check_vllm_command(cfg.run.vllm_command)  # not after hours of training
     dtype = target_load.target_dtype(placement.target)
     # From a hidden-state cache the target never runs during training: its weights stay
     # in host memory (the drafter copies the embedding and LM head it shares) until the
@@ -429,8 +499,10 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     load_on = torch.device("cpu") if cfg.data.hidden_cache else placement.target
     # From per-sample files only the embedding, LM head and final norm are ever used.
     from_samples = reads_samples(cfg)
+    with tracing.phase(names.DATA_PREPARE):
+        early = rows_before_target(cfg, log)
     with tracing.phase(names.TARGET_LOAD):
-        target = target_load.load_target(cfg.target.spec, load_on, dtype, log=log,
+        target = target_load.load_target(cfg.target.spec, load_on, dtype, log=live_log(log),
                                          head_only=from_samples)  # fmt: skip
     use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
@@ -441,8 +513,11 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
         check_fits_target(warm[1], target, f"--init-from {warm[0]}")
     samples = open_run_samples(cfg, target, log) if from_samples else None
     layer_ids = samples.layer_ids if samples else resolve_layer_ids(cfg, target.num_layers)
+    warning = last_layer_warning(layer_ids, target.num_layers)
+    if warning is not None:
+        log(warning)
     with tracing.phase(names.DATA_PREPARE):
-        train, heldout = run_datasets(cfg, target, log, samples)
+        train, heldout = run_datasets(cfg, target, log, samples, early)
     with tracing.phase(names.DRAFTER_BUILD):
         vocab = choose_draft_vocab(cfg, target, train, log)
         drafter = build_drafter(cfg, target, layer_ids, placement.drafter, vocab)
@@ -500,20 +575,32 @@ def save_run_checkpoint(run: Run) -> Path:
     )
 
 
-def save_final(run: Run) -> None:
-    """The final checkpoint, then OUTPUT_DIR/drafter/, each written aside and renamed into
-    place: a full disk leaves the last complete checkpoint and drafter as they were, and
-    is one SaveError naming the path, the space left and what is complete."""
+def save_checkpoint_or_fail(run: Run) -> Path:
+    """`save_run_checkpoint`, a failed write (a full disk) being one SaveError naming the
+    path, the space left and the last complete checkpoint: the same line and exit code
+    (2) at a checkpoint during training, after a signal and at the final save."""
     checkpoints = run.output_dir / "checkpoints"
     try:
-        final = save_run_checkpoint(run)
+        return save_run_checkpoint(run)
+    except DivergedError:
+        raise
     except SAVE_FAILURES as exc:
         earlier = list_checkpoints(checkpoints)
         complete = "no checkpoint of this run is complete"
         if earlier:
-            complete = (f"the last complete checkpoint is {earlier[-1]} (--resume latest "
-                        "continues from it once there is room)")  # fmt: skip
+            complete = (
+                f"the last complete checkpoint is {earlier[-1]} (--resume latest continues "
+                "from it once there is room)"
+            )
         raise save_failure(exc, checkpoints / f"step-{run.step:08d}", complete) from None
+
+
+def save_final(run: Run, log: Callable[[str], None] = print) -> None:
+    """The final checkpoint, then OUTPUT_DIR/drafter/, each written aside and renamed into
+    place: a full disk leaves the last complete checkpoint and drafter as they were, and
+    is one SaveError naming the path, the space left and what is complete. What the
+    engines make of the saved drafter (a pruned head) is said once, here."""
+    final = save_checkpoint_or_fail(run)
     drafter_dir = run.output_dir / "drafter"
     tmp = run.output_dir / f".tmp-drafter-{os.getpid()}"
     try:
@@ -525,6 +612,9 @@ def save_final(run: Run) -> None:
         complete = f"the final checkpoint {final} is complete; its drafter/ is the trained drafter"
         raise save_failure(exc, drafter_dir, complete) from None
     run.final_saved = True
+    note = pruned_head_note(run.drafter.config)
+    if note is not None:
+        log(note)
 
 
 def save_dtype(run: Run) -> torch.dtype:
@@ -535,11 +625,17 @@ def save_dtype(run: Run) -> torch.dtype:
     return getattr(torch, name)
 
 
-def complete_run(run: Run, phase: PhaseFn = null_phase) -> tuple[dict[str, Any], float]:
+def complete_run(
+    run: Run, phase: PhaseFn = null_phase, log: Callable[[str], None] = print
+) -> tuple[dict[str, Any], float]:
     """Final checkpoint and drafter, then τ on held-out: (its figures, seconds spent)."""
     with phase(names.CHECKPOINT_SAVE):
-        save_final(run)
+        save_final(run, log)
     eval_start_s = time.perf_counter()
+    if run.cfg.run.eval_engine == "vllm" and run.cfg.run.eval_prompts:
+        with phase(names.EVAL):
+            figures = _measure_with_vllm(run, log)
+        return figures, time.perf_counter() - eval_start_s
     if run.target.head_only:  # no decoder to verify drafts with
         return {"tau": None, "eval_skipped": "the target was loaded without its decoder"}, 0.0
     with phase(names.EVAL):
@@ -547,6 +643,20 @@ def complete_run(run: Run, phase: PhaseFn = null_phase) -> tuple[dict[str, Any],
             run.target.to(run.placement.target)  # kept on the host while training from a cache
         result = evaluate_run(run.target, run.drafter, run.heldout_data, run.cfg.run)
     return eval_figures(result), time.perf_counter() - eval_start_s
+
+
+def _measure_with_vllm(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
+    """--eval-engine vllm: τ on the held-out prompts as vLLM serves the saved drafter."""
+    cfg = run.cfg.run
+    prompts = heldout_prompts(run.heldout_data, cfg.eval_prompts, cfg.eval_prompt_tokens)
+    target = TokenizerTarget(run.cfg.target.spec, run.target.tokenizer)
+    served = measure_with_vllm(
+        cfg.vllm_command, target, run.output_dir / "drafter", run.drafter.config.block_size,
+        prompts, cfg.eval_new_tokens, tuple(run.target.stop_token_ids), run.output_dir, log,
+    )  # fmt: skip
+    return {"tau": served["tau"], "tau_pooled": served["tau_pooled"],
+            "acceptance_per_position": served["acceptance_per_position"], "speedup": None,
+            "served": served}  # fmt: skip
 
 
 def build_summary(
@@ -621,7 +731,7 @@ def finish_run(
     phase: PhaseFn = null_phase,
 ) -> dict[str, Any]:
     """complete_run, then the summary printed and in summary.json."""
-    evaluation = complete_run(run, phase)
+    evaluation = complete_run(run, phase, log)
     started = started_s if started_s is not None else time.perf_counter()
     summary = build_summary(run, stats, started, evaluation=evaluation)
     write_summary(run, summary, log)

@@ -1,7 +1,8 @@
 """The offline jobs of a run's config: `cache-hidden` and `regenerate`.
 
-Both load the target as training would (device, dtype) and then hand it to the
-formats of dflash.offline; `cache-hidden` cuts the batches exactly as `train` with the
+Both load the target as training would (device, dtype; `cache-hidden --samples-only`
+its tokenizer, embedding and head alone) and then hand it to the formats of
+dflash.offline; `cache-hidden` cuts the batches exactly as `train` with the
 same config does, so the cache's batch i is the run's batch i.
 """
 
@@ -12,13 +13,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dflash.config.devices import decide_placement, resolve_device
 from dflash.config.settings import TrainConfig
 from dflash.data.chat import use_template_kwargs as use_chat_kwargs
+from dflash.data.corpus import EMBEDDED
 from dflash.offline.hidden_cache import open_hidden_cache, write_hidden_cache
 from dflash.offline.regenerate import RegenProgress, RegenReport, regenerate
-from dflash.offline.sample_cache import SAMPLES_DIR, sample_files, write_sample_cache
-from dflash.offline.server import CompletionClient, ServerSettings, TokenizerTarget
+from dflash.offline.sample_cache import (
+    SAMPLES_DIR,
+    sample_files,
+    write_sample_cache,
+    write_sample_plan,
+)
 from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateError, RegenerateSettings
 from dflash.run.lifecycle import (
     check_target_fits,
@@ -27,6 +35,7 @@ from dflash.run.lifecycle import (
     use_template_kwargs,
 )
 from dflash.target import load as target_load  # by module: tests swap load_target
+from dflash.target.served import CompletionClient, ServerSettings, TokenizerTarget
 
 
 def write_run_cache(
@@ -36,20 +45,40 @@ def write_run_cache(
     num_batches: int | None = None,
     batches_per_shard: int = BATCHES_PER_SHARD,
     fmt: str = "dflash",
+    samples_only: bool = False,
     log: Callable[[str], None] = print,
 ) -> str:
     """`dflash-train cache-hidden`: the features a `train` run of `cfg` would compute, for
     batches [0, num_batches) (None: --steps of one drafter device) in this project's
     batch cache, or (`fmt` speculators) for every document of the training rows, one
-    file each in speculators' layout. -> the line that says what was written."""
+    file each in speculators' layout; `samples_only`: those documents and the manifest
+    without their states, for an engine (vLLM) to extract. -> the line that says what
+    was written."""
     device = decide_placement(cfg.pipeline).target
-    target = target_load.load_target(cfg.target.spec, device, target_load.target_dtype(device),
-                                     log=log)  # fmt: skip
+    dtype = target_load.target_dtype(device)
+    if samples_only:
+        # The files hold what the run's target dtype gives; the decoder is needed only
+        # to regenerate --data embedded.
+        whole = cfg.data.source == EMBEDDED
+        on = device if whole else torch.device("cpu")
+        target = target_load.load_target(cfg.target.spec, on, dtype, log=log, head_only=not whole)
+    else:
+        target = target_load.load_target(cfg.target.spec, device, dtype, log=log)
     use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
     layer_ids = resolve_layer_ids(cfg, target.num_layers)
     train, heldout = run_datasets(cfg, target, log)
     start_s = time.perf_counter()
+    if samples_only:
+        path = write_sample_plan(target, train, heldout, output_dir, layer_ids=layer_ids)
+        with path.open() as lines:
+            count = sum(1 for _ in lines)
+        aux = [i + 1 for i in layer_ids]
+        return (
+            f"cache-hidden: {count} samples in {path}, their rows in the manifest; no hidden "
+            f"states yet: an engine extracts aux_hidden_state_layer_ids {aux} and the last "
+            f"layer in {str(dtype).removeprefix('torch.')} (tools/vllm/extract_hidden_states.py)"
+        )
     if fmt == "speculators":
         # The last layer always follows, as speculators' vLLM generation writes it: its
         # trainer takes the last slice for the verifier's states whatever the run uses.
@@ -74,7 +103,7 @@ def write_run_cache(
 
     write_hidden_cache(target, train, output_dir, layer_ids=layer_ids, num_batches=total,
                        with_final_norm=soft, batches_per_shard=batches_per_shard,
-                       progress=progress)  # fmt: skip
+                       progress=progress, log=log)  # fmt: skip
     reader = open_hidden_cache(output_dir, target=target, dataset=train, layer_ids=layer_ids,
                                with_final_norm=soft)  # fmt: skip
     tokens = reader.num_batches * reader.dataset.batch_size * reader.dataset.seq_len

@@ -23,6 +23,7 @@ import tracing
 from dflash import names
 from dflash.config.devices import Placement
 from dflash.config.settings import TrainConfig
+from dflash.errors import DFlashError
 from dflash.observe.instruments import flops_figures
 from dflash.observe.observer import Observer, shared_run_id, start_observer
 from dflash.observe.report import ReportError, write_report
@@ -41,6 +42,7 @@ from dflash.pipeline.queues import (
     TrainingInterrupted,
 )
 from dflash.pipeline.stages import Pipeline, StepFn
+from dflash.run.checkpoint import SaveError
 from dflash.run.folder import METRICS_FILE
 from dflash.run.lifecycle import (
     Run,
@@ -50,11 +52,11 @@ from dflash.run.lifecycle import (
     build_summary,
     complete_run,
     log_startup,
-    save_run_checkpoint,
+    save_checkpoint_or_fail,
     start_run,
     write_summary,
 )
-from dflash.run.progress import Progress
+from dflash.run.progress import HeldLog, Progress
 from dflash.run.replicas import Replica, build_replicas, mover, target_forwards
 from dflash.train.step_metrics import StageRates, StepMetrics, span_attributes
 from tracing.throughput import mfu
@@ -101,7 +103,7 @@ class _StepBook:
             # replica 0's weights cannot move while it is here
             with tracing.phase(names.CHECKPOINT_SAVE, level="step",
                                attributes={names.STEP: run.step}):  # fmt: skip
-                save_run_checkpoint(run)
+                save_checkpoint_or_fail(run)
 
     def _log_step(self, figures: dict[str, Any]) -> None:
         """A logged step: metrics.jsonl (rank 0) and the metrics signal (every rank)."""
@@ -148,6 +150,10 @@ def run_training(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
         raise
     try:
         return run_pipeline(cfg, log=log, start=start, observer=observer)
+    except (DFlashError, Interrupted):
+        if not observer.folder_written:  # refused or stopped before training: one line
+            observer.close(lambda _: None)
+        raise
     finally:
         observer.close(log)  # no-op after a normal finish
         start.end()  # the folder's lock: after the last file the run writes
@@ -222,7 +228,8 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], start: Start,
            observer: Observer | None, progress_stream: Any) -> _Setup:  # fmt: skip
     info, placement = start.info, start.placement
     quiet = log if info.is_main else (lambda _: None)
-    run = build_run(cfg, placement, quiet)
+    held = HeldLog(quiet)  # what start-up says, once every check below has passed
+    run = build_run(cfg, placement, held)
     check_same_across_ranks(len(placement.drafters), "the number of drafter devices",
                             placement.drafter)  # fmt: skip
     check_same_across_ranks(run.step, "the step to resume from", placement.drafter)
@@ -235,7 +242,6 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], start: Start,
         replica.trainer.grad_sync = averager.hook(i) if averager.needed else None
     ranks = f" x {info.world_size} ranks" if info.enabled else ""
     telemetry_line = observer.describe() if observer is not None else None
-    log_startup(run, quiet, placement.describe() + ranks, telemetry_line)
     progress = Progress(cfg.run.steps, run.step, log=None,
                         stream=progress_stream if info.is_main else io.StringIO())  # fmt: skip
     metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
@@ -260,7 +266,10 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], start: Start,
         first_step=run.step,
     )  # fmt: skip
     book.rates = StageRates(_stage_tokens(pipe, info.world_size))
-    # Every check has passed (the hidden-state cache's among them): the run's files now.
+    # Every check has passed (the hidden-state cache's among them): the run's lines and
+    # files now.
+    held.release()
+    log_startup(run, quiet, placement.describe() + ranks, telemetry_line)
     start.begin_training(cfg, quiet)
     if observer is not None:
         observer.folder_written = True  # stats.json and the timeline may go there now
@@ -326,6 +335,8 @@ def _finish(setup: _Setup, info: DistInfo, observer: Observer | None, log: Calla
     if failure is not None:
         close()  # the final table, before the one-line error
         log_path = _write_error_log(run.output_dir, info, failure)
+        if isinstance(failure.error, SaveError):  # a full disk: its line, as at the final save
+            raise failure.error
         raise failure.to_error().with_log(log_path or "") from failure.error
     if stuck:
         log(f"warning: threads still running after the stop: {', '.join(stuck)}")
@@ -344,7 +355,7 @@ def _finish(setup: _Setup, info: DistInfo, observer: Observer | None, log: Calla
         close()
         return {"rank": info.rank, "steps": run.step, "pipeline": figures}
     try:
-        evaluation = complete_run(run, phase=lambda n: tracing.phase(n, level="step"))
+        evaluation = complete_run(run, lambda n: tracing.phase(n, level="step"), log)
     except Interrupted as exc:  # during the final save or evaluation: record what is known
         summary = build_summary(run, stats, started_s, interrupted=exc.describe(),
                                 extra=_extra(figures, close()))  # fmt: skip
@@ -392,6 +403,6 @@ def _checkpoint_after_signal(run: Run, info: DistInfo, name: str, stuck: list[st
     if any(thread.startswith("drafter") for thread in stuck):
         log(f"{name}: a drafter thread did not stop in time: no checkpoint written")
     else:
-        path = save_run_checkpoint(run)
+        path = save_checkpoint_or_fail(run)
         log(f"{name}: checkpoint at step {run.step} in {path}")
     return True

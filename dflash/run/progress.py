@@ -19,6 +19,36 @@ from dflash.objective.noise import NoiseSchedule
 from dflash.observe.report import tau_notes
 
 
+class HeldLog:
+    """A log whose lines wait for `release`: what a run's start-up says about its target
+    and data is printed once every check has passed, so that a refused run prints its
+    one `Error:` line alone (a run that fails drops them with it). `live` is the log
+    itself, for progress that must show while it happens (minutes of target preparation
+    or regeneration)."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.live = live_log(log)
+        self._log = log
+        self._held: list[str] | None = []
+
+    def __call__(self, line: str) -> None:
+        if self._held is None:
+            self._log(line)
+        else:
+            self._held.append(line)
+
+    def release(self) -> None:
+        """Prints the held lines; later lines go straight through."""
+        held, self._held = self._held, None
+        for line in held or ():
+            self._log(line)
+
+
+def live_log(log: Callable[[str], None]) -> Callable[[str], None]:
+    """The log that prints at once: `log` itself unless it holds its lines (HeldLog)."""
+    return getattr(log, "live", log)
+
+
 def format_loss_config(cfg: TrainConfig) -> str:
     """The objective on one line (the telemetry line follows it)."""
     obj = cfg.loss

@@ -23,7 +23,7 @@ from dflash.run.lifecycle import (
     build_run,
     finish_run,
     log_startup,
-    save_run_checkpoint,
+    save_checkpoint_or_fail,
     start_run,
 )
 from dflash.run.progress import Progress
@@ -83,7 +83,7 @@ def _train(cfg: TrainConfig, start: Start, log: Callable[[str], None], progress_
             if figures is not None:
                 run.trainer.check_figures(figures)  # a diverged run stops before it saves
             if cfg.run.checkpoint_due(run.step):
-                save_run_checkpoint(run)
+                save_checkpoint_or_fail(run)
     finally:
         progress.close()
     stats = RunStats([float(x) for x in losses], num_tokens, time.perf_counter() - train_start_s)

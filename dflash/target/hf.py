@@ -5,10 +5,11 @@ transformers is imported only when such a target loads, so it stays optional.
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
-import socket
 import threading
+import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -62,6 +63,7 @@ def load_hf_target(spec: str, device: torch.device | str, dtype: torch.dtype | N
     source = str(path) if path.exists() else spec
     unreachable = None if path.exists() else hub_unreachable()
     cached_only = {"local_files_only": True} if unreachable else {}
+    _check_decoder_config(spec, source, cached_only)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype or torch.float32, **cached_only
@@ -98,6 +100,24 @@ def load_hf_target(spec: str, device: torch.device | str, dtype: torch.dtype | N
         stop_token_ids=hf_stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
     )
     return target.to(device)
+
+
+def _check_decoder_config(spec: str, source: str, cached_only: dict[str, bool]) -> None:
+    """A target a drafter cannot follow (a GPT-2: no rotary decoder) is refused from its
+    config, before gigabytes of weights load or download."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(source, **cached_only)
+    except (OSError, ValueError, KeyError):
+        return  # loading the model names what is wrong
+    if getattr(config, "model_type", None) not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return  # not a causal LM at all: loading says so
+    try:
+        geometry_from_hf_config(config)
+    except TargetError as err:
+        raise TargetError(f"target {spec}: {first_line(err).removeprefix('target ')}") from None
 
 
 def _weight_files(path: Path) -> dict[str, Path] | None:
@@ -173,29 +193,62 @@ def load_hf_head(spec: str, dtype: torch.dtype | None) -> TargetModel:
     return target
 
 
+_PROBED: dict[str, str | None] = {}  # endpoint -> its answer, once per process
+
+
 def hub_unreachable(timeout_s: float = HUB_PROBE_S) -> str | None:
-    """Why the Hugging Face hub cannot be reached now (offline mode, no DNS, no route), or
-    None when a TCP connection to it opens within `timeout_s`."""
+    """Why the Hugging Face hub cannot be used now (offline mode, no DNS, no route, an
+    endpoint that takes the connection but never answers), or None when it answers an
+    HTTP request within `timeout_s`, one deadline for the whole probe (name lookup,
+    connection, TLS, answer). Asked once per process: every later lookup of the run
+    (config, tokenizer, weights) gets the same answer without waiting again."""
     from huggingface_hub import constants  # with transformers: optional
 
     if constants.HF_HUB_OFFLINE:
         return "HF_HUB_OFFLINE is set"
-    url = urlparse(constants.ENDPOINT)
+    endpoint = constants.ENDPOINT
+    if endpoint not in _PROBED:
+        _PROBED[endpoint] = _probe_hub(endpoint, timeout_s)
+    return _PROBED[endpoint]
+
+
+def _probe_hub(endpoint: str, timeout_s: float) -> str | None:
+    url = urlparse(endpoint)
     host = url.hostname or "huggingface.co"
-    port = url.port or (443 if url.scheme == "https" else 80)
     outcome: list[str | None] = []
 
-    def probe() -> None:  # getaddrinfo has no timeout of its own: a thread bounds it
+    def probe() -> None:  # getaddrinfo has no timeout of its own: a thread bounds it all
         try:
-            socket.create_connection((host, port), timeout=timeout_s).close()
+            connection = _hub_connection(url, timeout_s)
+            try:
+                connection.request("HEAD", url.path or "/")
+                connection.getresponse()  # any status: the hub answers
+            finally:
+                connection.close()
             outcome.append(None)
-        except OSError as exc:
-            outcome.append(f"{host}: {exc.strerror or type(exc).__name__}")
+        except (OSError, http.client.HTTPException) as exc:
+            outcome.append(f"{host}: {getattr(exc, 'strerror', None) or first_line(exc)}")
 
     thread = threading.Thread(target=probe, name="hub-probe", daemon=True)
     thread.start()
     thread.join(timeout_s)
-    return outcome[0] if outcome else f"{host}: no answer within {timeout_s:.0f} s"
+    return outcome[0] if outcome else f"{host}: no answer within {timeout_s:g} s"
+
+
+def _hub_connection(url: Any, timeout_s: float) -> http.client.HTTPConnection:
+    """A connection to the hub as huggingface_hub would make it: through the proxy of
+    HTTPS_PROXY/HTTP_PROXY (tunnelled) unless NO_PROXY names the host."""
+    host = url.hostname or "huggingface.co"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    secure = url.scheme == "https"
+    kind = http.client.HTTPSConnection if secure else http.client.HTTPConnection
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if not proxy or urllib.request.proxy_bypass(host):
+        return kind(host, port, timeout=timeout_s)
+    via = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+    connection = kind(via.hostname or "", via.port or 80, timeout=timeout_s)
+    connection.set_tunnel(host, port)
+    return connection
 
 
 def _as_ids(value: Any) -> list[int]:
@@ -209,3 +262,17 @@ def hf_stop_token_ids(tokenizer: Any, generation_config: Any) -> tuple[int, ...]
     ids = _as_ids(getattr(tokenizer, "eos_token_id", None))
     ids += _as_ids(getattr(generation_config, "eos_token_id", None))
     return tuple(dict.fromkeys(ids))
+
+
+def load_stop_token_ids(spec: str, tokenizer: Any) -> tuple[int, ...]:
+    """The stop tokens of a target whose weights do not load here (a served one): its
+    tokenizer's EOS and its generation config's, where it has one."""
+    generation_config = None
+    try:
+        from transformers import GenerationConfig
+
+        path = Path(spec).expanduser()
+        generation_config = GenerationConfig.from_pretrained(str(path) if path.exists() else spec)
+    except (ImportError, OSError, ValueError):
+        pass  # no generation config: the tokenizer's EOS alone
+    return hf_stop_token_ids(tokenizer, generation_config)

@@ -16,7 +16,7 @@ import torch
 from dflash.data.tokenizer import ByteTokenizer
 from dflash.errors import first_line
 from dflash.target.geometry import TargetError
-from dflash.target.hf import can_load_head_only, load_hf_head, load_hf_target
+from dflash.target.hf import can_load_head_only, hub_unreachable, load_hf_head, load_hf_target
 from dflash.target.model import TargetModel
 from dflash.target.tiny import TinyLM, load_tiny_lm, prepare_builtin_target
 
@@ -83,8 +83,12 @@ def load_tokenizer(spec: str) -> Any:
             "Hugging Face targets need transformers: pip install 'dflash-train[hf]'"
         ) from err
     path = Path(spec).expanduser()
+    # A hub that cannot answer is not waited for: the Hugging Face cache answers instead.
+    cached_only = not path.exists() and hub_unreachable() is not None
     try:
-        return AutoTokenizer.from_pretrained(str(path) if path.exists() else spec)
+        return AutoTokenizer.from_pretrained(
+            str(path) if path.exists() else spec, local_files_only=cached_only
+        )
     except (OSError, ValueError, KeyError) as err:
         why = first_line(err)
         raise TargetError(f"cannot load the tokenizer of target {spec}: {why}") from None

@@ -12,13 +12,14 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from dflash.config import checks
 from dflash.data.chat import use_template_kwargs
 from dflash.data.documents import document_positions
 from dflash.nn.kvcache import KVCache, crop_hf_cache
@@ -38,7 +39,7 @@ class MaskToken:
     """The embedding row used for masked block positions, and how it was chosen."""
 
     token_id: int
-    source: str  # "tokenizer" | "spare-row" | "explicit" | "unused-special"
+    source: str  # "tokenizer" | "spare-row" | "explicit" | "unused-special" | "unused-unk"
     text: str | None = None  # the token's text, for an unused special token
 
     def describe(self) -> str:
@@ -49,6 +50,10 @@ class MaskToken:
             "unused-special": f"{self.text!r}: the tokenizer has no mask token and no spare "
             "embedding row, and this special token occurs in neither the training nor the "
             "held-out data",
+            "unused-unk": f"{self.text!r}, the unknown token: the tokenizer has no mask token, "
+            "no spare embedding row and no other special token the data leaves unused, and "
+            "this one occurs in neither the training nor the held-out data (a byte-fallback "
+            "tokenizer never writes it)",
         }[self.source]
         return f"mask token id {self.token_id} ({how})"
 
@@ -62,21 +67,43 @@ def unused_special_token(
 ) -> MaskToken | None:
     """The first special token (by id) that occurs in none of `token_ids` (arrays of the
     training and held-out data, padding included): a row of the target's embedding the
-    drafter can mask with, which every engine loading the drafter also has."""
+    drafter can mask with, which every engine loading the drafter also has. The unknown
+    token comes last, when no other special token is free."""
     special = set(getattr(tokenizer, "all_special_ids", None) or [])
     for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
         if getattr(added, "special", False):
             special.add(int(token_id))
     # Never a token the pipeline itself writes: padding (regeneration batches, short rows),
-    # document ends and starts, the unknown token.
+    # document ends and starts; the unknown token only as the last resort.
     for role in ("pad_token_id", "eos_token_id", "bos_token_id", "unk_token_id"):
         special.discard(getattr(tokenizer, role, None))
     arrays = list(token_ids)
     for token_id in sorted(i for i in special if isinstance(i, int) and 0 <= i < num_embeddings):
-        if not any(bool((ids == token_id).any()) for ids in arrays):
-            text = tokenizer.convert_ids_to_tokens(token_id) or tokenizer.decode([token_id])
-            return MaskToken(token_id, "unused-special", str(text))
-    return None
+        if _unused(token_id, arrays):
+            return MaskToken(token_id, "unused-special", _token_text(tokenizer, token_id))
+    return _unused_unk(tokenizer, num_embeddings, arrays)
+
+
+def _unused_unk(tokenizer: Any, num_embeddings: int, arrays: list[Any]) -> MaskToken | None:
+    """The last resort (Llama-2, Mistral-7B-v0.1, TinyLlama: BOS, EOS, UNK and nothing
+    else): the unknown token, when it is no token the pipeline writes itself (padding,
+    document ends and starts) and the data does not hold it."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    roles = ("pad_token_id", "eos_token_id", "bos_token_id")
+    writes = {getattr(tokenizer, role, None) for role in roles}
+    if not isinstance(unk, int) or not 0 <= unk < num_embeddings or unk in writes:
+        return None
+    if not _unused(unk, arrays):
+        return None
+    return MaskToken(unk, "unused-unk", _token_text(tokenizer, unk))
+
+
+def _unused(token_id: int, arrays: list[Any]) -> bool:
+    return not any(bool((ids == token_id).any()) for ids in arrays)
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return str(tokenizer.convert_ids_to_tokens(token_id) or tokenizer.decode([token_id]))
 
 
 def tokenizer_vocab_size(tokenizer: Any) -> int:
@@ -127,20 +154,42 @@ class _StopForward(Exception):
 
 
 def default_target_layers(num_layers: int, k: int) -> list[int]:
-    """k layer ids spread evenly from layer 1 to layer num_layers-3 (both included).
+    """k distinct ascending layer ids spread evenly from layer 1 to layer num_layers-3
+    (both included), the paper's range.
 
-    Shallow targets clamp the range into [0, num_layers-1], so ids may repeat there.
+    A target too shallow for k layers in that range widens it, first up to L-2, then down
+    to layer 0, last to L-1 (the last layer, which not every engine can capture): the
+    ids never repeat, since no engine captures a layer twice. Where the range already
+    held k layers, the ids are those of the paper's spread, unchanged.
     """
     if num_layers < 1 or k < 1:
         raise TargetError(f"need num_layers >= 1 and k >= 1, got {num_layers} and {k}")
+    if k > num_layers:
+        raise TargetError(
+            f"--drafter-layers {k}: the default is one target layer per drafter layer, and "
+            f"the target has only {num_layers} distinct layers: give --target-layers (at "
+            f"most {num_layers} ascending ids) or fewer drafter layers"
+        )
     first = min(1, num_layers - 1)
     last = max(first, num_layers - 3)
     if k == 1:
         return [(first + last) // 2]
+    wider = max(last, num_layers - 2)
+    ranges = ((first, last), (first, wider), (0, wider), (0, num_layers - 1))
+    first, last = next((lo, hi) for lo, hi in ranges if hi - lo + 1 >= k)  # the last fits
+    # Steps of at least 1 round to distinct integers: |round(x) - x| <= 1/2.
     return [round(first + i * (last - first) / (k - 1)) for i in range(k)]
 
 
 def validate_target_layers(ids: list[int], num_layers: int) -> None:
+    """The drafter's captured layers: in range, each once, ascending (checks.layer_ids)."""
+    check_layers_in_range(ids, num_layers)
+    reason = checks.layer_ids(tuple(ids))  # the config's check, for ids of the Python API
+    if reason is not None:
+        raise TargetError(f"--target-layers {','.join(map(str, ids))} is invalid: {reason}")
+
+
+def check_layers_in_range(ids: list[int], num_layers: int) -> None:
     if not ids:
         raise TargetError("target layer ids are empty: give at least one id")
     for i in ids:
@@ -149,6 +198,30 @@ def validate_target_layers(ids: list[int], num_layers: int) -> None:
                 f"target layer id {i} is out of range: the target has {num_layers} layers "
                 f"(valid ids 0..{num_layers - 1})"
             )
+
+
+def choose_target_layers(given: Sequence[int] | None, num_layers: int, k: int) -> list[int]:
+    """The layers a drafter with k layers captures: `given` (--target-layers) checked
+    against the target, else the default spread."""
+    if given is None:
+        return default_target_layers(num_layers, k)
+    ids = list(given)
+    validate_target_layers(ids, num_layers)
+    return ids
+
+
+def last_layer_warning(ids: Sequence[int], num_layers: int) -> str | None:
+    """One line when the target's last decoder layer is among `ids`: this project and
+    vLLM capture its output before the final norm, but SGLang cannot capture it and
+    speculators' DFlash converter drops it."""
+    last = num_layers - 1
+    if last not in ids:
+        return None
+    return (
+        f"warning: target layer {last} is the target's last decoder layer: vLLM serves the "
+        "drafter as trained (its output before the final norm), but SGLang cannot capture "
+        f"it and speculators' converter drops it; choose --target-layers below {last} for them"
+    )
 
 
 class TargetModel(nn.Module):
@@ -289,7 +362,8 @@ class TargetModel(nn.Module):
         the LM head need no logits; the forward then stops before the LM head.
         doc_ids[B, T] (packed rows) keeps every document's attention to itself.
         """
-        validate_target_layers(layer_ids, self.num_layers)
+        # Any order and repeats: internal callers (a cache adding the last layer) may ask.
+        check_layers_in_range(layer_ids, self.num_layers)
         wanted = sorted(set(layer_ids))
         kept: dict[int | str, Tensor] = {}
         last = wanted[-1]

@@ -99,6 +99,7 @@ def record_losses(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, float]]:
 NON_DEFAULT = {
     "data": "corpus.txt", "seq_len": 64, "batch_size": 3, "heldout_fraction": 0.1,
     "packing": "concat", "max_dropped_share": 0.25, "keep_cut_replies": True,
+    "chat_rendering": "per-turn",
     "drafter_intermediate_size": 96,
     "mask_token_id": 7, "draft_vocab_size": 64,
     "chat_template_kwargs": "{\"enable_thinking\": false}",

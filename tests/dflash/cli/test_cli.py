@@ -43,6 +43,9 @@ def captured(monkeypatch):
         (["--hs-queue-size", "0"], ["--hs-queue-size"]),
         (["--trace-sample-ratio", "2"], ["--trace-sample-ratio"]),
         (["--target-layers", "1,x"], ["--target-layers"]),
+        (["--target-layers", "2,0"], ["--target-layers '2,0'", "ascending", "(give 0,2)"]),
+        (["--target-layers", "1,3,1"], ["--target-layers '1,3,1'", "layer 1 is named twice"]),
+        (["--chat-rendering", "turns"], ["--chat-rendering", "turns"]),
         (["--lr", "inf"], ["--lr", "inf"]),
         (["--lr", "nan"], ["--lr", "nan"]),
         (["--kl-temperature", "-inf"], ["--kl-temperature"]),
@@ -157,7 +160,9 @@ def test_target_that_is_not_a_causal_lm(tmp_path) -> None:
     model_dir = tmp_path / "t5"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 8}))
-    assert_one_line_error(invoke(_train_args(tmp_path, target=str(model_dir))), "causal LM")
+    # Refused from its config.json, before any weights load.
+    result = invoke(_train_args(tmp_path, target=str(model_dir)))
+    assert_one_line_error(result, str(model_dir), "'t5' model is not a Llama/Qwen-style decoder")
     plain_dir = tmp_path / "plain"
     plain_dir.mkdir()
     assert_one_line_error(invoke(_train_args(tmp_path, target=str(plain_dir))), "plain")

@@ -3,12 +3,13 @@ that rendering, so a template that rewrites earlier turns (Qwen3) does not corru
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dflash.data.chat import ChatTemplateError, render_chat
+from dflash.data.chat import ChatTemplateError, render_chat, render_turns, use_template_kwargs
 
 TEMPLATES = Path(__file__).parent / "templates"
 LLAMA3 = (
@@ -104,6 +105,62 @@ def test_qwen3_rewrites_earlier_turns_and_its_think_block_is_context(byte_tokeni
     assert decoded.count("<think>") == 1  # the last reply's empty think block, not learned
 
 
+def non_thinking_qwen3(byte_tokenizer):
+    """The real Qwen3 template with --chat-template-kwargs '{"enable_thinking": false}', on
+    a copy: the arguments stay with this tokenizer, not the module's fixture."""
+    tok = copy.deepcopy(with_template(byte_tokenizer, (TEMPLATES / "qwen3.jinja").read_text()))
+    use_template_kwargs(tok, {"enable_thinking": False})
+    return tok
+
+
+@pytest.mark.slow
+def test_enable_thinking_false_leaves_qwen3s_whole_rendering_as_it_was(byte_tokenizer) -> None:
+    thinking = with_template(byte_tokenizer, (TEMPLATES / "qwen3.jinja").read_text())
+    before = render_chat(thinking, CHAT)
+    after = render_chat(non_thinking_qwen3(byte_tokenizer), CHAT)
+    # The template reads the flag in the generation prompt only.
+    assert after.ids.tolist() == before.ids.tolist()
+    assert after.mask.tolist() == before.mask.tolist()
+
+
+@pytest.mark.slow
+def test_per_turn_learns_each_reply_after_the_prompt_a_non_thinking_server_gives(
+    byte_tokenizer,
+) -> None:
+    tok = non_thinking_qwen3(byte_tokenizer)
+    turns = render_turns(tok, CHAT)
+    assert len(turns) == 2
+    for turn, upto, reply in ((turns[0], 1, "first answer"), (turns[1], 3, "second answer")):
+        prompt = tok.apply_chat_template(CHAT[:upto], tokenize=False, add_generation_prompt=True)
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        assert tok.decode(turn.ids.tolist()) == f"{prompt}{reply}<|im_end|>"
+        assert learned_text(tok, turn) == [f"{reply}<|im_end|>"]  # the prompt is context
+        assert turn.turn_ends.tolist() == [len(turn.ids)]  # never cut inside
+    # The whole rendering learns the first reply after `<|im_start|>assistant\n` alone.
+    whole = render_chat(tok, CHAT)
+    assert learned_text(tok, whole) == ["first answer<|im_end|>", "second answer<|im_end|>"]
+    first = int(np.flatnonzero(whole.mask)[0])
+    assert tok.decode(whole.ids[:first].tolist()).endswith("<|im_start|>assistant\n")
+    prompt_len = int(np.flatnonzero(turns[0].mask)[0])
+    assert whole.ids[:first].tolist() != turns[0].ids[:prompt_len].tolist()
+    assert len(whole.ids) < sum(len(t.ids) for t in turns)  # turn 1 is read twice
+
+
+def test_per_turn_without_a_template_is_the_whole_rendering_cut_after_each_reply() -> None:
+    from dflash.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    whole = render_chat(tok, CHAT)
+    ends = [int(e) for e in whole.turn_ends]  # after turns 1..4
+    turns = render_turns(tok, CHAT)
+    for turn, end in zip(turns, (ends[1], ends[3]), strict=True):
+        assert turn.ids.tolist() == whole.ids[:end].tolist()
+        assert turn.mask[: ends[0]].sum() == 0 and turn.mask[-1]
+    assert turns[1].mask.sum() == len("second answer\n")  # only its own reply
+    # A reply with nothing before it has no prompt a server would give: left out.
+    assert render_turns(tok, [{"role": "assistant", "content": "hello"}]) == []
+
+
 @pytest.mark.slow
 def test_a_template_that_changes_a_reply_is_one_line(byte_tokenizer) -> None:
     shouting = "{% for m in messages %}<|im_start|>{{ m['content'] | upper }}<|im_end|>{% endfor %}"
@@ -176,3 +233,49 @@ def test_inspect_data_shows_learned_spans_and_writes_documents(tmp_path) -> None
     (doc,) = json.loads(out.read_text())
     assert set(doc) == {"text", "tokens", "loss_mask"}
     assert len(doc["tokens"]) == len(doc["loss_mask"]) and 0 < sum(doc["loss_mask"])
+
+
+@pytest.mark.slow
+def test_chat_rendering_per_turn_reaches_the_rows_through_the_command_line(tmp_path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from dflash import cli
+    from tests.dflash.hf_fixtures import save_hf_target
+
+    target = save_hf_target(tmp_path / "t")
+    chats = tmp_path / "chats.jsonl"
+    messages = [
+        {"role": "user", "content": "def add a b"},
+        {"role": "assistant", "content": "return a"},
+        {"role": "user", "content": "print x"},
+        {"role": "assistant", "content": "print y"},
+    ]
+    chats.write_text(json.dumps({"messages": messages}) + "\n")
+
+    def documents(rendering: str) -> list[dict]:
+        out = tmp_path / f"{rendering}.json"
+        args = [
+            "inspect-data",
+            "--target",
+            str(target),
+            "--data",
+            str(chats),
+            "--seq-len",
+            "64",
+            "--json",
+            str(out),
+            "--chat-rendering",
+            rendering,
+        ]
+        result = CliRunner().invoke(cli.cli, args, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return json.loads(out.read_text())
+
+    (whole,) = documents("whole")
+    first, second = documents("per-turn")
+    assert whole["text"].count("def add a b") == 1
+    assert first["text"].rstrip().endswith("assistant return a </s>")
+    assert "print y" not in first["text"] and second["text"].count("return a") == 1
+    assert sum(first["loss_mask"]) + sum(second["loss_mask"]) == sum(whole["loss_mask"])

@@ -149,3 +149,24 @@ def test_heldout_prompts_do_not_depend_on_seq_len(tmp_path) -> None:
     prompts = heldout_prompts(held_a, 3, 10)
     assert prompts == heldout_prompts(held_b, 3, 10)
     assert len(prompts) == 3 and all(len(p) == 10 for p in prompts)
+
+
+def test_per_turn_documents_of_one_conversation_share_its_name_and_side_of_the_split(
+    tmp_path,
+) -> None:
+    from dflash.data.sources import read_jsonl
+
+    chat = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+        {"role": "assistant", "content": "a2"},
+    ]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": chat}) + "\n" for _ in range(3)))
+    whole = read_jsonl(path, ByteTokenizer())
+    turns = read_jsonl(path, ByteTokenizer(), rendering="per-turn")
+    assert [d.name for d in whole] == [f"{path}:{i}" for i in (1, 2, 3)]
+    assert [d.name for d in turns] == [f"{path}:{i}" for i in (1, 1, 2, 2, 3, 3)]
+    assert sum(int(d.mask.sum()) for d in turns) == sum(int(d.mask.sum()) for d in whole)
+    assert all(d.turn_ends.tolist() == [len(d.ids)] for d in turns)

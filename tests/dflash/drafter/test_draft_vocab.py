@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from dflash import cli as cli_mod
 from dflash.config.settings import LossConfig
-from dflash.drafter.io import load_drafter, save_drafter
+from dflash.drafter.io import load_drafter, pruned_head_note, save_drafter
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.drafter.vocab import DraftVocabError, check_draft_vocab_size, select_draft_vocab
 from dflash.objective.loss import chunked_dflash_loss
@@ -111,6 +111,14 @@ def test_saved_mappings_are_what_vllm_reads_and_drafts_come_back_in_target_ids(t
     torch.testing.assert_close(logits, expected)
 
 
+def test_only_a_pruned_head_is_noted_with_what_each_engine_serves(target):
+    whole = DrafterConfig.for_target(target, num_layers=1, block_size=4)
+    assert pruned_head_note(whole) is None
+    note = pruned_head_note(pruned(target, [3, 10, 40]).config)
+    assert note is not None and "3 of the 260 tokens" in note and "\n" not in note
+    assert "vLLM serves it as saved" in note and "SGLang" in note
+
+
 def invoke(tmp_path, output_dir=None, **extra):
     args = ["train"]
     for key, value in {**small_options(tmp_path, output_dir), "steps": 3, **extra}.items():
@@ -124,6 +132,10 @@ def test_training_with_a_draft_vocabulary_saves_and_says_it(tmp_path):
     assert result.exit_code == 0, result.output
     (line,) = [s for s in result.output.splitlines() if s.startswith("draft vocabulary:")]
     assert "the 64 most frequent of the target's 260 tokens" in line, line
+    # Said once, at the final save (not at each checkpoint), naming what each engine does.
+    (note,) = [s for s in result.output.splitlines() if s.startswith("drafter: its head")]
+    assert "64 of the 260 tokens" in note and "vLLM serves it as saved" in note, note
+    assert "SGLang would ignore the pruned head" in note, note
     state = load_file(str(tmp_path / "drafter" / "model.safetensors"))
     assert state["t2d"].sum() == 64
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -141,6 +141,26 @@ def test_not_a_dflash_checkpoint_and_mismatches_are_one_line_errors(small, tmp_p
         load_drafter(out, target=other)
 
 
+@pytest.mark.parametrize(
+    ("ids", "fragment"),
+    [
+        ([3, 1], r"target_layer_ids \[3, 1\]: ids must be ascending"),
+        ([1, 1], r"target_layer_ids \[1, 1\]: layer 1 is named twice"),
+    ],
+)
+def test_a_saved_drafter_with_layers_no_engine_reads_so_is_refused(small, tmp_path, ids, fragment):
+    out = save_drafter(make_drafter(small), tmp_path / "d")
+    assert read_drafter_config(out).target_layer_ids == [1, 3]
+    config = json.loads((out / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = ids
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DrafterError, match=fragment) as info:
+        read_drafter_config(out)
+    assert "\n" not in str(info.value) and str(out / "config.json") in str(info.value)
+    with pytest.raises(DrafterError, match=fragment):
+        load_drafter(out, target=small)
+
+
 def test_export_converts_the_first_layout(small, tmp_path) -> None:
     from safetensors.torch import save_file
 
@@ -198,6 +218,10 @@ def test_export_converts_the_first_layout(small, tmp_path) -> None:
             json.dumps({**old_cfg, "target_layer_ids": None})), "unusable value"),
         "truncated weights": (lambda d: (d / "model.safetensors").write_bytes(
             (old_dir / "model.safetensors").read_bytes()[:100]), "damaged"),
+        "layers out of order": (lambda d: (d / "config.json").write_text(
+            json.dumps({**old_cfg, "target_layer_ids": [3, 1]})), "ids must be ascending"),
+        "a layer twice": (lambda d: (d / "config.json").write_text(
+            json.dumps({**old_cfg, "target_layer_ids": [3, 3]})), "layer 3 is named twice"),
     }  # fmt: skip
     for name, (damage, fragment) in damages.items():
         broken = tmp_path / name.replace(" ", "-")
@@ -206,6 +230,18 @@ def test_export_converts_the_first_layout(small, tmp_path) -> None:
         result = export(broken, tmp_path / f"{broken.name}-out")
         assert result.exit_code == 2 and fragment in result.output, (name, result.output)
         assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+        assert not (tmp_path / f"{broken.name}-out" / "config.json").exists()
+
+    # The target's last layer (5 of 6): exported, with one warning on stderr naming the engines.
+    last = tmp_path / "last-layer"
+    shutil.copytree(old_dir, last)
+    (last / "config.json").write_text(json.dumps({**old_cfg, "target_layer_ids": [1, 5]}))
+    result = export(last, tmp_path / "last-out")
+    assert result.exit_code == 0 and result.stdout.strip() == str(tmp_path / "last-out")
+    (warning,) = result.stderr.strip().splitlines()
+    assert "target layer 5" in warning and "SGLang" in warning and "speculators" in warning
+    assert read_drafter_config(tmp_path / "last-out").target_layer_ids == [1, 5]
+    assert export(old_dir, tmp_path / "cli-again").stderr == ""  # layers 1, 3: nothing to say
 
 
 def _step_loss(run, index: int) -> torch.Tensor:

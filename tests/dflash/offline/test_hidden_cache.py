@@ -204,3 +204,42 @@ def test_train_refuses_a_cache_of_another_run_or_too_short(tmp_path) -> None:
     assert not (tmp_path / "o").exists()  # no step ran, nothing of the run was written
     shard.write_bytes(shard.read_bytes()[:-10])
     assert "truncated" in train("--steps", 3)
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "deleted", "truncated"])
+def test_a_rerun_verifies_every_shard_and_writes_a_damaged_one_again(tmp_path, damage) -> None:
+    """The reader's advice, "rerun cache-hidden", holds: the rerun does not answer
+    "complete" over a damaged shard, nor loop back to the same advice."""
+    target, data = _target(), _data(tmp_path)
+    cache = tmp_path / "cache"
+
+    def write(log=None):
+        options = {"layer_ids": LAYERS, "num_batches": 6, "batches_per_shard": 2, "log": log}
+        return write_hidden_cache(target, data, cache, **options)
+
+    write()
+    shard = cache / "shard-00001.safetensors"
+    good = shard.read_bytes()
+    if damage == "flipped byte":
+        shard.write_bytes(good[:-9] + bytes([good[-9] ^ 0xFF]) + good[-8:])
+    elif damage == "deleted":
+        shard.unlink()
+    else:
+        shard.write_bytes(good[: len(good) // 2])
+    with pytest.raises(HiddenCacheError, match="rerun cache-hidden"):  # what the reader says
+        open_hidden_cache(cache, target=target, dataset=data, layer_ids=LAYERS).verify(0, 5)
+    lines: list[str] = []
+    others = {p.name: p.read_bytes() for p in cache.glob("shard-*") if p != shard}
+    write(lines.append)
+    why = {
+        "flipped byte": "corrupt (checksum mismatch)",
+        "deleted": "missing",
+        "truncated": f"truncated ({len(good) // 2} of {len(good)} bytes)",
+    }[damage]
+    assert lines == [f"cache-hidden: {shard} was {why}: written again"]
+    assert shard.read_bytes() == good  # the same batches give the same bytes
+    assert {p.name: p.read_bytes() for p in cache.glob("shard-*") if p != shard} == others
+    open_hidden_cache(cache, target=target, dataset=data, layer_ids=LAYERS).verify(0, 5)
+    lines.clear()
+    write(lines.append)  # an intact cache: verified, nothing written
+    assert lines == []

@@ -115,6 +115,28 @@ def test_files_without_a_manifest_train_with_the_layers_named(tmp_path):
 
 
 @pytest.mark.usefixtures("tiny_target")
+def test_samples_only_writes_the_samples_and_rows_of_the_whole_cache(tmp_path):
+    """What an engine is given to extract (tools/vllm/extract_hidden_states.py) is what
+    cache-hidden would have written, sample for sample, with the same manifest."""
+    whole = _write(tmp_path, tmp_path / "whole")
+    plan = _write(tmp_path, tmp_path / "plan", samples_only=True)
+    assert not (plan / "hidden_states").exists()
+    manifest = json.loads((plan / "dflash_samples.json").read_text())
+    assert manifest == json.loads((whole / "dflash_samples.json").read_text())
+    lines = [json.loads(line) for line in (plan / "samples.jsonl").read_text().splitlines()]
+    assert [line["index"] for line in lines] == list(range(len(lines)))
+    for line in lines:
+        sample = load_file(str(whole / "hidden_states" / f"hs_{line['index']}.safetensors"))
+        assert line["token_ids"] == sample["token_ids"].tolist()
+        assert line["loss_mask"] == sample["loss_mask"].int().tolist()
+    args = ["cache-hidden", "--samples-only", "--output", str(tmp_path / "x")]
+    result = CliRunner().invoke(cli, args)
+    assert (
+        _one_error(result) == "Error: Invalid value for --samples-only: needs --format speculators"
+    )
+
+
+@pytest.mark.usefixtures("tiny_target")
 def test_bad_sample_files_are_one_line_or_a_counted_skip(tmp_path):
     cache = _write(tmp_path, tmp_path / "cache")
     files = cache / "hidden_states"

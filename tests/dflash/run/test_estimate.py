@@ -13,14 +13,16 @@ from dflash.run.estimate import (
     GIB,
     EstimateError,
     StepShape,
+    check_sizes_before_work,
     estimate_for_config,
     estimate_step,
     geometry_for_spec,
     shape_for_config,
     tokens_per_step,
 )
-from dflash.target.geometry import TargetGeometry
+from dflash.target.geometry import TargetError, TargetGeometry
 from dflash.target.synthetic import QWEN3_8B
+from tests.dflash.app_fixtures import tiny_target  # noqa: F401 - fixture
 
 PAPER = Path(__file__).parents[3] / "configs" / "paper.yaml"
 
@@ -121,6 +123,28 @@ def test_target_geometry_without_weights(tmp_path) -> None:
     assert tiny.vocab_size > 256 and tiny.num_layers >= 4
     with pytest.raises(EstimateError, match="'/no/such/model'"):
         geometry_for_spec("/no/such/model")
+
+
+def test_target_layers_are_checked_against_the_targets_config_before_any_work() -> None:
+    check_sizes_before_work(config_from_options({}), "cpu", math.inf)  # builtin:tiny: [2]
+    with pytest.raises(TargetError, match="--drafter-layers 7: .* only 6 distinct layers"):
+        check_sizes_before_work(config_from_options({"drafter_layers": 7}), "cpu", math.inf)
+    with pytest.raises(TargetError, match="target layer id 6 is out of range"):
+        check_sizes_before_work(config_from_options({"target_layers": (1, 6)}), "cpu", math.inf)
+    # From per-sample files the layers may be the files' own: known once they are opened.
+    cached = config_from_options({"drafter_layers": 7, "hidden_cache": "cache/"})
+    check_sizes_before_work(cached, "cpu", math.inf)
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_more_drafter_layers_than_target_layers_is_one_line_and_exit_2(tmp_path) -> None:
+    run = tmp_path / "run"
+    args = ["train", "--drafter-layers", "7", "--steps", "1", "--output-dir", str(run)]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    (error,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert "--drafter-layers 7" in error and "--target-layers" in error
+    assert not run.exists() and "Traceback" not in result.output
 
 
 def test_a_config_beyond_the_device_memory_gets_one_warning_line_with_the_estimate() -> None:

@@ -198,6 +198,27 @@ def test_a_final_save_that_cannot_be_written_keeps_the_last_complete_checkpoint(
     assert after == kept
 
 
+@pytest.mark.slow
+def test_a_checkpoint_during_training_that_cannot_be_written_is_the_same_one_line(
+    tmp_path,
+) -> None:
+    """A full disk at a mid-run checkpoint (written by the drafter thread) ends as the
+    final save's does: one line naming the path and the space left, exit 2, not a
+    stage failure with exit 1."""
+    run = tmp_path / "run"
+    args = train_args(tmp_path, run, save_every=2)[1:]
+    limit = 100_000  # config.json and metrics.jsonl fit, a checkpoint's trainer.pt does not
+    code = textwrap.dedent(_LIMITED_RUN).format(root=str(ROOT), limit=limit, args=["train", *args])
+    command = [sys.executable, "-c", code]
+    child = subprocess.run(command, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert child.returncode == 2, child.stdout + child.stderr
+    errors = [line for line in child.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in child.stderr, child.stderr
+    assert f"could not write {run / 'checkpoints' / 'step-00000002'} (" in errors[0]
+    assert "GiB free there" in errors[0] and "no checkpoint of this run is complete" in errors[0]
+    assert not list((run / "checkpoints").glob(".tmp-*"))  # its space given back
+
+
 _SIGNALLED_RUN = """
 import os, signal, sys, time
 sys.path.insert(0, {root!r})

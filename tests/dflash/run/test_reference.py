@@ -4,9 +4,11 @@ import math
 import pytest
 import torch
 
+from dflash.config.devices import decide_placement
+from dflash.files import sha256_file
 from dflash.nn.schedule import warmup_cosine
 from dflash.run.checkpoint import CheckpointError
-from dflash.run.lifecycle import RunStats, save_run_checkpoint
+from dflash.run.lifecycle import RunStats, build_run, save_run_checkpoint
 from dflash.run.reference import train_reference
 from dflash.train.step import DrafterTrainer, anchor_seed
 from tests.dflash.app_fixtures import cpu_run, small_cfg, tiny_target  # noqa: F401 - fixture
@@ -116,6 +118,19 @@ def test_train_reference_writes_summary_drafter_and_checkpoints(tmp_path) -> Non
     assert any(line.startswith("loss: block size 4") for line in lines)
 
 
+@pytest.mark.usefixtures("tiny_target")
+def test_a_run_reading_the_targets_last_layer_warns_once_naming_the_engines(tmp_path) -> None:
+    lines: list[str] = []
+    train_reference(small_cfg(tmp_path, target_layers=(1, 3), steps=1), log=lines.append)
+    (warning,) = [line for line in lines if "last decoder layer" in line]  # 4-layer target
+    assert warning.startswith("warning: target layer 3") and "\n" not in warning
+    assert "SGLang cannot capture it" in warning and "speculators" in warning
+    cfg = small_cfg(tmp_path, tmp_path / "b", target_layers=(1, 2))
+    quiet: list[str] = []
+    build_run(cfg, decide_placement(cfg.pipeline), log=quiet.append)
+    assert quiet and not [line for line in quiet if "last decoder layer" in line]
+
+
 def test_unused_stats_type_is_constructible() -> None:
     assert RunStats([1.0], 10, 0.5).num_tokens == 10
 
@@ -186,6 +201,23 @@ def test_resume_refuses_other_data(tmp_path) -> None:
         cpu_run(small_cfg(tmp_path, resume="latest", data=str(other)))
     with pytest.raises(CheckpointError, match="checkpoint has data.seq_len=32, this run 48"):
         cpu_run(small_cfg(tmp_path, resume="latest", seq_len=48))
+    with pytest.raises(CheckpointError, match="data.chat_rendering='whole', this run 'per-turn'"):
+        cpu_run(small_cfg(tmp_path, resume="latest", chat_rendering="per-turn"))
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_a_checkpoint_from_before_chat_rendering_resumes_as_whole(tmp_path) -> None:
+    train_reference(small_cfg(tmp_path, steps=1), log=lambda s: None)
+    (checkpoint,) = (tmp_path / "checkpoints").iterdir()
+    config = json.loads((checkpoint / "config.json").read_text())
+    del config["data"]["chat_rendering"]  # as an older version wrote it
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["sha256"]["config.json"] = sha256_file(checkpoint / "config.json")
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    assert cpu_run(small_cfg(tmp_path, resume="latest", steps=2)).step == 1
+    with pytest.raises(CheckpointError, match="data.chat_rendering='whole'"):
+        cpu_run(small_cfg(tmp_path, resume="latest", steps=2, chat_rendering="per-turn"))
 
 
 @pytest.mark.usefixtures("tiny_target")

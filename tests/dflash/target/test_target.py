@@ -10,6 +10,7 @@ from dflash.target.model import (
     TargetError,
     TargetModel,
     default_target_layers,
+    last_layer_warning,
     validate_target_layers,
 )
 from dflash.target.tiny import TinyLM, TinyLMConfig, cache_key, prepare_builtin_target
@@ -28,7 +29,25 @@ def test_default_layers_spread_from_1_to_l_minus_3() -> None:
     assert default_target_layers(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, from the paper
     assert default_target_layers(6, 3) == [1, 2, 3]
     assert default_target_layers(28, 1) == [13]
-    assert default_target_layers(2, 2) == [1, 1]  # shallow targets clamp into range
+    # The built-in tiny target (6 layers) with the default one drafter layer.
+    assert default_target_layers(TinyLMConfig().num_layers, 1) == [2]
+
+
+def test_default_layers_on_a_shallow_target_widen_the_range_and_never_repeat() -> None:
+    assert default_target_layers(4, 2) == [1, 2]  # was [1, 1]: up to L-2 first
+    assert default_target_layers(6, 4) == [1, 2, 3, 4]  # was [1, 2, 2, 3]
+    assert default_target_layers(6, 5) == [0, 1, 2, 3, 4]  # then down to layer 0
+    assert default_target_layers(2, 2) == [0, 1]  # the last layer only when nothing else fits
+    for num_layers in range(1, 40):
+        for k in range(1, num_layers + 1):
+            ids = default_target_layers(num_layers, k)
+            assert ids == sorted(set(ids)) and len(ids) == k and 0 <= ids[0] <= ids[-1] < num_layers
+
+
+def test_more_drafter_layers_than_target_layers_is_one_line() -> None:
+    with pytest.raises(TargetError, match="--drafter-layers 5: .* only 4 distinct") as info:
+        default_target_layers(4, 5)
+    assert "\n" not in str(info.value) and "--target-layers" in str(info.value)
 
 
 def test_layer_ids_out_of_range_name_the_id() -> None:
@@ -37,6 +56,24 @@ def test_layer_ids_out_of_range_name_the_id() -> None:
         validate_target_layers([1, 6], 6)
     with pytest.raises(TargetError, match="-1"):
         validate_target_layers([-1], 6)
+
+
+@pytest.mark.parametrize(
+    ("ids", "fragment"),
+    [([3, 1], "must be ascending"), ([1, 3, 1], "layer 1 is named twice")],
+)
+def test_layer_ids_out_of_order_or_repeated_are_refused_with_the_fix(ids, fragment) -> None:
+    with pytest.raises(TargetError, match=fragment) as info:
+        validate_target_layers(ids, 6)
+    assert "vLLM and SGLang" in str(info.value) and str(info.value).endswith("(give 1,3)")
+
+
+def test_the_last_layer_is_warned_about_naming_the_engines() -> None:
+    assert last_layer_warning([1, 4], 6) is None
+    warning = last_layer_warning([1, 5], 6)
+    assert warning is not None and "\n" not in warning
+    for name in ("layer 5", "vLLM", "SGLang", "speculators"):
+        assert name in warning
 
 
 def _manual_layer_outputs(model: TinyLM, ids: torch.Tensor) -> list[torch.Tensor]:

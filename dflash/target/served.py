@@ -1,10 +1,12 @@
-"""Regeneration through an OpenAI-compatible server (vLLM, SGLang, llama.cpp's server).
+"""A target served by an OpenAI-compatible server (vLLM, SGLang, llama.cpp's server).
 
 A target too large for this process is served by an inference engine with tensor and
-pipeline parallelism; `regenerate --server URL` sends it the prompts this project
-renders (token ids, so the server sees exactly the training tokenization) to
-`/v1/completions`, `--concurrency` at a time, and records the text of each reply. The
-target's tokenizer (and its chat template) is all that loads here.
+pipeline parallelism. `regenerate --server URL` and `eval --server URL` send it the
+prompts this project renders (token ids, so the server sees exactly the training
+tokenization) to `/v1/completions`, `--concurrency` at a time: regeneration records the
+text of each reply, evaluation the engine's own speculative-decoding counters
+(dflash.eval.served). The target's tokenizer (and its chat template) is all that loads
+here.
 
 Failures: a request that cannot connect, times out or gets 429/5xx is retried with
 exponential backoff up to `retries` times; another 4xx is one line at once. The model
@@ -26,14 +28,13 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from dflash.data.tokenizer import encode_texts, tokenizer_fingerprint
-from dflash.errors import first_line
-from dflash.offline.settings import RegenerateError
+from dflash.errors import DFlashError, first_line
 
 PROBE = "Speculative decoding drafts 16 tokens; the target checks them all at once."
 
 
-class ServerError(RegenerateError):
-    """The server cannot serve this regeneration; one line naming the URL and why.
+class ServerError(DFlashError):
+    """The server cannot serve this command; one line naming the URL and why.
     `status`: the HTTP status the server answered with, if it answered."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
@@ -89,7 +90,10 @@ class CompletionClient:
 
     # -- HTTP
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    def _request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *, text: bool = False
+    ) -> Any:
+        """The reply parsed as JSON (`text`: as it came), retried as the module says."""
         url = self.settings.base + path
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", "Authorization": "Bearer EMPTY"}
@@ -98,7 +102,8 @@ class CompletionClient:
             request = urllib.request.Request(url, data=data, headers=headers, method=method)
             try:
                 with urllib.request.urlopen(request, timeout=self.settings.timeout_s) as reply:
-                    return json.loads(reply.read().decode())
+                    payload = reply.read().decode()
+                    return payload if text else json.loads(payload)
             except urllib.error.HTTPError as err:
                 detail = err.read().decode(errors="replace")[:200]
                 if err.code != 429 and err.code < 500:
@@ -117,6 +122,10 @@ class CompletionClient:
             wait *= 2
         raise AssertionError("unreachable")
 
+    def metrics_text(self) -> str:
+        """The server's Prometheus metrics page (/metrics), as text."""
+        return str(self._request("GET", "/metrics", text=True))
+
     # -- checks
 
     def served_models(self) -> list[str]:
@@ -128,9 +137,12 @@ class CompletionClient:
                 f"--server {self.settings.base}: /v1/models lists no models"
             ) from None
 
-    def connect(self, target: TokenizerTarget, log: Callable[[str], None]) -> None:
+    def connect(
+        self, target: TokenizerTarget, log: Callable[[str], None], command: str = "regenerate"
+    ) -> None:
         """The served model (one line when --server-model is not among them, or the
-        server serves several and none is named), then its tokenizer against ours."""
+        server serves several and none is named), then its tokenizer against ours;
+        `command` begins the lines it logs."""
         models = self.served_models()
         if self.settings.model:
             if self.settings.model not in models:
@@ -150,7 +162,7 @@ class CompletionClient:
         if theirs is None:
             served, named = PurePosixPath(self.model).name, PurePosixPath(target.spec).name
             if served.lower() != named.lower():
-                log(f"regenerate: {self.settings.base} has no /tokenize to compare tokenizers; "
+                log(f"{command}: {self.settings.base} has no /tokenize to compare tokenizers; "
                     f"it serves {self.model!r} for --target {target.spec}")  # fmt: skip
             return
         if theirs != ours:
@@ -160,7 +172,7 @@ class CompletionClient:
                 f"{ours[:8]}... here"
             )
         log(
-            f"regenerate: {self.settings.base} serves {self.model!r}, tokenizer equal to "
+            f"{command}: {self.settings.base} serves {self.model!r}, tokenizer equal to "
             f"--target {target.spec}'s; {self.settings.concurrency} requests at a time"
         )
 
