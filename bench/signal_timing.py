@@ -29,6 +29,9 @@ def prepare(work: Path) -> None:
     corpus = work / "corpus.txt"
     if not corpus.exists():
         corpus.write_text("def f(x):\n    return x + 1\n" * 200)
+    many = work / "many.txt"  # regenerate's work: enough documents to outlast 5 s
+    if not many.exists():
+        many.write_text("".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(4000)))
     done = work / "done"
     if not (done / "summary.json").exists():
         subprocess.run(["dflash-train", "train", *SMALL, "--steps", "4", "--data", str(corpus),
@@ -44,7 +47,8 @@ def command(name: str, work: Path, tag: str) -> list[str]:
     if name == "eval":
         return ["eval", "--drafter", str(work / "done" / "drafter"), "--data", corpus,
                 "--eval-prompts", "1000", "--max-new-tokens", "64"]  # fmt: skip
-    return ["regenerate", "--data", corpus, "--output", str(work / f"regen-{tag}.jsonl")]
+    return ["regenerate", "--data", str(work / "many.txt"), "--max-new-tokens", "128",
+            "--output", str(work / f"regen-{tag}.jsonl")]  # fmt: skip
 
 
 def signalled(args: list[str], signum: int, delay_s: float) -> tuple[int, str, float]:
@@ -52,6 +56,9 @@ def signalled(args: list[str], signum: int, delay_s: float) -> tuple[int, str, f
     child = subprocess.Popen(["dflash-train", *args], stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)  # fmt: skip
     time.sleep(delay_s)
+    if child.poll() is not None:  # the bench's fault, not the command's: say so
+        _, err = child.communicate()
+        return child.returncode, f"ended before the signal\n{err}", 0.0
     sent = time.monotonic()
     child.send_signal(signum)
     try:

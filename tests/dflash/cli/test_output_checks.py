@@ -105,7 +105,9 @@ def test_offline_outputs_equal_to_an_input_or_a_run_are_refused(tmp_path, run) -
     drafter = run / "drafter"
     assert "is --drafter" in refused(invoke(["export", "--drafter", drafter, "--output", drafter]))
     inside = drafter / "exported"
-    assert "is inside --drafter" in refused(invoke(["export", "--drafter", drafter, "--output", inside]))
+    assert "is inside --drafter" in refused(
+        invoke(["export", "--drafter", drafter, "--output", inside])
+    )
     assert state(run) == before
 
 
