@@ -96,6 +96,13 @@ _TEMPERATURE_HELP = (
 )  # fmt: skip
 @device_option("target and drafter")
 @click.option(
+    "--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+    show_default=True,
+    help="Dtype of the target and the drafter here; auto: bf16 on CUDA, fp32 elsewhere. "
+    "Give the dtype the engine serves in to compare τ with it (a bf16 save is evaluated "
+    "in fp32 under auto on a CPU).",
+)  # fmt: skip
+@click.option(
     "--json", "json_path", default=None, type=click.Path(dir_okay=False),
     help="Also write the figures as JSON to this file (`-` for standard output).",
 )  # fmt: skip
@@ -115,6 +122,7 @@ def eval_command(
     draft_sampling: str,
     json_path: str | None,
     device: str,
+    dtype: str,
     debug: bool,
     **given: Any,
 ) -> None:
@@ -152,7 +160,7 @@ def eval_command(
         if drafter is None:
             return {**served, "served": served} if served is not None else {}
         figures = evaluate_drafter_dir(drafter, target, settings, device, log=echo_err,
-                                       chat_template_kwargs=kwargs)  # fmt: skip
+                                       chat_template_kwargs=kwargs, dtype=dtype)  # fmt: skip
         if served is None:
             return figures
         for line in compare_lines(figures, served):

@@ -278,14 +278,17 @@ def evaluate_drafter_dir(
     device: str = "auto",
     log: Callable[[str], None] = print,
     chat_template_kwargs: dict[str, Any] | None = None,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     """`dflash-train eval`: τ of a saved drafter, and its speedup against greedy decoding.
-    `chat_template_kwargs` None: the ones the drafter was trained with."""
+    `chat_template_kwargs` None: the ones the drafter was trained with. `dtype` (auto:
+    the target's usual one on the device) is the target's and the drafter's, as an engine
+    serving both in one dtype runs them."""
     dev = resolve_device(device, "--device")
     source = _PromptSource(settings, log)
-    dtype = target_mod.target_dtype(dev)
-    target = target_mod.load_target(target_spec, dev, dtype, log=log) if target_spec else None
-    drafter, target = load_drafter(drafter_dir, target=target, device=dev)
+    torch_dtype = target_mod.target_dtype(dev) if dtype == "auto" else getattr(torch, dtype)
+    target = target_mod.load_target(target_spec, dev, torch_dtype, log=log) if target_spec else None
+    drafter, target = load_drafter(drafter_dir, target=target, device=dev, dtype=torch_dtype)
     kwargs = saved_chat_template_kwargs(drafter_dir) if chat_template_kwargs is None else (
         chat_template_kwargs
     )  # fmt: skip
@@ -309,6 +312,7 @@ def evaluate_drafter_dir(
         "draft_sampling": settings.draft_sampling,
         "block_size": drafter.config.block_size,
         "target": target.spec,
+        "dtype": str(torch_dtype).removeprefix("torch."),
         "eval_s": time.perf_counter() - start_s,
     }
     for line in format_eval(figures, where):

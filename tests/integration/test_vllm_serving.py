@@ -99,10 +99,11 @@ def _close(ours: float, theirs: float) -> bool:
     return abs(theirs - ours) <= TOLERANCE * max(abs(ours), 1e-9)
 
 
-def _positions_close(ours: list[float], theirs: list[float]) -> bool:
-    # Shares of drafts: an absolute 2 % of the drafts where a position is rarely accepted.
+def _positions_close(ours: list[float], theirs: list[float], slack: float = 0.0) -> bool:
+    # Shares of drafts: an absolute 2 % of the drafts where a position is rarely accepted;
+    # `slack` on top (a share's own step, 1/drafts, in bf16: see the test).
     return len(ours) == len(theirs) and all(
-        abs(a - b) <= TOLERANCE * max(a, 0.05) for a, b in zip(ours, theirs, strict=True)
+        abs(a - b) <= TOLERANCE * max(a, 0.05) + slack for a, b in zip(ours, theirs, strict=True)
     )
 
 
@@ -130,7 +131,7 @@ def recipe(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[
         HELDOUT,
     )
     drafters, evals = {}, {}
-    for name, (extra, _) in DRAFTERS.items():
+    for name, (extra, dtype) in DRAFTERS.items():
         out = root / name
         init = ["--init-from", str(drafters["whole"])] if name == "bf16" else []
         _ok(
@@ -146,21 +147,8 @@ def recipe(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[
             str(out),
         )
         drafters[name] = out / "drafter"
-        figures = root / f"eval-{name}.json"
-        _ok(
-            "eval",
-            "--drafter",
-            str(drafters[name]),
-            "--target",
-            str(smollm2_dir),
-            "--eval-data",
-            str(prompts),
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-            "--json",
-            str(figures),
-        )
-        evals[name] = json.loads(figures.read_text())
+        if dtype == "float32":  # bf16: on the prompts both bf16 targets agree on (below)
+            evals[name] = _eval(drafters[name], smollm2_dir, prompts, dtype, root / name)
     ids = _rendered(smollm2_dir, prompts)
     return {
         "root": root,
@@ -171,6 +159,43 @@ def recipe(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[
         "target": smollm2_dir,
         "ids": ids,
     }
+
+
+def _eval(drafter: Path, target: Path, prompts: Path, dtype: str, work: Path) -> dict[str, Any]:
+    """`dflash-train eval`'s figures, target and drafter in `dtype` as vLLM serves them."""
+    figures = work / f"eval-{dtype}.json"
+    _ok(
+        "eval",
+        "--drafter",
+        str(drafter),
+        "--target",
+        str(target),
+        "--eval-data",
+        str(prompts),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+        "--dtype",
+        dtype,
+        "--json",
+        str(figures),
+    )
+    return json.loads(figures.read_text())
+
+
+def _greedy_here(target: Path, prompts: list[list[int]], dtype: str) -> list[list[int]]:
+    """The target's greedy replies in this process (transformers), `dtype` throughout."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=getattr(torch, dtype))
+    replies = []
+    with torch.no_grad():
+        for ids in prompts:
+            out = model.eval().generate(
+                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False
+            )
+            replies.append(out[0, len(ids) :].tolist())
+    return replies
 
 
 def _rendered(target: Path, prompts: Path) -> list[list[int]]:
@@ -208,38 +233,60 @@ def _offline(vllm_python: Path, requests: list[dict[str, Any]], work: Path) -> l
 @pytest.mark.timeout(3600)
 def test_vllm_serves_every_drafter_as_saved_with_our_acceptance(recipe, vllm_python):
     hashes = {name: _tree_hash(d) for name, d in recipe["drafters"].items()}
-    common = {
-        "target": str(recipe["target"]),
-        "prompts": recipe["ids"],
-        "max_tokens": NEW_TOKENS,
-        "max_model_len": 1024,
+    common = {"target": str(recipe["target"]), "max_tokens": NEW_TOKENS, "max_model_len": 1024}
+    every = {**common, "prompts": recipe["ids"]}
+    alone_fp32, alone_bf16 = _offline(
+        vllm_python,
+        [
+            {**every, "drafter": None, "dtype": "float32"},
+            {**every, "drafter": None, "dtype": "bfloat16"},
+        ],
+        recipe["root"],
+    )
+    # In bf16 two implementations of one target round differently, and a near-tie can turn
+    # a greedy reply (one of these 8 on this CPU, at its 6th token): τ compares drafters
+    # only on trajectories both targets take, so the bf16 figures are measured on the
+    # prompts whose bf16 replies here equal vLLM's.
+    here_bf16 = _greedy_here(recipe["target"], recipe["ids"], "bfloat16")
+    agree = [i for i, reply in enumerate(here_bf16) if reply == alone_bf16["outputs"][i]]
+    assert len(agree) >= len(PROMPTS) // 2, f"bf16 replies agree on {len(agree)} prompts only"
+    lines = recipe["prompts"].read_text().splitlines(keepends=True)
+    agreed = recipe["root"] / "prompts-bf16.jsonl"
+    agreed.write_text("".join(lines[i] for i in agree))
+    evals = dict(recipe["evals"])
+    evals["bf16"] = _eval(recipe["drafters"]["bf16"], recipe["target"], agreed, "bfloat16",
+                          recipe["root"] / "bf16")  # fmt: skip
+    prompts_of = {"float32": recipe["ids"], "bfloat16": [recipe["ids"][i] for i in agree]}
+    alone = {
+        "float32": alone_fp32["outputs"],
+        "bfloat16": [alone_bf16["outputs"][i] for i in agree],
     }
     requests = [
-        {**common, "drafter": None, "dtype": "float32"},
-        {**common, "drafter": None, "dtype": "bfloat16"},
-    ]
-    requests += [
-        {**common, "drafter": str(recipe["drafters"][name]), "dtype": dtype}
+        {**common, "prompts": prompts_of[dtype], "drafter": str(recipe["drafters"][name]),
+         "dtype": dtype}
         for name, (_, dtype) in DRAFTERS.items()
-    ]
+    ]  # fmt: skip
     results = _offline(vllm_python, requests, recipe["root"])
-    alone = {"float32": results[0]["outputs"], "bfloat16": results[1]["outputs"]}
-    for (name, (_, dtype)), served in zip(DRAFTERS.items(), results[2:], strict=True):
+    for (name, (_, dtype)), served in zip(DRAFTERS.items(), results, strict=True):
         assert served["outputs"] == alone[dtype], f"{name}: outputs differ from the target's"
-        ours = recipe["evals"][name]
+        ours = evals[name]
         drafts = served["num_drafts"]
         tau = 1 + served["num_accepted_tokens"] / drafts
         per_position = [a / drafts for a in served["accepted_per_position"]]
         assert _close(ours["tau_pooled"], tau), (name, ours["tau_pooled"], tau)
-        assert _positions_close(ours["acceptance_per_position"], per_position), (
+        # In bf16 the two implementations' drafters round differently too: a near-tie
+        # flips about one draft per position (88 drafts here), τ stays within 0.5 %.
+        slack = 1 / drafts if dtype == "bfloat16" else 0.0
+        assert _positions_close(ours["acceptance_per_position"], per_position, slack), (
             name,
             ours["acceptance_per_position"],
             per_position,
         )
         assert tau > 1.2, f"{name}: the drafter barely accepts ({tau:.3f}): the test shows little"
         print(
-            f"{name} ({dtype}): vLLM τ pooled {tau:.4f}, ours {ours['tau_pooled']:.4f}; "
-            f"per position vLLM {[round(p, 3) for p in per_position]}, ours "
+            f"{name} ({dtype}, {len(prompts_of[dtype])} prompts): vLLM τ pooled {tau:.4f}, "
+            f"ours {ours['tau_pooled']:.4f}; per position vLLM "
+            f"{[round(p, 3) for p in per_position]}, ours "
             f"{[round(p, 3) for p in ours['acceptance_per_position']]}"
         )
     for name, directory in recipe["drafters"].items():
