@@ -34,7 +34,7 @@ def main() -> None:
 
 def __getattr__(name: str) -> Any:
     if name == "cli":
-        from dflash.cli.app import cli
+        from dflash.cli.app import cli  # deferred: main installs signal handlers first
 
         return cli
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -137,7 +137,7 @@ def eval_command(
     check_cache_dir()
     with exiting_at_once():
         from dflash.eval.evaluate import evaluate_drafter_dir, evaluate_server  # deferred: torch
-        from dflash.target.served import ServerSettings
+        from dflash.target.served import ServerSettings  # deferred: beside eval, torch
 
     def go() -> dict[str, Any]:
         cfg = config_from_options(given)

@@ -115,6 +115,7 @@ NON_DEFAULT = {
     "save_every": 2, "save_dtype": "bfloat16",
     "keep_checkpoints": 4, "log_every": 3, "eval_prompts": 2, "eval_new_tokens": 9,
     "eval_prompt_tokens": 10, "debug": True, "allow_over_memory": True, "dry_run": True,
+    "eval_engine": "vllm", "vllm_command": "python -m vllm.entrypoints.openai.api_server",
     "target_devices": ("cpu", "cpu"),
     "drafter_devices": ("cpu",), "batch_queue_size": 5, "hs_queue_size": 3,
     "otlp_endpoint": "http://localhost:4317", "otlp_protocol": "http", "trace_level": "step",
