@@ -1,26 +1,27 @@
 """OTel metrics beside the traces: counters and gauges read by callbacks, gauges set once
 per logged step, and a phase-duration histogram taken from the unsampled ProfileStats.
 
-    cfg = MetricsConfig.from_env(tracing_cfg, namespace="myapp")   # OTEL_METRICS_* honoured
-    metrics = start_metrics(cfg, tracing_cfg)
+    metrics = start_metrics(MetricsConfig(namespace="myapp"), tracing_cfg)
     metrics.observe("counter", "tokens", lambda: n, unit="{token}", attributes={"stage": "x"})
-    metrics.observe("updowncounter", "queue.size", q.qsize, unit="{item}",
-                    attributes={"myapp.queue": "q"})
+    metrics.observe("updowncounter", "queue.size", q.qsize, unit="{item}")
     metrics.observe_stats(telemetry.stats, "phase.duration")      # seconds; myapp.phase
     metrics.gauge("train.loss", unit="{nat}")
     metrics.record({"train.loss": 2.1})                            # once per logged step
     report = metrics.shutdown()                                    # bounded; MetricsReport
 
 Hot path: nothing. Callbacks run on the reader's export thread once per interval; the
-histogram is built there from a cumulative snapshot of the stats, so trace sampling
-never changes it. A collector that is down costs one bounded export per interval on
-that thread; failed exports are counted in the report, training never waits on them.
+histogram is built there from a cumulative snapshot of the stats (so trace sampling
+never changes it) and added to each export the SDK makes (it makes one when any
+instrument has data). The SDK reads OTEL_METRIC_EXPORT_INTERVAL and _TIMEOUT and its
+OTLP exporter the OTLP variables; a collector that is down costs the reader thread one
+bounded export per interval, counted in the report; training never waits on it.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.environment_variables import (
+    OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE as TEMPORALITY_VARIABLE,
+)
 from opentelemetry.sdk.metrics import Counter, MeterProvider, ObservableCounter
 from opentelemetry.sdk.metrics import Histogram as HistogramInstrument
 from opentelemetry.sdk.metrics.export import (
@@ -47,23 +51,20 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from tracing.clock import now_ns
-from tracing.config import TracingConfig
-from tracing.export.exporters import otlp_exporter, quiet_otlp_loggers
-from tracing.export.processor import lower_thread_priority
-from tracing.metrics_config import METRICS_EXPORTERS, MetricsConfig, otlp_metrics_url
+from tracing.config import (
+    TracingConfig,
+    TracingConfigError,
+    check_choice,
+    parse_endpoint,
+    parse_exporters,
+    parse_protocol,
+    warn_once,
+)
+from tracing.export.delivery import call_bounded, lower_thread_priority
+from tracing.export.exporters import otlp_exporter, otlp_protocol, wanted_exporters
 from tracing.snapshot import BUCKETS_PER_OCTAVE
 from tracing.stats import ProfileStats
 from tracing.telemetry import build_resource
-
-__all__ = [
-    "METRICS_EXPORTERS",
-    "PHASE_BOUNDS_S",
-    "Metrics",
-    "MetricsConfig",
-    "MetricsReport",
-    "build_metric_exporters",
-    "start_metrics",
-]
 
 logger = logging.getLogger("tracing")
 SCOPE = InstrumentationScope("tracing.metrics")
@@ -73,6 +74,49 @@ STATS_SCOPE = InstrumentationScope("tracing.metrics.stats")
 # Octave edges from ~61 µs to 8 s: each ProfileStats bucket (8 per octave) lies inside
 # one of them, so the histogram counts are exact, and ms phases get several buckets.
 PHASE_BOUNDS_S = tuple(2.0**k for k in range(-14, 4))
+TEMPORALITIES = ("cumulative", "delta", "lowmemory")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Settings of the metrics signal; None leaves a choice to the traces' settings, the
+    OTEL_* variables and the SDK, in that order."""
+
+    exporter: tuple[str, ...] | None = None
+    """Any of otlp, console; None: OTEL_METRICS_EXPORTER, else OTLP where an endpoint is
+    known (the traces' `otlp_endpoint` or an OTLP endpoint variable), else none."""
+    otlp_endpoint: str | None = None
+    """Collector base URL; None: the traces' `otlp_endpoint`, else the SDK reads OTEL_*."""
+    otlp_protocol: str | None = None
+    """grpc or http/protobuf; None: the traces' `otlp_protocol`, else
+    OTEL_EXPORTER_OTLP_[METRICS_]PROTOCOL, else http/protobuf."""
+    export_interval_s: float | None = None
+    """Period of collection and export; None: the SDK's (OTEL_METRIC_EXPORT_INTERVAL)."""
+    shutdown_timeout_s: float = 3.0
+    """Default bound on `Metrics.shutdown` (final export, exporter close)."""
+    namespace: str = ""
+    """Prefix of every instrument name (`myapp` makes `tokens` into `myapp.tokens`)."""
+    temporality: str | None = None
+    """cumulative, delta or lowmemory; None: OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE.
+    Read here, not by the SDK's exporter: the reader takes it from the exporter it is
+    given, which is the stats wrapper in front of every exporter."""
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen dataclass: normalize in place once
+        if self.exporter is not None:
+            set_(self, "exporter", parse_exporters(self.exporter, ("none", "otlp", "console")))
+        if self.otlp_endpoint is not None:
+            set_(self, "otlp_endpoint", parse_endpoint(self.otlp_endpoint))
+        if self.otlp_protocol is not None:
+            set_(self, "otlp_protocol", parse_protocol(self.otlp_protocol))
+        if self.temporality is not None:
+            check_choice("metrics temporality", self.temporality, TEMPORALITIES)
+        for name in ("export_interval_s", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or not value > 0):
+                raise TracingConfigError(f"metrics {name} must be a positive number, got {value!r}")
+        if not isinstance(self.namespace, str):
+            raise TracingConfigError(f"metrics namespace must be a string, got {self.namespace!r}")
 
 
 @dataclass(frozen=True)
@@ -92,29 +136,34 @@ class MetricsReport:
         )
 
 
+def preferred_temporality(name: str | None) -> dict[type, AggregationTemporality]:
+    """The temporality of each instrument kind under a preference (the metrics SDK
+    specification's table; a kind not named stays cumulative). None reads the variable;
+    a bad value there is warned once and taken as cumulative."""
+    if name is None:
+        name = os.environ.get(TEMPORALITY_VARIABLE, "").strip().lower() or "cumulative"
+        if name not in TEMPORALITIES:
+            warn_once(TEMPORALITY_VARIABLE, f"ignoring {TEMPORALITY_VARIABLE}={name!r}")
+    delta_kinds: tuple[type, ...] = {
+        "delta": (Counter, HistogramInstrument, ObservableCounter),
+        "lowmemory": (Counter, HistogramInstrument),
+    }.get(name, ())
+    return dict.fromkeys(delta_kinds, AggregationTemporality.DELTA)
+
+
 class _StatsExporter(MetricExporter):
     """Adds the ProfileStats histograms to each export and counts the results.
+    Runs on the reader's thread; never raises (an exporter error is a failed export)."""
 
-    Runs on the reader's thread; never raises (an exporter error is a failed export).
-    """
-
-    def __init__(
-        self,
-        inner: MetricExporter,
-        owner: Metrics,
-        temporality: dict[type, AggregationTemporality],
-    ) -> None:
+    def __init__(self, inner: MetricExporter, owner: Metrics, temporality: dict) -> None:
         super().__init__(preferred_temporality=temporality)
-        self.inner = inner
-        self.owner = owner
+        self.inner, self.owner = inner, owner
         self.ok = self.failed = self.points_failed = 0
-        self.calls = 0
         self._niced: set[int] = set()
 
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> MetricExportResult:
-        self.calls += 1
         if threading.get_ident() not in self._niced:  # the reader's thread, as the spans'
             self._niced.add(threading.get_ident())
             lower_thread_priority()
@@ -128,7 +177,12 @@ class _StatsExporter(MetricExporter):
             self.ok += 1
         else:
             self.failed += 1
-            self.points_failed += _count_points(data)
+            self.points_failed += sum(
+                len(metric.data.data_points)
+                for rm in data.resource_metrics
+                for sm in rm.scope_metrics
+                for metric in sm.metrics
+            )
         return result
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
@@ -136,30 +190,6 @@ class _StatsExporter(MetricExporter):
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
         self.inner.shutdown(timeout_millis=timeout_millis)
-
-
-class _Reader(PeriodicExportingMetricReader):
-    """A periodic reader that exports the stats histograms also when the SDK has no
-    instrument data (it then skips the export)."""
-
-    def __init__(self, exporter: _StatsExporter, interval_s: float, timeout_s: float) -> None:
-        super().__init__(exporter, interval_s * 1e3, timeout_s * 1e3)
-        self.stats_exporter = exporter
-
-    def collect(self, timeout_millis: float = 10_000) -> None:
-        calls = self.stats_exporter.calls
-        super().collect(timeout_millis=timeout_millis)
-        if self.stats_exporter.calls == calls and self.stats_exporter.owner._histograms:
-            self.stats_exporter.export(MetricsData([]), timeout_millis=timeout_millis)
-
-
-def _count_points(data: MetricsData) -> int:
-    return sum(
-        len(metric.data.data_points)
-        for rm in data.resource_metrics
-        for sm in rm.scope_metrics
-        for metric in sm.metrics
-    )
 
 
 class _StatsHistogram:
@@ -218,15 +248,13 @@ class Metrics:
     """
 
     def __init__(
-        self,
-        cfg: MetricsConfig,
-        resource: Resource,
-        exporters: Sequence[MetricExporter] = (),
+        self, cfg: MetricsConfig, resource: Resource, exporters: Sequence[MetricExporter] = ()
     ) -> None:
         self.cfg = cfg
         temporality = preferred_temporality(cfg.temporality)
         self._wrapped = [_StatsExporter(e, self, temporality) for e in exporters]
-        readers = [_Reader(w, cfg.export_interval_s, cfg.export_timeout_s) for w in self._wrapped]
+        interval_ms = None if cfg.export_interval_s is None else cfg.export_interval_s * 1e3
+        readers = [PeriodicExportingMetricReader(w, interval_ms) for w in self._wrapped]
         self.resource = resource
         self.provider = MeterProvider(readers, resource=resource, shutdown_on_exit=False)
         self._meter = self.provider.get_meter(SCOPE.name)
@@ -333,60 +361,28 @@ class Metrics:
             if self._report is None:
                 started = time.monotonic()
                 budget_s = self.cfg.shutdown_timeout_s if timeout_s is None else timeout_s
-                thread = threading.Thread(
-                    target=self.provider.shutdown,
-                    kwargs={"timeout_millis": budget_s * 1e3},
-                    name="tracing-metrics-close",
-                    daemon=True,
-                )
-                thread.start()
-                thread.join(budget_s)
-                report = self.report()
-                self._report = MetricsReport(
-                    report.exports_ok,
-                    report.exports_failed,
-                    report.points_failed,
-                    time.monotonic() - started,
-                )
+                call_bounded(self.provider.shutdown, budget_s, budget_s * 1e3)
+                ok, failed, points, _ = vars(self.report()).values()
+                self._report = MetricsReport(ok, failed, points, time.monotonic() - started)
         return self._report
 
 
-def preferred_temporality(name: str) -> dict[type, AggregationTemporality]:
-    """The temporality of each instrument kind under a preference of
-    OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE (the metrics SDK specification's
-    table; a kind not named stays cumulative); a reader takes it from its exporter's
-    constructor, the one public way."""
-    delta_kinds: tuple[type, ...] = {
-        "delta": (Counter, HistogramInstrument, ObservableCounter),
-        "lowmemory": (Counter, HistogramInstrument),
-    }.get(name, ())
-    return dict.fromkeys(delta_kinds, AggregationTemporality.DELTA)
-
-
-def build_metric_exporters(cfg: MetricsConfig) -> list[MetricExporter]:
-    """The exporters `cfg.exporter` names; imports each SDK exporter only when used."""
+def build_metric_exporters(cfg: MetricsConfig, traces: TracingConfig) -> list[MetricExporter]:
+    """The exporters `cfg` names (or the variables, or the traces' endpoint, imply)."""
+    endpoint = cfg.otlp_endpoint or traces.otlp_endpoint
+    protocol = otlp_protocol(cfg.otlp_protocol or traces.otlp_protocol, "metrics")
     exporters: list[MetricExporter] = []
-    for name in cfg.exporter:
+    for name in wanted_exporters(cfg.exporter, "metrics", endpoint is not None):
+        temporality = preferred_temporality(cfg.temporality)
         if name == "console":
-            exporters.append(
-                ConsoleMetricExporter(preferred_temporality=preferred_temporality(cfg.temporality))
-            )
+            exporters.append(ConsoleMetricExporter(preferred_temporality=temporality))
         elif name == "otlp":
-            exporters.append(_otlp_metric_exporter(cfg))
+            exporter = otlp_exporter(
+                "metrics", protocol, endpoint, preferred_temporality=temporality
+            )
+            if exporter is not None:
+                exporters.append(exporter)
     return exporters
-
-
-def _otlp_metric_exporter(cfg: MetricsConfig) -> MetricExporter:
-    quiet_otlp_loggers("opentelemetry.exporter.otlp.proto.http.metric_exporter")
-    url = otlp_metrics_url(cfg)
-    return otlp_exporter(
-        "metric",
-        cfg.otlp_protocol,
-        url,
-        cfg.otlp_headers,
-        cfg.export_timeout_s,
-        preferred_temporality=preferred_temporality(cfg.temporality),
-    )
 
 
 def start_metrics(
@@ -394,9 +390,10 @@ def start_metrics(
     tracing_cfg: TracingConfig,
     *,
     exporters: Sequence[MetricExporter] = (),
+    resource: Resource | None = None,
 ) -> Metrics:
-    """Metrics with the traces' resource (`build_resource`: the same service.instance.id,
-    `<attribute_namespace>.rank` and `.run.id`) and the exporters `cfg` names, plus
-    `exporters` (e.g. an in-memory one in tests)."""
-    resource = build_resource(tracing_cfg)
-    return Metrics(cfg, resource, [*build_metric_exporters(cfg), *exporters])
+    """Metrics with the exporters `cfg` names plus `exporters` (e.g. an in-memory one in
+    tests), and the traces' resource (`resource`, else `build_resource(tracing_cfg)`:
+    the same service.instance.id, `<attribute_namespace>.rank` and `.run.id`)."""
+    resource = resource if resource is not None else build_resource(tracing_cfg)
+    return Metrics(cfg, resource, [*build_metric_exporters(cfg, tracing_cfg), *exporters])

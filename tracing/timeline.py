@@ -32,7 +32,7 @@ from typing import Any
 
 from tracing.clock import now_ns
 from tracing.config import TracingConfigError
-from tracing.handle import SpanHandle
+from tracing.spans import SpanHandle
 
 logger = logging.getLogger("tracing")
 Sampler = Mapping[str, Callable[[], float]]
@@ -134,7 +134,7 @@ class Timeline:
             self.dropped += opened is not None
             return
         serial, tid, start_ns = opened
-        attributes = dict(getattr(handle, "_attributes", None) or {})
+        attributes = dict(handle.attributes)
         self._spans.append((serial, handle.name, tid, start_ns, end_time_ns, attributes))
 
     # --- counters -------------------------------------------------------------------

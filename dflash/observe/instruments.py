@@ -18,11 +18,16 @@ from typing import Any
 import torch
 
 from dflash.errors import DFlashError
-from dflash.observe.flops import drafter_flops_of, linear_params, target_flops_per_token
+from dflash.observe.flops import (
+    device_peak_tflops,
+    drafter_flops_of,
+    linear_params,
+    peak_memory_reader,
+    target_flops_per_token,
+)
+from dflash.observe.profile_window import ProfileWindow
 from tracing import TracingConfigError
 from tracing.hooks import NvtxRanges, nvtx_ranges
-from tracing.profiler import ProfileWindow
-from tracing.throughput import device_peak_tflops, peak_memory_reader
 from tracing.timeline import Timeline
 
 TIMELINE_OFF = "off"
@@ -126,7 +131,7 @@ def build_instruments(
     try:
         if tel.torch_profile is not None:
             out.profile = ProfileWindow(tel.torch_profile, output_dir / PROFILE_DIR, rank=rank)
-    except TracingConfigError as exc:
+    except ValueError as exc:
         raise ObserveError(f"--torch-profile {tel.torch_profile!r} is invalid: {exc}") from None
     if tel.nvtx:
         note = logging.Logger("dflash.nvtx")

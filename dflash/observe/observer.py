@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import IO, Any
 
@@ -46,20 +47,15 @@ STATS_FILE = "stats.json"
 
 
 def tracing_config(tel: Any, rank: int, run_id: str) -> TracingConfig:
-    """TracingConfig from cfg.telemetry: flags win over OTEL_* variables, which win over
-    the defaults; a flag left unset (None) lets the variables apply. No endpoint (flag or
-    OTEL_EXPORTER_OTLP_ENDPOINT) sends nothing."""
-    exporters: list[str] = []
-    if tel.otlp_endpoint:
-        exporters.append("otlp")
-    if tel.trace_file:
-        exporters.append("file")
+    """TracingConfig from cfg.telemetry: a flag left unset (None) leaves the choice to
+    the OTEL_* variables, which the SDK reads; no endpoint (flag or variable) sends
+    nothing over the network."""
     try:
-        return TracingConfig.from_env(
+        return TracingConfig(
             default_service_name=SERVICE_NAME,
             service_name=tel.service_name,
+            service_version=_version(),
             attribute_namespace=NAMESPACE,
-            exporter=tuple(exporters) or None,
             otlp_endpoint=tel.otlp_endpoint,
             otlp_protocol=tel.otlp_protocol,
             trace_file=tel.trace_file,
@@ -74,20 +70,29 @@ def tracing_config(tel: Any, rank: int, run_id: str) -> TracingConfig:
         raise ObserveError(f"telemetry: {exc}") from None
 
 
-def describe(cfg: TracingConfig) -> str:
-    """The startup line: where traces go, level, sampling, timing mode, interval."""
-    sinks = []
-    if "otlp" in cfg.exporter:
-        sinks.append(f"OTLP/{cfg.otlp_protocol} {cfg.otlp_endpoint}")
-    if "file" in cfg.exporter:
-        sinks.append(f"file {cfg.trace_file}" + (f".rank{cfg.rank}" if cfg.rank else ""))
-    if "console" in cfg.exporter:
-        sinks.append("console")
-    where = " + ".join(sinks) if sinks else "nowhere (tables only; set --otlp-endpoint)"
+def _version() -> str | None:
+    try:
+        return metadata.version("dflash-train")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def describe(cfg: TracingConfig, telemetry: tracing.Telemetry) -> str:
+    """The start-up line: where traces go, level, sampling, the device timing in force
+    (off after a fallback), the interval, and the resource's service and instance."""
+    where = " + ".join(telemetry.sinks) or "nowhere (tables only; set --otlp-endpoint)"
+    if not telemetry.own_provider and telemetry.provider is not None:
+        where = "the application's TracerProvider"
+    ratio = cfg.sample_ratio
+    # ParentBased{root:X,...}: the root's sampler says what is sampled; children follow.
+    sampler = telemetry.sampler.split(",")[0] + ("}" if "{" in telemetry.sampler else "")
+    sampling = f"sample ratio {ratio:g}" if ratio is not None else f"sampler {sampler}"
+    resource = telemetry.resource.attributes
     return (
-        f"telemetry: traces -> {where}; level {cfg.level}; sample ratio {cfg.sample_ratio:g}; "
-        f"cuda timing {cfg.cuda_timing}; tables every {cfg.report_interval_s:g}s; "
-        f"service {cfg.service_name} ({cfg.service_instance_id}, run {cfg.run_id})"
+        f"telemetry: traces -> {where}; level {cfg.level}; {sampling}; "
+        f"cuda timing {telemetry.cuda_timing}; tables every {cfg.report_interval_s:g}s; "
+        f"service {resource.get('service.name')} ({resource.get('service.instance.id')}, "
+        f"run {cfg.run_id})"
     )
 
 
@@ -174,11 +179,11 @@ class Observer:
 
     @property
     def profile(self) -> Any:
-        """The --torch-profile window (tracing.profiler.ProfileWindow), or None."""
+        """The --torch-profile window (dflash.observe.profile_window.ProfileWindow), or None."""
         return self.instruments.profile
 
     def describe(self) -> str:
-        return describe(self.cfg)
+        return describe(self.cfg, self.telemetry)
 
     def attach(
         self,

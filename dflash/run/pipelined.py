@@ -23,6 +23,7 @@ import tracing
 from dflash import names
 from dflash.config.devices import Placement
 from dflash.config.settings import TrainConfig
+from dflash.observe.flops import mfu
 from dflash.observe.instruments import flops_figures
 from dflash.observe.observer import Observer, shared_run_id, start_observer
 from dflash.observe.report import ReportError, write_report
@@ -57,7 +58,6 @@ from dflash.run.lifecycle import (
 from dflash.run.progress import Progress
 from dflash.run.replicas import Replica, build_replicas, mover, target_forwards
 from dflash.train.step_metrics import StageRates, StepMetrics, span_attributes
-from tracing.throughput import mfu
 
 __all__ = ["DEFAULT_STALL_TIMEOUT_S", "PipelineError", "TrainingInterrupted", "run_pipeline"]
 
@@ -282,7 +282,7 @@ def _stage_tokens(pipe: Pipeline, world_size: int) -> Callable[[], tuple[float, 
 def _step_fn(replica: Replica, index: int, metrics: StepMetrics, window: Any = None) -> StepFn:
     """The trainer's step; on logged steps replica 0 reads the figures, inside the
     drafter.step span (after its last phase), and puts them on that span. Replica 0's
-    thread also runs the --torch-profile `window` (tracing.profiler.ProfileWindow)."""
+    thread also runs the --torch-profile `window` (dflash.observe.profile_window.ProfileWindow)."""
     trainer = replica.trainer
 
     def step(batch: Any, target_out: Any, phase: Any) -> Any:

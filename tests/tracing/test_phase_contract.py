@@ -171,9 +171,10 @@ class _GateExporter(InMemorySpanExporter):
         return SpanExportResult.FAILURE if self.fail else super().export(spans)
 
 
-def test_force_flush_is_true_only_when_nothing_is_queued() -> None:
+def test_force_flush_is_true_only_when_nothing_is_queued(clean_env) -> None:
+    clean_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "30000")
     exporter = _GateExporter()
-    telemetry = tracing.setup(tracing.TracingConfig(schedule_delay_s=30.0), exporters=[exporter])
+    telemetry = tracing.setup(tracing.TracingConfig(), exporters=[exporter])
     try:
         with tracing.phase("a"):
             pass

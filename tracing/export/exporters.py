@@ -1,5 +1,11 @@
-"""The exporters `setup` builds from a TracingConfig: OTLP (gRPC or HTTP), console, and
-an OTLP/JSON lines file, one per rank."""
+"""The exporters `setup` builds by name: the SDK's OTLP exporters (gRPC or HTTP), the
+console, and an OTLP/JSON lines file, one per rank.
+
+The SDK's exporters read their OTEL_* variables themselves (endpoint, headers, timeout,
+compression, TLS); only what the SDK does not decide is read here: whether to export
+at all (OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER, or an endpoint being set) and
+which exporter class a protocol names (OTEL_EXPORTER_OTLP_[SIGNAL_]PROTOCOL).
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,17 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
+from opentelemetry.environment_variables import OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
+from opentelemetry.sdk.environment_variables import OTEL_EXPORTER_OTLP_ENDPOINT
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, SpanExportResult
 
-from tracing.config import TracingConfig
+from tracing.config import PROTOCOLS, TracingConfig, TracingConfigError, parse_exporters, warn_once
+
+Signal = Literal["traces", "metrics"]
 
 
 class OtlpJsonFileExporter(SpanExporter):
@@ -34,9 +44,14 @@ class OtlpJsonFileExporter(SpanExporter):
         from google.protobuf.json_format import MessageToDict
         from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-        request = encode_spans(spans)
-        message = MessageToDict(request, use_integers_for_enums=True)
-        _ids_to_hex(message)
+        message = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+        # Protobuf's JSON mapping writes bytes in base64; OTLP/JSON wants hex ids.
+        for resource_spans in message.get("resourceSpans", []):
+            for scope_spans in resource_spans.get("scopeSpans", []):
+                for span in scope_spans.get("spans", []):
+                    for key in ("traceId", "spanId", "parentSpanId"):
+                        if span.get(key):
+                            span[key] = base64.b64decode(span[key]).hex()
         with self._lock:
             if self._file.closed:
                 return SpanExportResult.FAILURE
@@ -52,20 +67,9 @@ class OtlpJsonFileExporter(SpanExporter):
         return True
 
 
-def _ids_to_hex(message: dict) -> None:
-    # Protobuf's JSON mapping writes bytes in base64; OTLP/JSON wants hex ids.
-    for resource_spans in message.get("resourceSpans", []):
-        for scope_spans in resource_spans.get("scopeSpans", []):
-            for span in scope_spans.get("spans", []):
-                for item in [span, *span.get("links", [])]:
-                    for key in ("traceId", "spanId", "parentSpanId"):
-                        if item.get(key):
-                            item[key] = base64.b64decode(item[key]).hex()
-
-
 class _RateLimitFilter(logging.Filter):
-    """Lets one record per message template through every `period_s`: a dead collector
-    would otherwise log an error for every batch, all through training."""
+    """One record per message template every `period_s`: a dead collector would
+    otherwise log an error for every batch, all through training."""
 
     def __init__(self, period_s: float = 60.0) -> None:
         super().__init__()
@@ -73,113 +77,123 @@ class _RateLimitFilter(logging.Filter):
         self._last_s: dict[tuple[str, object], float] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
-        key = (record.name, record.msg)
-        now_s = time.monotonic()
+        key, now_s = (record.name, record.msg), time.monotonic()
         if now_s - self._last_s.get(key, -self.period_s) < self.period_s:
             return False
         self._last_s[key] = now_s
         return True
 
 
+# The loggers of the SDK's public exporter modules that report failed exports.
 _OTLP_LOGGERS = (
     "opentelemetry.exporter.otlp.proto.grpc.exporter",
     "opentelemetry.exporter.otlp.proto.http.trace_exporter",
-    "opentelemetry.exporter.otlp.proto.http._common",
-    "opentelemetry.exporter.http_transport",
+    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
 )
 _rate_limit = _RateLimitFilter()
 
 
-def quiet_otlp_loggers(*extra_loggers: str) -> None:
-    """Rate-limits the SDK's OTLP exporter loggers (and `extra_loggers`, e.g. another
-    signal's exporter) to one record per message every minute."""
-    for name in (*_OTLP_LOGGERS, *extra_loggers):
-        otel_logger = logging.getLogger(name)
-        if _rate_limit not in otel_logger.filters:
-            otel_logger.addFilter(_rate_limit)
+def wanted_exporters(
+    explicit: tuple[str, ...] | None, signal: Signal, endpoint_given: bool
+) -> tuple[str, ...]:
+    """The exporters of `signal`: `explicit` if given, else OTEL_<SIGNAL>_EXPORTER, else
+    OTLP when an endpoint is set (argument or variable), else none: unlike the
+    specification's `otlp` default, nothing goes over the network unless asked."""
+    if explicit is not None:
+        return explicit
+    variable = OTEL_TRACES_EXPORTER if signal == "traces" else OTEL_METRICS_EXPORTER
+    named = os.environ.get(variable, "").strip()
+    if named:
+        try:
+            return parse_exporters(named, ("none", "otlp", "console"))
+        except TracingConfigError as exc:
+            warn_once(variable, f"ignoring {variable}={named!r} ({exc})")
+    endpoints = (OTEL_EXPORTER_OTLP_ENDPOINT, f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
+    set_ = endpoint_given or any(os.environ.get(name, "").strip() for name in endpoints)
+    return ("otlp",) if set_ else ()
+
+
+def otlp_protocol(explicit: str | None, signal: Signal) -> str:
+    """`explicit`, else OTEL_EXPORTER_OTLP_<SIGNAL>_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL,
+    else http/protobuf (the specification's default). The Python exporters encode
+    protobuf only: http/json is sent as http/protobuf, to the same port."""
+    if explicit is not None:
+        return explicit
+    for variable in (
+        f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ):
+        text = os.environ.get(variable, "").strip().lower()
+        if text in PROTOCOLS:
+            return text
+        if text:
+            warn_once(
+                variable, f"{variable}={text!r} is not grpc or http/protobuf; sending http/protobuf"
+            )
+            return "http/protobuf"
+    return "http/protobuf"
+
+
+def otlp_exporter(signal: Signal, protocol: str, endpoint: str | None, **options: Any) -> Any:
+    """The SDK's OTLP exporter of `signal` (None, warned once, if it refuses its settings).
+    `endpoint` None lets it read OTEL_*; a base URL given here gets the signal's path
+    over HTTP. Its module is imported only here: an unused transport need not exist."""
+    transport = "grpc" if protocol == "grpc" else "http"
+    kind = "trace" if signal == "traces" else "metric"
+    module = importlib.import_module(
+        f"opentelemetry.exporter.otlp.proto.{transport}.{kind}_exporter"
+    )
+    if endpoint is not None and transport == "http":
+        path = f"/v1/{signal}"
+        endpoint = endpoint if endpoint.rstrip("/").endswith(path) else endpoint.rstrip("/") + path
+    for name in _OTLP_LOGGERS:
+        if _rate_limit not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_rate_limit)
+    exporter_cls = module.OTLPSpanExporter if signal == "traces" else module.OTLPMetricExporter
+    try:
+        return exporter_cls(endpoint=endpoint, **options)
+    except Exception as exc:  # e.g. a malformed OTEL_EXPORTER_OTLP_TIMEOUT: the run goes on
+        warn_once(
+            f"otlp {signal}",
+            f"the SDK's OTLP {signal} exporter refused its settings "
+            f"({type(exc).__name__}: {exc}); {signal} are not exported",
+        )
+        return None
 
 
 def trace_file_path(path: str, rank: int) -> str:
-    """The trace file of one rank: PATH for rank 0, PATH.rankN for the others (every
-    rank appending to one file interleaves their lines)."""
+    """PATH for rank 0, PATH.rankN for the others (ranks appending to one file interleave)."""
     return path if rank == 0 else f"{path}.rank{rank}"
 
 
-ExporterSpec = tuple[Any, ...]
-"""What builds one exporter, in plain values (a forked child builds its own from it):
-("otlp", protocol, url, headers, timeout_s), ("file", path) or ("console",)."""
-
-
-def exporter_specs(cfg: TracingConfig, *, pid_suffix: bool = False) -> list[ExporterSpec]:
-    """The exporters named in `cfg.exporter`, as specs (`make_exporter` builds one).
-
-    `pid_suffix`: a forked child's trace file gets `.pidN` after the rank's name."""
-    specs: list[ExporterSpec] = []
-    for name in cfg.exporter:
+def build_exporters(cfg: TracingConfig) -> tuple[list[SpanExporter], list[str]]:
+    """The span exporters `cfg` (and the OTEL_* variables it leaves open) name, and a
+    few words on where each sends (for a start-up line). A trace file is always written."""
+    names = wanted_exporters(cfg.exporter, "traces", cfg.otlp_endpoint is not None)
+    if cfg.trace_file and "file" not in names:
+        names = (*names, "file")
+    exporters: list[SpanExporter] = []
+    sinks: list[str] = []
+    for name in names:
         if name == "otlp":
-            url = otlp_traces_url(cfg)
-            specs.append(("otlp", cfg.otlp_protocol, url, dict(cfg.otlp_headers),
-                          cfg.export_timeout_s))  # fmt: skip
+            protocol = otlp_protocol(cfg.otlp_protocol, "traces")
+            exporter = otlp_exporter("traces", protocol, cfg.otlp_endpoint)
+            if exporter is not None:
+                exporters.append(exporter)
+                sinks.append(f"OTLP/{protocol} {cfg.otlp_endpoint or _endpoint_variable()}")
         elif name == "console":
-            specs.append(("console",))
+            exporters.append(ConsoleSpanExporter())
+            sinks.append("console")
         elif name == "file":
             assert cfg.trace_file is not None  # checked by TracingConfig
             path = trace_file_path(cfg.trace_file, cfg.rank)
-            if pid_suffix:
-                path = f"{path}.pid{os.getpid()}"
-            specs.append(("file", path))
-    return specs
+            exporters.append(OtlpJsonFileExporter(path))
+            sinks.append(f"file {path}")
+    return exporters, sinks
 
 
-def make_exporter(spec: ExporterSpec) -> SpanExporter:
-    """The exporter of one spec; imports each SDK exporter only when used."""
-    kind = spec[0]
-    if kind == "otlp":
-        _, protocol, url, headers, timeout_s = spec
-        quiet_otlp_loggers()
-        return otlp_exporter("trace", protocol, url, headers, timeout_s)
-    if kind == "console":
-        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
-        return ConsoleSpanExporter()
-    if kind == "file":
-        return OtlpJsonFileExporter(spec[1])
-    raise ValueError(f"unknown exporter spec {spec!r}")
-
-
-def otlp_traces_url(cfg: TracingConfig) -> str:
-    """The URL the OTLP exporter sends to: for HTTP a base URL gets /v1/traces appended
-    (the signal path is fixed); OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is used as is."""
-    assert cfg.otlp_endpoint is not None  # checked by TracingConfig
-    if cfg.otlp_protocol == "grpc" or cfg.otlp_endpoint_is_traces_url:
-        return cfg.otlp_endpoint
-    endpoint = cfg.otlp_endpoint.rstrip("/")
-    return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
-
-
-def otlp_exporter(
-    signal: Literal["trace", "metric"],
-    protocol: str,
-    url: str,
-    headers: Mapping[str, str],
-    timeout_s: float,
-    **options: Any,
-) -> Any:
-    """The SDK's OTLP exporter of `signal` over gRPC (`protocol` "grpc") or HTTP; its
-    module is imported only here, so a transport that is not used need not be installed.
-    `options`: further keyword arguments of the exporter's constructor."""
-    transport = "grpc" if protocol == "grpc" else "http"
-    module = importlib.import_module(
-        f"opentelemetry.exporter.otlp.proto.{transport}.{signal}_exporter"
-    )
-    exporter_cls = module.OTLPSpanExporter if signal == "trace" else module.OTLPMetricExporter
-    # gRPC needs TLS switched off explicitly for a plain-text collector.
-    tls = {"insecure": url.startswith("http://")} if transport == "grpc" else {}
-    return exporter_cls(
-        endpoint=url, headers=dict(headers) or None, timeout=timeout_s, **tls, **options
-    )
-
-
-def build_exporters(cfg: TracingConfig, *, pid_suffix: bool = False) -> list[SpanExporter]:
-    """The exporters named in `cfg.exporter` (`pid_suffix`: a forked child's trace file)."""
-    return [make_exporter(spec) for spec in exporter_specs(cfg, pid_suffix=pid_suffix)]
+def _endpoint_variable() -> str:
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", OTEL_EXPORTER_OTLP_ENDPOINT):
+        if os.environ.get(name, "").strip():
+            return os.environ[name].strip()
+    return "(the SDK's default endpoint)"
