@@ -294,6 +294,8 @@ class Observer:
             return self._closed
         reporter, finals = self.reporter, self._final_ranks
         final = self.final_snapshot()
+        if reporter is None and self.is_main:  # stopped before training: the start-up's table
+            reporter = Reporter(self.stats, self.cfg.report_interval_s, verdict=self.verdict)
         if reporter is not None:
             # The final table and summary.json's verdict come from the same snapshot.
             reporter.stop(final=False)

@@ -42,7 +42,7 @@ from dflash.pipeline.queues import (
     TrainingInterrupted,
 )
 from dflash.pipeline.stages import Pipeline, StepFn
-from dflash.run.folder import METRICS_FILE
+from dflash.run.folder import METRICS_FILE, earlier_run
 from dflash.run.lifecycle import (
     Run,
     RunStats,
@@ -148,6 +148,12 @@ def run_training(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
         raise
     try:
         return run_pipeline(cfg, log=log, start=start, observer=observer)
+    except Interrupted:
+        # Stopped in the start-up, before the run's files: a folder that holds no earlier
+        # run keeps the start-up's stats.json (and timeline); one that does stays as it was.
+        if start.info.is_main and not earlier_run(Path(cfg.run.output_dir)):
+            observer.folder_written = True
+        raise
     finally:
         observer.close(log)  # no-op after a normal finish
         start.end()  # the folder's lock: after the last file the run writes
