@@ -1,17 +1,12 @@
-"""The fast path: phase spans recorded without the SDK's Span on the hot path.
+"""The fast path: phase spans recorded without the SDK's Span on the hot path (the SDK's
+Tracer costs the training thread several times more: `bench/tracing_overhead.py`).
 
-`bench/tracing_overhead.py` prints both paths side by side: the SDK's Tracer costs the
-training thread several times what this does (sampler and span objects, locks,
-attribute validation, a ReadableSpan built at every end). A `FastSpan` holds what a
-span needs (ids, times, name, parent, attributes, status, events); at its end it
-becomes the SDK's ReadableSpan, with the provider's resource and span limits, and goes
-to the `on_end` of tracing's own processors.
-
-`FastTracer` stands in for the SDK's Tracer only where the difference cannot be seen: on
-a provider that `setup` built, whose sampler is parent-based, with no span processor
-but tracing's own (the SDK's batch processors and a counter, whose `on_start` does
-nothing). Once a processor is added, `setup` puts the SDK's Tracer in its place, so
-that processor gets `on_start` for every span from then on.
+A `FastSpan` holds what a span needs; at its end it becomes the SDK's ReadableSpan (the
+provider's resource, the SDK's span limits) for the `on_end` of tracing's processors.
+`FastTracer` stands in for the SDK's Tracer only where no one can tell: on the provider
+`setup` built, with a parent-based sampler and only tracing's processors (the SDK's
+batch processors and a counter, whose `on_start` does nothing). Once another processor
+is added, `setup` puts the SDK's Tracer in its place: `on_start` for every later span.
 """
 
 from __future__ import annotations
@@ -77,14 +72,11 @@ class FastSpan(trace.Span):
         attributes: dict[str, Any] | None,
         start_time: int,
     ) -> None:
-        self._tracer = tracer
-        self.name, self.parent, self.trace_id = name, parent, trace_id
-        self.span_id = tracer.ids.generate_span_id()
-        self.trace_state = trace_state
+        self._tracer, self.name, self.parent, self.trace_id = tracer, name, parent, trace_id
+        self.span_id, self.trace_state = tracer.ids.generate_span_id(), trace_state
         self.attributes = attributes  # already clean (tracing.spans): copied, never shared
         self.events: list[Event] | None = None
-        self.status = _UNSET
-        self.start_time, self.end_time = start_time, None
+        self.status, self.start_time, self.end_time = _UNSET, start_time, None
         self._context: SpanContext | None = None
 
     def get_span_context(self) -> SpanContext:

@@ -3,18 +3,16 @@ per logged step, and a phase-duration histogram taken from the unsampled Profile
 
     metrics = start_metrics(MetricsConfig(namespace="myapp"), tracing_cfg)
     metrics.observe("counter", "tokens", lambda: n, unit="{token}", attributes={"stage": "x"})
-    metrics.observe("updowncounter", "queue.size", q.qsize, unit="{item}")
     metrics.observe_stats(telemetry.stats, "phase.duration")      # seconds; myapp.phase
-    metrics.gauge("train.loss", unit="{nat}")
-    metrics.record({"train.loss": 2.1})                            # once per logged step
+    metrics.gauge("train.loss", unit="{nat}"); metrics.record({"train.loss": 2.1})
     report = metrics.shutdown()                                    # bounded; MetricsReport
 
-Hot path: nothing. Callbacks run on the reader's export thread once per interval; the
-histogram is built there from a cumulative snapshot of the stats (so trace sampling
-never changes it) and added to each export the SDK makes (it makes one when any
-instrument has data). The SDK reads OTEL_METRIC_EXPORT_INTERVAL and _TIMEOUT and its
-OTLP exporter the OTLP variables; a collector that is down costs the reader thread one
-bounded export per interval, counted in the report; training never waits on it.
+Hot path: nothing. Callbacks run on the reader's thread once per interval; the histogram
+is built there from a cumulative snapshot of the stats (trace sampling never changes it)
+and added to each export the SDK makes (it makes one when an instrument has data). The
+metrics go where the traces' flags send them, else the SDK's variables say (it reads
+OTEL_METRIC_EXPORT_INTERVAL and the OTLP ones); a collector that is down costs the reader
+thread one bounded export per interval, counted in the report.
 """
 
 from __future__ import annotations
@@ -55,13 +53,16 @@ from tracing.config import (
     TracingConfig,
     TracingConfigError,
     check_choice,
-    parse_endpoint,
     parse_exporters,
-    parse_protocol,
     warn_once,
 )
-from tracing.export.delivery import call_bounded, lower_thread_priority
-from tracing.export.exporters import otlp_exporter, otlp_protocol, wanted_exporters
+from tracing.export import (
+    call_bounded,
+    lower_thread_priority,
+    otlp_exporter,
+    otlp_protocol,
+    wanted_exporters,
+)
 from tracing.snapshot import BUCKETS_PER_OCTAVE
 from tracing.stats import ProfileStats
 from tracing.telemetry import build_resource
@@ -79,36 +80,24 @@ TEMPORALITIES = ("cumulative", "delta", "lowmemory")
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    """Settings of the metrics signal; None leaves a choice to the traces' settings, the
-    OTEL_* variables and the SDK, in that order."""
+    """Settings of the metrics signal; None leaves a choice to the OTEL_* variables."""
 
     exporter: tuple[str, ...] | None = None
     """Any of otlp, console; None: OTEL_METRICS_EXPORTER, else OTLP where an endpoint is
     known (the traces' `otlp_endpoint` or an OTLP endpoint variable), else none."""
-    otlp_endpoint: str | None = None
-    """Collector base URL; None: the traces' `otlp_endpoint`, else the SDK reads OTEL_*."""
-    otlp_protocol: str | None = None
-    """grpc or http/protobuf; None: the traces' `otlp_protocol`, else
-    OTEL_EXPORTER_OTLP_[METRICS_]PROTOCOL, else http/protobuf."""
     export_interval_s: float | None = None
     """Period of collection and export; None: the SDK's (OTEL_METRIC_EXPORT_INTERVAL)."""
     shutdown_timeout_s: float = 3.0
-    """Default bound on `Metrics.shutdown` (final export, exporter close)."""
     namespace: str = ""
     """Prefix of every instrument name (`myapp` makes `tokens` into `myapp.tokens`)."""
     temporality: str | None = None
-    """cumulative, delta or lowmemory; None: OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE.
-    Read here, not by the SDK's exporter: the reader takes it from the exporter it is
-    given, which is the stats wrapper in front of every exporter."""
+    """cumulative, delta or lowmemory; None: OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE,
+    read here: the reader takes it from the stats wrapper in front of each exporter."""
 
     def __post_init__(self) -> None:
-        set_ = object.__setattr__  # frozen dataclass: normalize in place once
         if self.exporter is not None:
-            set_(self, "exporter", parse_exporters(self.exporter, ("none", "otlp", "console")))
-        if self.otlp_endpoint is not None:
-            set_(self, "otlp_endpoint", parse_endpoint(self.otlp_endpoint))
-        if self.otlp_protocol is not None:
-            set_(self, "otlp_protocol", parse_protocol(self.otlp_protocol))
+            exporters = parse_exporters(self.exporter, ("none", "otlp", "console"))
+            object.__setattr__(self, "exporter", exporters)  # frozen: normalized once
         if self.temporality is not None:
             check_choice("metrics temporality", self.temporality, TEMPORALITIES)
         for name in ("export_interval_s", "shutdown_timeout_s"):
@@ -121,12 +110,11 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class MetricsReport:
-    """What became of the metric exports of one run."""
+    """What became of the metric exports of one run (points lost: in failed exports)."""
 
     exports_ok: int
     exports_failed: int
     points_failed: int
-    """Data points in failed exports (the metrics lost; training lost nothing)."""
     duration_s: float = 0.0
 
     def summary(self) -> str:
@@ -137,9 +125,8 @@ class MetricsReport:
 
 
 def preferred_temporality(name: str | None) -> dict[type, AggregationTemporality]:
-    """The temporality of each instrument kind under a preference (the metrics SDK
-    specification's table; a kind not named stays cumulative). None reads the variable;
-    a bad value there is warned once and taken as cumulative."""
+    """The temporality of each instrument kind under a preference, by the specification's
+    table (a kind not named stays cumulative); None reads the variable (bad: warned once)."""
     if name is None:
         name = os.environ.get(TEMPORALITY_VARIABLE, "").strip().lower() or "cumulative"
         if name not in TEMPORALITIES:
@@ -177,12 +164,10 @@ class _StatsExporter(MetricExporter):
             self.ok += 1
         else:
             self.failed += 1
-            self.points_failed += sum(
-                len(metric.data.data_points)
-                for rm in data.resource_metrics
-                for sm in rm.scope_metrics
-                for metric in sm.metrics
-            )
+            metrics = [
+                m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+            ]
+            self.points_failed += sum(len(metric.data.data_points) for metric in metrics)
         return result
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
@@ -196,8 +181,12 @@ class _StatsHistogram:
     """Cumulative histogram of one ProfileStats, one point per phase name."""
 
     def __init__(self, stats: ProfileStats, name: str, description: str, phase_key: str) -> None:
-        self.stats, self.name, self.description = stats, name, description
-        self.phase_key = phase_key
+        self.stats, self.name, self.description, self.phase_key = (
+            stats,
+            name,
+            description,
+            phase_key,
+        )
         self.start_ns = now_ns()
         self._last_total = 0
 
@@ -281,9 +270,9 @@ class Metrics:
         description: str = "",
         attributes: Mapping[str, Any] | None = None,
     ) -> None:
-        """A monotonic counter, an up-down counter (a count that rises and falls: a
-        queue's size) or a gauge (a reading that is not a count: peak memory) read
-        through `fn()` at each collection; series of one name differ by `attributes`."""
+        """A counter, an up-down counter (a count that rises and falls: a queue's size) or
+        a gauge (a reading: peak memory) read through `fn()` at each collection; series of
+        one name differ by `attributes`."""
         creators = {
             "counter": self._meter.create_observable_counter,
             "updowncounter": self._meter.create_observable_up_down_counter,
@@ -348,12 +337,10 @@ class Metrics:
     def force_flush(self, timeout_s: float = 2.0) -> bool:
         return self.provider.force_flush(timeout_s * 1e3)
 
-    def report(self) -> MetricsReport:
-        return MetricsReport(
-            exports_ok=sum(w.ok for w in self._wrapped),
-            exports_failed=sum(w.failed for w in self._wrapped),
-            points_failed=sum(w.points_failed for w in self._wrapped),
-        )
+    def report(self, duration_s: float = 0.0) -> MetricsReport:
+        wrapped = self._wrapped
+        ok, failed = sum(w.ok for w in wrapped), sum(w.failed for w in wrapped)
+        return MetricsReport(ok, failed, sum(w.points_failed for w in wrapped), duration_s)
 
     def shutdown(self, timeout_s: float | None = None) -> MetricsReport:
         """Final export and close, bounded by `timeout_s`; idempotent."""
@@ -362,26 +349,22 @@ class Metrics:
                 started = time.monotonic()
                 budget_s = self.cfg.shutdown_timeout_s if timeout_s is None else timeout_s
                 call_bounded(self.provider.shutdown, budget_s, budget_s * 1e3)
-                ok, failed, points, _ = vars(self.report()).values()
-                self._report = MetricsReport(ok, failed, points, time.monotonic() - started)
+                self._report = self.report(time.monotonic() - started)
         return self._report
 
 
 def build_metric_exporters(cfg: MetricsConfig, traces: TracingConfig) -> list[MetricExporter]:
-    """The exporters `cfg` names (or the variables, or the traces' endpoint, imply)."""
-    endpoint = cfg.otlp_endpoint or traces.otlp_endpoint
-    protocol = otlp_protocol(cfg.otlp_protocol or traces.otlp_protocol, "metrics")
+    """The exporters `cfg` names, or the variables or the traces' endpoint imply."""
+    protocol = otlp_protocol(traces.otlp_protocol, "metrics")
+    temporality = preferred_temporality(cfg.temporality)
     exporters: list[MetricExporter] = []
-    for name in wanted_exporters(cfg.exporter, "metrics", endpoint is not None):
-        temporality = preferred_temporality(cfg.temporality)
+    for name in wanted_exporters(cfg.exporter, "metrics", traces.otlp_endpoint is not None):
         if name == "console":
             exporters.append(ConsoleMetricExporter(preferred_temporality=temporality))
         elif name == "otlp":
-            exporter = otlp_exporter(
-                "metrics", protocol, endpoint, preferred_temporality=temporality
-            )
-            if exporter is not None:
-                exporters.append(exporter)
+            options = {"preferred_temporality": temporality}
+            exporter = otlp_exporter("metrics", protocol, traces.otlp_endpoint, **options)
+            exporters += [exporter] if exporter is not None else []
     return exporters
 
 
@@ -393,7 +376,6 @@ def start_metrics(
     resource: Resource | None = None,
 ) -> Metrics:
     """Metrics with the exporters `cfg` names plus `exporters` (e.g. an in-memory one in
-    tests), and the traces' resource (`resource`, else `build_resource(tracing_cfg)`:
-    the same service.instance.id, `<attribute_namespace>.rank` and `.run.id`)."""
+    tests), and the traces' resource (`resource`, else `build_resource(tracing_cfg)`)."""
     resource = resource if resource is not None else build_resource(tracing_cfg)
     return Metrics(cfg, resource, [*build_metric_exporters(cfg, tracing_cfg), *exporters])

@@ -1,20 +1,12 @@
 """Phases, the hot path: `phase(...)` times a block, feeds ProfileStats and, at an
-enabled level once `setup` chose a tracer, records an OTel span through it: the
-application's tracer, the SDK's of the provider `setup` built, or its fast stand-in
-(`tracing.fast`).
+enabled level, records a span through the tracer `setup` chose (the application's, the
+SDK's, or its fast stand-in, `tracing.fast`); with none, two clock reads and one `add`.
 
-Attribute values are taken when they are set, on the calling thread: numpy scalars and
-arrays become Python values, an Enum its value; a torch tensor is refused (reading it
-is a host sync, `.item()`, which is the caller's to choose) and any other value that is
-not an OTel attribute type is dropped, each with one warning per key. Nothing the
-program goes on changing (a numpy buffer, a CUDA tensor) is read later elsewhere.
-
-No OTel context is attached on the hot path by default: the innermost open phase of
-the thread/task is kept in a ContextVar of tracing's own, and an OTel Context is built
-once for a phase that has children. With `propagate_context` a phase is also the
-current OTel span while it runs. A phase object may be entered again and from several
-threads at once: each entry is its own measurement (a fresh copy beyond the first).
-With no span to record, a phase is two clock reads and one `add`.
+Attribute values are taken when set, on the calling thread (`clean_value`): nothing the
+program goes on changing (a numpy buffer, a CUDA tensor) is read later elsewhere. The
+innermost open phase of a thread/task is kept in a ContextVar of tracing's own: no OTel
+context is attached on the hot path unless `propagate_context` asks. A phase object may
+be entered again and from several threads at once, each entry its own measurement.
 """
 
 from __future__ import annotations
@@ -33,7 +25,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import SpanContext, Status, StatusCode
+from opentelemetry.trace import Status, StatusCode
 
 from tracing.clock import EPOCH_OFFSET_NS, now_ns
 from tracing.config import warn_once
@@ -60,19 +52,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def clean_value(key: str, value: Any) -> Any:
-    """The OTel attribute value a program means by `value`, or `_DROP` (warned once per key)."""
+    """The OTel attribute value a program means by `value`: numpy scalars and arrays as
+    Python values, an Enum as its value. `_DROP` (warned once per key) for a torch tensor
+    (reading it is a host sync, `.item()`, the caller's to choose) and for what is not an
+    attribute value by the specification: str, bool, int, float, a homogeneous list."""
     if type(value) in _PLAIN_TYPES:
         return value
     if isinstance(value, Enum):
         return clean_value(key, value.value)
     torch = sys.modules.get("torch")  # never imported here: a tensor implies it is loaded
     if torch is not None and isinstance(value, torch.Tensor):
-        warn_once(
-            f"attribute {key}",
-            f"attribute {key!r}: a torch tensor is not taken (reading it waits for the "
-            "device); set tensor.item() where that host sync is meant",
-        )
-        return _DROP
+        return _refuse(key, "a torch tensor (reading it waits for the device): set .item()")
     numpy = sys.modules.get("numpy")
     if numpy is not None and isinstance(value, (numpy.generic, numpy.ndarray)):
         value = value.tolist()  # np.float64(2.0) -> 2.0, np.array([1, 2]) -> [1, 2]
@@ -83,11 +73,11 @@ def clean_value(key: str, value: Any) -> Any:
         kinds = {type(v) for v in items if v is not None}
         if _DROP not in items and len(kinds) <= 1 and kinds <= _PLAIN_TYPES:
             return items
-    warn_once(
-        f"attribute {key}",
-        f"attribute {key!r}: {type(value).__name__} is not an "
-        "OpenTelemetry attribute value (str, bool, int, float or a list of one of them); dropped",
-    )
+    return _refuse(key, f"{type(value).__name__} is not str, bool, int, float or a list of one")
+
+
+def _refuse(key: str, why: str) -> Any:
+    warn_once(f"attribute {key}", f"attribute {key!r} dropped: {why} (warned once per key)")
     return _DROP
 
 
@@ -166,11 +156,9 @@ class SpanHandle:
     __slots__ = ("name", "start_time_ns", "_span", "_context", "_stats", "_hooks", "_ended")
 
     def __init__(self, name: str, start_time_ns: int, stats: ProfileStats | None = None) -> None:
-        self.name = name
-        self.start_time_ns = start_time_ns
+        self.name, self.start_time_ns, self._stats = name, start_time_ns, stats
         self._span: trace.Span | None = None
         self._context: Context | None = None
-        self._stats = stats
         self._hooks: tuple[Any, ...] = ()  # tracing.hooks.PhaseHook objects, set by start_span
         self._ended = False
 
@@ -181,24 +169,11 @@ class SpanHandle:
 
     @property
     def context(self) -> Context | None:
-        """An OTel Context holding this span (None without one: children then use the
-        current phase or the current OTel context)."""
+        """An OTel Context holding this span (None without one)."""
         context = self._context
         if context is None and self._span is not None:
             context = self._context = trace.set_span_in_context(self._span, _NEW_TRACE)
         return context
-
-    @property
-    def span_context(self) -> SpanContext | None:
-        return None if self._span is None else self._span.get_span_context()
-
-    @property
-    def trace_id(self) -> int | None:
-        return None if self._span is None else self._span.get_span_context().trace_id
-
-    @property
-    def span_id(self) -> int | None:
-        return None if self._span is None else self._span.get_span_context().span_id
 
     @property
     def recording(self) -> bool:
@@ -227,8 +202,7 @@ class SpanHandle:
             span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
 
     def end(self, end_time_ns: int | None = None) -> None:
-        """Ends the span and records its duration in ProfileStats as a cross-thread
-        entry (no share column)."""
+        """Ends the span; its duration goes to ProfileStats as a cross-thread entry."""
         if self._ended:
             return
         self._ended = True
@@ -241,15 +215,12 @@ class SpanHandle:
 
 
 def _parent_context(parent: object) -> Context | None:
-    """The OTel Context a span hangs under for an explicit `parent`: a handle's (None for
-    a handle without a span: the current OTel context, as the SDK's start_span(None))."""
+    """The Context under an explicit `parent` (None: the current one, as the SDK's)."""
     if isinstance(parent, SpanHandle):
         return parent.context
     if isinstance(parent, Context):
         return parent
-    warn_once(
-        "parent", f"parent must be an OTel Context or a SpanHandle, got {type(parent).__name__}"
-    )
+    warn_once("parent", f"parent must be a Context or a SpanHandle, got {type(parent).__name__}")
     return None
 
 
@@ -290,8 +261,7 @@ def start_span(
     level: str = "step",
     stats: ProfileStats | None = None,
 ) -> SpanHandle:
-    """Starts a span not tied to the current thread (e.g. the per-batch root);
-    `parent=None` starts a new trace. End it with `handle.end()` from any thread."""
+    """A span not tied to this thread (the per-batch root); `parent=None`: a new trace."""
     rt = _runtime
     start_ns = _time_ns() if start_time_ns is None else start_time_ns
     handle = SpanHandle(name, start_ns, stats if stats is not None else rt.stats)
@@ -310,7 +280,13 @@ def start_span(
 
 
 class Phase(SpanHandle):
-    """Context manager returned by `phase`; also usable as a decorator."""
+    """`with phase(name, level=, parent=, start_time_ns=, attributes=, device=) as p:`,
+    also a decorator. `level`: off < step < phase, a span only at the configured one or
+    below. `parent`: a Context or SpanHandle; None: this thread's innermost phase, else
+    the current OTel context. `start_time_ns` (now_ns()): a wait opened after it ended
+    (the stats get all of it; the span starts no earlier than its parent). An exception
+    marks the span ERROR, then propagates. `device` (e.g. "cuda:0"): `sync` timing
+    synchronizes it at both ends; `events` resolves device events off the hot path."""
 
     __slots__ = ("_level", "_parent", "_given_attributes", "_device", "_token", "_rt",
                  "_mode", "_start_event", "_given_start_ns", "_propagate", "_otel_token",
@@ -328,16 +304,10 @@ class Phase(SpanHandle):
         stats: ProfileStats | None = None,
         propagate: bool | None = None,
     ) -> None:
-        """Times the block as phase `name` (see the package docstring for the arguments)."""
         # Only stores: at level off this object lives for two clock reads and one add.
-        self.name = name
-        self._given_start_ns = start_time_ns
-        self._level = level
-        self._parent = parent
-        self._given_attributes = attributes
-        self._device = device
-        self._stats = stats
-        self._propagate = propagate
+        self.name, self._level, self._parent, self._device = name, level, parent, device
+        self._given_start_ns, self._given_attributes = start_time_ns, attributes
+        self._stats, self._propagate = stats, propagate
         self._span = None
         self._context = None
         self._hooks = ()  # phases call their hooks from the runtime, not from end()

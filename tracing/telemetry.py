@@ -1,19 +1,14 @@
-"""`setup`: the tracer phases record through, the exporters and device timing;
-`Telemetry.shutdown` undoes it within a time bound.
+"""`setup`: the tracer phases record through, exporters and device timing;
+`Telemetry.shutdown` undoes it within a time bound. Thread contract: `setup` and
+`shutdown` from one thread, `force_flush` from any.
 
-The provider, in this order:
-- one passed in (`provider=`); tracing's exporters and processors, if any, join it;
-- with no exporter or processor of tracing's own, the global TracerProvider once the
-  application has set one (not the API's proxy or no-op default), as OTel
-  instrumentation takes it: its processors, sampler and resource apply to every phase.
-  It stays the application's: tracing flushes it, never shuts it down;
-- else one of tracing's own: the resource from `Resource.create` (OTEL_RESOURCE_ATTRIBUTES,
-  OTEL_SERVICE_NAME, OTEL_EXPERIMENTAL_RESOURCE_DETECTORS), the SDK's sampler from
-  OTEL_TRACES_SAMPLER unless `sample_ratio` is set, the SDK's batch processor per exporter.
-
-Thread contract: `setup` and `shutdown` from one thread (the main one, by habit);
-`force_flush` from any. After os.fork the child's tables start empty, the SDK's
-processors restart, and the child's spans are flushed when it exits.
+The provider: one passed in (`provider=`; tracing's exporters, if any, join it); else,
+with no exporter of tracing's own, the global TracerProvider once the application has
+set one (not the API's proxy or no-op default), as OTel instrumentation takes it: its
+processors, sampler and resource apply, and it stays the application's (flushed, never
+shut down); else one of tracing's own: `Resource.create` with its detectors, the SDK's
+sampler (OTEL_TRACES_SAMPLER) unless `sample_ratio` is set, the SDK's batch processor
+per exporter. After os.fork a child's tables start empty and it flushes at its exit.
 """
 
 from __future__ import annotations
@@ -40,15 +35,14 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from tracing import spans
 from tracing.config import TracingConfig, warn_once
 from tracing.device import DeviceClock, EventResolver, cuda_clock_or_none
-from tracing.export.delivery import (
+from tracing.export import (
     CountingExporter,
     DeliveryCounts,
     SpanCounter,
-    Tally,
     batch_processor,
+    build_exporters,
     call_bounded,
 )
-from tracing.export.exporters import build_exporters
 from tracing.fast import FastTracer, PhaseIds
 from tracing.stats import ProfileStats
 
@@ -75,22 +69,14 @@ class ShutdownReport:
     """What became of the spans of one Telemetry, and how long shutdown took."""
 
     spans_exported: int
-    spans_dropped: int
-    """Neither exported nor failed: the queue was full, or still queued at the bound."""
-    spans_failed: int
-    """Sent, but the exporter reported an error (or was closed at the bound)."""
-    device_unresolved: int
-    """Device-timed phases whose events did not complete in time (ended without device time)."""
+    spans_dropped: int  # neither exported nor failed: queue full, or still queued at the bound
+    spans_failed: int  # the exporter reported an error (or was closed at the bound)
+    device_unresolved: int  # device-timed phases ended without device time
     duration_s: float
-    hook_errors: int = 0
-    """Exceptions raised by phase hooks while this Telemetry was installed (skipped)."""
-    spans_late: int = 0
-    """Ended after shutdown began (a phase still open then): not exported."""
-    spans_to_application: int = 0
-    """Sampled phase spans recorded through a provider tracing did not build: its
-    processors export them."""
-    application_flushed: bool = True
-    """That provider's force_flush returned True within the bound."""
+    hook_errors: int = 0  # exceptions raised by phase hooks (skipped)
+    spans_late: int = 0  # ended after shutdown began (a phase still open then)
+    spans_to_application: int = 0  # sampled phases recorded on a provider not tracing's
+    application_flushed: bool = True  # that provider's force_flush returned True in time
 
     @property
     def spans_not_delivered(self) -> int:
@@ -110,19 +96,15 @@ class ShutdownReport:
         )
         if self.spans_to_application:
             flushed = "flushed" if self.application_flushed else "not flushed in time"
-            text += (
-                f", to the application's span processors {self.spans_to_application} ({flushed})"
-            )
-        for count, what in (
-            (self.device_unresolved, "device timings unresolved"),
-            (self.hook_errors, "phase hook errors"),
-            (self.spans_late, "ended after shutdown"),
-        ):
-            text += f", {what} {count}" if count else ""
+            text += f", to the application's span processors {self.spans_to_application}"
+            text += f" ({flushed})"
+        extra = {
+            "device timings unresolved": self.device_unresolved,
+            "phase hook errors": self.hook_errors,
+            "ended after shutdown": self.spans_late,
+        }
+        text += "".join(f", {what} {n}" for what, n in extra.items() if n)
         return text
-
-    def __str__(self) -> str:
-        return self.summary()
 
 
 class _CountingTracer:
@@ -195,16 +177,13 @@ class Telemetry:
 
     def __init__(self, cfg: TracingConfig, stats: ProfileStats) -> None:
         self.cfg, self.stats = cfg, stats
-        self.provider: Any = None
-        """The TracerProvider phases record through (None at level off)."""
+        self.provider: Any = None  # the TracerProvider phases record through (None: off)
         self.own_provider = False
         self.exporters: list[CountingExporter] = []
-        self.sinks: list[str] = []
-        """Where tracing's own exporters send, in words (OTLP/grpc URL, file PATH)."""
+        self.sinks: list[str] = []  # where tracing's exporters send, in words
         self.counter: SpanCounter | None = None
         self.resolver: EventResolver | None = None
-        self.cuda_timing = "off"
-        """The device timing in force (cfg.cuda_timing, or off after a fallback)."""
+        self.cuda_timing = "off"  # the device timing in force (off after a fallback)
         self.tracer: Any = None
         self._runtime_args: dict[str, Any] = {}
         self._report: ShutdownReport | None = None
@@ -220,7 +199,6 @@ class Telemetry:
 
     @property
     def tracing_spans(self) -> bool:
-        """Whether phases record spans (a tracer is in place; it is at level off)."""
         return self.tracer is not None
 
     @property
@@ -259,11 +237,8 @@ class Telemetry:
         return counter.counts(self.exporters) if counter is not None else DeliveryCounts()
 
     def shutdown(self, timeout_s: float | None = None) -> ShutdownReport:
-        """Flushes and closes everything within `timeout_s` (default cfg.shutdown_timeout_s).
-
-        Idempotent: later calls return the first report. After it, `phase` only feeds
-        the default ProfileStats. An application's provider is flushed, not shut down.
-        """
+        """Flushes and closes everything within `timeout_s` (default cfg.shutdown_timeout_s);
+        idempotent. After it `phase` feeds the default ProfileStats only."""
         with self._shutdown_lock:
             if self._report is None:
                 bound_s = self.cfg.shutdown_timeout_s if timeout_s is None else timeout_s
@@ -337,21 +312,16 @@ def setup(
     stop_exceptions: tuple[type[BaseException], ...] = (),
     phase_hooks: Sequence[object] = (),
 ) -> Telemetry:
-    """Configures tracing for this process and makes `phase(...)` use it.
+    """Configures tracing for this process (shutting a previous setup down first).
 
-    `provider`: the TracerProvider to record through (module docstring for the default).
-    `exporters`: more exporters, each behind the SDK's batch processor and counted in the
-    shutdown report; `span_processors` are added as they are (a SimpleSpanProcessor
-    around an InMemorySpanExporter in tests). A processor added later to tracing's own
-    provider (`telemetry.provider.add_span_processor`) gets every phase span from then
-    on. `install_global_provider`: tracing's own provider becomes the global one, unless
-    the application has set one. `device_clock` replaces the CUDA clock (a HostClock in
-    tests). `propagate_context` (default cfg.propagate_context): each phase with a span
-    is the current OTel span while it runs. A phase ended by one of `stop_exceptions`
-    (the application's "stop requested", KeyboardInterrupt) is not marked ERROR.
-    `phase_hooks` (tracing.hooks.PhaseHook: a Timeline, NvtxRanges) see every phase
-    start and end, sampled or not, on its thread. A previous setup is shut down first.
-    """
+    `exporters`: more exporters, each behind the SDK's batch processor, counted in the
+    report; `span_processors` are added as they are. A processor added later to tracing's
+    own provider gets every phase span from then on, `on_start` too.
+    `install_global_provider`: tracing's own becomes the global provider unless the
+    application has set one. `device_clock` replaces the CUDA clock (a HostClock in
+    tests). `propagate_context`: each phase is the current OTel span while it runs. A
+    phase ended by one of `stop_exceptions` (a requested stop) is not marked ERROR.
+    `phase_hooks` (tracing.hooks.PhaseHook) see every phase, sampled or not."""
     global _active
     cfg = TracingConfig() if cfg is None else cfg
     if _active is not None:
@@ -450,10 +420,9 @@ def shutdown(timeout_s: float | None = None) -> ShutdownReport | None:
 
 
 def _after_fork_in_child() -> None:
-    """The child is one thread, the forking one: device timing stops (CUDA does not
-    survive a fork) and hooks are the parent's. A multiprocessing child leaves through
-    os._exit after its finalizers, which it clears when it starts and then calls its
-    after-fork hooks: the flush at its exit is registered there."""
+    """In the child (one thread): device timing stops (CUDA does not survive a fork), the
+    counts start at 0. A multiprocessing child leaves through os._exit after finalizers
+    it registers after fork: its flush at exit is registered there."""
     global _lock, _instance_id
     _lock = threading.Lock()  # the parent may have held it while forking
     _instance_id = str(uuid.uuid4())
@@ -465,7 +434,7 @@ def _after_fork_in_child() -> None:
     for exporter in telemetry.exporters:  # the parent's spans are the parent's to count
         exporter.exported = exporter.failed = 0
     if telemetry.counter is not None:
-        telemetry.counter.handed, telemetry.counter.late = Tally(), Tally()
+        telemetry.counter.reset()
     args = telemetry._runtime_args
     telemetry._runtime_args = {**args, "clock": None, "resolver": None, "hooks": ()}
     telemetry._use(telemetry.tracer)

@@ -66,7 +66,7 @@ def endpoint(value: str) -> str | None:
     try:
         parse_endpoint(value)
     except TracingConfigError:
-        return "expected a URL http(s)://host[:port][/path], e.g. http://localhost:4317"
+        return "expected a URL http(s)://host[:port][/path], e.g. http://localhost:4318"
     return None
 
 

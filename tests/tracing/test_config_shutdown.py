@@ -142,7 +142,7 @@ def test_a_span_ended_after_shutdown_is_counted_and_warned_once(clean_env, caplo
     with caplog.at_level(logging.WARNING, logger="tracing"):
         for span in open_phases:
             span.end()
-    warnings = [r.getMessage() for r in caplog.records if "after tracing" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "after shutdown" in r.getMessage()]
     assert len(warnings) == 1 and "'open.0'" in warnings[0]
     assert telemetry.delivery_counts().late == 3
     assert [s.name for s in memory.get_finished_spans()] == ["before"]

@@ -7,7 +7,7 @@ import pytest
 from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
 import tracing
-from tracing.export.exporters import OtlpJsonFileExporter, build_exporters
+from tracing.export import OtlpJsonFileExporter, build_exporters
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])

@@ -167,14 +167,11 @@ def closed_port() -> int:
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
 def test_dead_collector_costs_nothing_and_is_counted(clean_env, protocol: str) -> None:
     clean_env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "0.3")  # seconds, as the Python SDK reads it
-    cfg = MetricsConfig(
-        exporter="otlp",
-        otlp_endpoint=f"http://127.0.0.1:{closed_port()}",
-        otlp_protocol=protocol,
-        export_interval_s=0.05,
-        shutdown_timeout_s=1.0,
+    cfg = MetricsConfig(exporter="otlp", export_interval_s=0.05, shutdown_timeout_s=1.0)
+    endpoint = f"http://127.0.0.1:{closed_port()}"  # the traces' flags send the metrics too
+    metrics = start_metrics(
+        cfg, tracing.TracingConfig(otlp_endpoint=endpoint, otlp_protocol=protocol)
     )
-    metrics = start_metrics(cfg, tracing.TracingConfig())
     metrics.gauge("loss", unit="{nat}")
     stats = tracing.ProfileStats()
     metrics.observe_stats(stats)

@@ -1,32 +1,47 @@
-"""The exporters `setup` builds by name: the SDK's OTLP exporters (gRPC or HTTP), the
-console, and an OTLP/JSON lines file, one per rank.
+"""Where ended spans go: the exporters `setup` builds, and what became of their spans.
 
 The SDK's exporters read their OTEL_* variables themselves (endpoint, headers, timeout,
-compression, TLS); only what the SDK does not decide is read here: whether to export
-at all (OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER, or an endpoint being set) and
-which exporter class a protocol names (OTEL_EXPORTER_OTLP_[SIGNAL_]PROTOCOL).
+compression, TLS); only what the SDK does not decide is read here: whether to export at
+all (OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER, an endpoint being set) and which
+exporter class a protocol names (OTEL_EXPORTER_OTLP_[SIGNAL_]PROTOCOL).
+
+The SDK's BatchSpanProcessor reads OTEL_BSP_*, restarts after os.fork and drops the
+oldest span when its queue is full; it counts nothing, its force_flush has no bound and
+its shutdown waits up to 30 s on an export to a dead collector. So each exporter sits
+behind a `CountingExporter` (exported, failed; `close` aborts a hung export's retries),
+a `SpanCounter` counts the sampled spans handed over, and `call_bounded` bounds the SDK
+calls that have no bound of their own.
 """
 
 from __future__ import annotations
 
 import base64
 import importlib
+import itertools
 import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from opentelemetry.environment_variables import OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
 from opentelemetry.sdk.environment_variables import OTEL_EXPORTER_OTLP_ENDPOINT
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SpanExporter,
+    SpanExportResult,
+)
 
 from tracing.config import PROTOCOLS, TracingConfig, TracingConfigError, parse_exporters, warn_once
 
+logger = logging.getLogger("tracing")
 Signal = Literal["traces", "metrics"]
+EXPORT_THREAD_NICENESS = 10
 
 
 class OtlpJsonFileExporter(SpanExporter):
@@ -197,3 +212,129 @@ def _endpoint_variable() -> str:
         if os.environ.get(name, "").strip():
             return os.environ[name].strip()
     return "(the SDK's default endpoint)"
+
+
+@dataclass
+class DeliveryCounts:
+    """What became of the sampled spans handed to tracing's exporters."""
+
+    handed: int = 0
+    exported: int = 0
+    failed: int = 0  # the exporter reported an error, or was closed at the bound
+    late: int = 0  # ended after shutdown began (a phase still open then)
+
+    @property
+    def dropped(self) -> int:
+        """Neither exported nor failed: queue full, or still queued (at the bound)."""
+        return max(0, self.handed - self.exported - self.failed)
+
+
+def lower_thread_priority() -> None:
+    """Lets an export thread yield the CPU to the program it observes: encoding spans is
+    real work, which on busy cores should fill the training threads' idle moments. On
+    Linux a thread is a task, so setpriority on its native id affects it alone."""
+    try:
+        tid = threading.get_native_id()
+        niceness = os.getpriority(os.PRIO_PROCESS, tid) + EXPORT_THREAD_NICENESS
+        os.setpriority(os.PRIO_PROCESS, tid, niceness)
+    except (AttributeError, OSError):
+        pass  # not permitted here, or not POSIX: export at normal priority
+
+
+class CountingExporter(SpanExporter):
+    """An exporter that counts what it exported and what failed.
+
+    Thread contract: `export` on the processor's worker (whose priority it lowers once);
+    `close` from any thread: it shuts the inner exporter down, which aborts an export
+    waiting to retry, and every later export fails at once without sending."""
+
+    def __init__(self, inner: SpanExporter) -> None:
+        self.inner = inner
+        self.exported = self.failed = 0
+        self._closed = False
+        self._niced: set[int] = set()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if threading.get_ident() not in self._niced:
+            self._niced.add(threading.get_ident())
+            lower_thread_priority()
+        result = SpanExportResult.FAILURE
+        if not self._closed:
+            try:
+                result = self.inner.export(spans)
+            except Exception:  # telemetry never crashes the host program
+                logger.exception("tracing: exporter %s raised", type(self.inner).__name__)
+        if result == SpanExportResult.SUCCESS:
+            self.exported += len(spans)
+        else:
+            self.failed += len(spans)
+        return result
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.inner.shutdown()
+
+    def shutdown(self) -> None:
+        self.close()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class SpanCounter(SpanProcessor):
+    """Counts the sampled spans handed to the processors after it; once `closed`, counts
+    them as late (warned once). Thread contract: `on_end` on any thread, never blocking:
+    next() of itertools.count is atomic under the GIL; a read draws once more."""
+
+    def __init__(self) -> None:
+        self.reset()
+        self.closed = self._warned = False
+
+    def reset(self) -> None:
+        self._handed, self._late, self._reads = itertools.count(), itertools.count(), 0
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.context is None or not span.context.trace_flags.sampled:
+            return
+        if not self.closed:
+            next(self._handed)
+        elif next(self._late) is not None and not self._warned:
+            self._warned = True
+            message = "tracing: span %r ended after shutdown began; it and later ones are late"
+            logger.warning(message, span.name)
+
+    def counts(self, exporters: Sequence[CountingExporter]) -> DeliveryCounts:
+        self._reads += 1  # the draws of earlier reads are not spans
+        handed = next(self._handed) - (self._reads - 1)
+        late = next(self._late) - (self._reads - 1)
+        exported, failed = sum(e.exported for e in exporters), sum(e.failed for e in exporters)
+        return DeliveryCounts(handed * len(exporters), exported, failed, late)
+
+
+def batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
+    """The SDK's batch processor, with its settings from OTEL_BSP_*. Values it refuses
+    (a delay of 0, a batch larger than the queue) are warned once; the specification's
+    defaults apply and the run goes on."""
+    try:
+        return BatchSpanProcessor(exporter)
+    except ValueError as exc:
+        warn_once("bsp", f"the SDK's batch processor refused OTEL_BSP_* ({exc}); using defaults")
+        return BatchSpanProcessor(exporter, 2048, 5000, 512)
+
+
+def call_bounded(fn: Any, timeout_s: float, *args: Any) -> Any:
+    """`fn(*args)` on a daemon thread, waited for at most `timeout_s`: its result, or
+    None when it raised (logged) or is still running."""
+    result: list[Any] = [None]
+
+    def target() -> None:
+        try:
+            result[0] = fn(*args)
+        except Exception:
+            logger.exception("tracing: %s raised", type(fn).__qualname__)
+
+    thread = threading.Thread(target=target, name="tracing-bounded-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return result[0]

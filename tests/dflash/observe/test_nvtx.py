@@ -5,12 +5,10 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 import tracing
-from tracing.hooks import NvtxRanges, nvtx_ranges
-
-# The library runs without torch (scripts/otel_versions.sh tests it so); NVTX needs it.
-torch = pytest.importorskip("torch")
+from dflash.observe.instruments import NvtxRanges, nvtx_ranges
 
 
 def test_nvtx_hook_is_a_one_line_no_op_without_cuda(caplog: pytest.LogCaptureFixture) -> None:
