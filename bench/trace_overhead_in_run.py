@@ -45,7 +45,7 @@ def _switch(blocks: list[tuple[int, int, float]], block_s: float, control: bool,
 
     while not done.is_set():  # wait for the run's own runtime, then for warm steps
         rt = spans.runtime()
-        if rt.recorder is not None and _steps(rt.stats) > WARMUP_STEPS:
+        if rt.tracer is not None and _steps(rt.stats) > WARMUP_STEPS:
             break
         time.sleep(0.05)
     full = spans.runtime()

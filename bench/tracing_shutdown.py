@@ -13,6 +13,7 @@ Usage: python bench/tracing_shutdown.py [--spans N]
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 import threading
@@ -53,12 +54,8 @@ def silent_port(stop: threading.Event) -> int:
 
 
 def run_case(protocol: str, port: int, spans: int) -> tuple[float, float, str]:
-    cfg = tracing.TracingConfig(
-        exporter="otlp",
-        otlp_endpoint=f"http://127.0.0.1:{port}",
-        otlp_protocol=protocol,
-        schedule_delay_s=0.2,
-    )
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # read by the SDK's batch processor
+    cfg = tracing.TracingConfig(otlp_endpoint=f"http://127.0.0.1:{port}", otlp_protocol=protocol)
     telemetry = tracing.setup(cfg)
     started = time.perf_counter()
     for step in range(spans // 10):

@@ -1,26 +1,25 @@
 """OTel metrics beside the traces: counters and gauges read by callbacks, gauges set once
 per logged step, and a phase-duration histogram taken from the unsampled ProfileStats.
 
-    cfg = MetricsConfig.from_env(tracing_cfg, namespace="myapp")   # OTEL_METRICS_* honoured
-    metrics = start_metrics(cfg, tracing_cfg)
+    metrics = start_metrics(MetricsConfig(namespace="myapp"), tracing_cfg)
     metrics.observe("counter", "tokens", lambda: n, unit="{token}", attributes={"stage": "x"})
-    metrics.observe("updowncounter", "queue.size", q.qsize, unit="{item}",
-                    attributes={"myapp.queue": "q"})
     metrics.observe_stats(telemetry.stats, "phase.duration")      # seconds; myapp.phase
-    metrics.gauge("train.loss", unit="{nat}")
-    metrics.record({"train.loss": 2.1})                            # once per logged step
+    metrics.gauge("train.loss", unit="{nat}"); metrics.record({"train.loss": 2.1})
     report = metrics.shutdown()                                    # bounded; MetricsReport
 
-Hot path: nothing. Callbacks run on the reader's export thread once per interval; the
-histogram is built there from a cumulative snapshot of the stats, so trace sampling
-never changes it. A collector that is down costs one bounded export per interval on
-that thread; failed exports are counted in the report, training never waits on them.
+Hot path: nothing. Callbacks run on the reader's thread once per interval; the histogram
+is built there from a cumulative snapshot of the stats (trace sampling never changes it)
+and added to each export the SDK makes (it makes one when an instrument has data). The
+metrics go where the traces' flags send them, else the SDK's variables say (it reads
+OTEL_METRIC_EXPORT_INTERVAL and the OTLP ones); a collector that is down costs the reader
+thread one bounded export per interval, counted in the report.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,6 +27,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.environment_variables import (
+    OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE as TEMPORALITY_VARIABLE,
+)
 from opentelemetry.sdk.metrics import Counter, MeterProvider, ObservableCounter
 from opentelemetry.sdk.metrics import Histogram as HistogramInstrument
 from opentelemetry.sdk.metrics.export import (
@@ -47,23 +49,23 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from tracing.clock import now_ns
-from tracing.config import TracingConfig
-from tracing.export.exporters import otlp_exporter, quiet_otlp_loggers
-from tracing.export.processor import lower_thread_priority
-from tracing.metrics_config import METRICS_EXPORTERS, MetricsConfig, otlp_metrics_url
+from tracing.config import (
+    TracingConfig,
+    TracingConfigError,
+    check_choice,
+    parse_exporters,
+    warn_once,
+)
+from tracing.export import (
+    call_bounded,
+    lower_thread_priority,
+    otlp_exporter,
+    otlp_protocol,
+    wanted_exporters,
+)
 from tracing.snapshot import BUCKETS_PER_OCTAVE
 from tracing.stats import ProfileStats
 from tracing.telemetry import build_resource
-
-__all__ = [
-    "METRICS_EXPORTERS",
-    "PHASE_BOUNDS_S",
-    "Metrics",
-    "MetricsConfig",
-    "MetricsReport",
-    "build_metric_exporters",
-    "start_metrics",
-]
 
 logger = logging.getLogger("tracing")
 SCOPE = InstrumentationScope("tracing.metrics")
@@ -73,16 +75,46 @@ STATS_SCOPE = InstrumentationScope("tracing.metrics.stats")
 # Octave edges from ~61 µs to 8 s: each ProfileStats bucket (8 per octave) lies inside
 # one of them, so the histogram counts are exact, and ms phases get several buckets.
 PHASE_BOUNDS_S = tuple(2.0**k for k in range(-14, 4))
+TEMPORALITIES = ("cumulative", "delta", "lowmemory")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Settings of the metrics signal; None leaves a choice to the OTEL_* variables."""
+
+    exporter: tuple[str, ...] | None = None
+    """Any of otlp, console; None: OTEL_METRICS_EXPORTER, else OTLP where an endpoint is
+    known (the traces' `otlp_endpoint` or an OTLP endpoint variable), else none."""
+    export_interval_s: float | None = None
+    """Period of collection and export; None: the SDK's (OTEL_METRIC_EXPORT_INTERVAL)."""
+    shutdown_timeout_s: float = 3.0
+    namespace: str = ""
+    """Prefix of every instrument name (`myapp` makes `tokens` into `myapp.tokens`)."""
+    temporality: str | None = None
+    """cumulative, delta or lowmemory; None: OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE,
+    read here: the reader takes it from the stats wrapper in front of each exporter."""
+
+    def __post_init__(self) -> None:
+        if self.exporter is not None:
+            exporters = parse_exporters(self.exporter, ("none", "otlp", "console"))
+            object.__setattr__(self, "exporter", exporters)  # frozen: normalized once
+        if self.temporality is not None:
+            check_choice("metrics temporality", self.temporality, TEMPORALITIES)
+        for name in ("export_interval_s", "shutdown_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or not value > 0):
+                raise TracingConfigError(f"metrics {name} must be a positive number, got {value!r}")
+        if not isinstance(self.namespace, str):
+            raise TracingConfigError(f"metrics namespace must be a string, got {self.namespace!r}")
 
 
 @dataclass(frozen=True)
 class MetricsReport:
-    """What became of the metric exports of one run."""
+    """What became of the metric exports of one run (points lost: in failed exports)."""
 
     exports_ok: int
     exports_failed: int
     points_failed: int
-    """Data points in failed exports (the metrics lost; training lost nothing)."""
     duration_s: float = 0.0
 
     def summary(self) -> str:
@@ -92,29 +124,33 @@ class MetricsReport:
         )
 
 
+def preferred_temporality(name: str | None) -> dict[type, AggregationTemporality]:
+    """The temporality of each instrument kind under a preference, by the specification's
+    table (a kind not named stays cumulative); None reads the variable (bad: warned once)."""
+    if name is None:
+        name = os.environ.get(TEMPORALITY_VARIABLE, "").strip().lower() or "cumulative"
+        if name not in TEMPORALITIES:
+            warn_once(TEMPORALITY_VARIABLE, f"ignoring {TEMPORALITY_VARIABLE}={name!r}")
+    delta_kinds: tuple[type, ...] = {
+        "delta": (Counter, HistogramInstrument, ObservableCounter),
+        "lowmemory": (Counter, HistogramInstrument),
+    }.get(name, ())
+    return dict.fromkeys(delta_kinds, AggregationTemporality.DELTA)
+
+
 class _StatsExporter(MetricExporter):
     """Adds the ProfileStats histograms to each export and counts the results.
+    Runs on the reader's thread; never raises (an exporter error is a failed export)."""
 
-    Runs on the reader's thread; never raises (an exporter error is a failed export).
-    """
-
-    def __init__(
-        self,
-        inner: MetricExporter,
-        owner: Metrics,
-        temporality: dict[type, AggregationTemporality],
-    ) -> None:
+    def __init__(self, inner: MetricExporter, owner: Metrics, temporality: dict) -> None:
         super().__init__(preferred_temporality=temporality)
-        self.inner = inner
-        self.owner = owner
+        self.inner, self.owner = inner, owner
         self.ok = self.failed = self.points_failed = 0
-        self.calls = 0
         self._niced: set[int] = set()
 
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> MetricExportResult:
-        self.calls += 1
         if threading.get_ident() not in self._niced:  # the reader's thread, as the spans'
             self._niced.add(threading.get_ident())
             lower_thread_priority()
@@ -128,7 +164,10 @@ class _StatsExporter(MetricExporter):
             self.ok += 1
         else:
             self.failed += 1
-            self.points_failed += _count_points(data)
+            metrics = [
+                m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+            ]
+            self.points_failed += sum(len(metric.data.data_points) for metric in metrics)
         return result
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
@@ -138,36 +177,16 @@ class _StatsExporter(MetricExporter):
         self.inner.shutdown(timeout_millis=timeout_millis)
 
 
-class _Reader(PeriodicExportingMetricReader):
-    """A periodic reader that exports the stats histograms also when the SDK has no
-    instrument data (it then skips the export)."""
-
-    def __init__(self, exporter: _StatsExporter, interval_s: float, timeout_s: float) -> None:
-        super().__init__(exporter, interval_s * 1e3, timeout_s * 1e3)
-        self.stats_exporter = exporter
-
-    def collect(self, timeout_millis: float = 10_000) -> None:
-        calls = self.stats_exporter.calls
-        super().collect(timeout_millis=timeout_millis)
-        if self.stats_exporter.calls == calls and self.stats_exporter.owner._histograms:
-            self.stats_exporter.export(MetricsData([]), timeout_millis=timeout_millis)
-
-
-def _count_points(data: MetricsData) -> int:
-    return sum(
-        len(metric.data.data_points)
-        for rm in data.resource_metrics
-        for sm in rm.scope_metrics
-        for metric in sm.metrics
-    )
-
-
 class _StatsHistogram:
     """Cumulative histogram of one ProfileStats, one point per phase name."""
 
     def __init__(self, stats: ProfileStats, name: str, description: str, phase_key: str) -> None:
-        self.stats, self.name, self.description = stats, name, description
-        self.phase_key = phase_key
+        self.stats, self.name, self.description, self.phase_key = (
+            stats,
+            name,
+            description,
+            phase_key,
+        )
         self.start_ns = now_ns()
         self._last_total = 0
 
@@ -218,15 +237,13 @@ class Metrics:
     """
 
     def __init__(
-        self,
-        cfg: MetricsConfig,
-        resource: Resource,
-        exporters: Sequence[MetricExporter] = (),
+        self, cfg: MetricsConfig, resource: Resource, exporters: Sequence[MetricExporter] = ()
     ) -> None:
         self.cfg = cfg
         temporality = preferred_temporality(cfg.temporality)
         self._wrapped = [_StatsExporter(e, self, temporality) for e in exporters]
-        readers = [_Reader(w, cfg.export_interval_s, cfg.export_timeout_s) for w in self._wrapped]
+        interval_ms = None if cfg.export_interval_s is None else cfg.export_interval_s * 1e3
+        readers = [PeriodicExportingMetricReader(w, interval_ms) for w in self._wrapped]
         self.resource = resource
         self.provider = MeterProvider(readers, resource=resource, shutdown_on_exit=False)
         self._meter = self.provider.get_meter(SCOPE.name)
@@ -253,9 +270,9 @@ class Metrics:
         description: str = "",
         attributes: Mapping[str, Any] | None = None,
     ) -> None:
-        """A monotonic counter, an up-down counter (a count that rises and falls: a
-        queue's size) or a gauge (a reading that is not a count: peak memory) read
-        through `fn()` at each collection; series of one name differ by `attributes`."""
+        """A counter, an up-down counter (a count that rises and falls: a queue's size) or
+        a gauge (a reading: peak memory) read through `fn()` at each collection; series of
+        one name differ by `attributes`."""
         creators = {
             "counter": self._meter.create_observable_counter,
             "updowncounter": self._meter.create_observable_up_down_counter,
@@ -320,12 +337,10 @@ class Metrics:
     def force_flush(self, timeout_s: float = 2.0) -> bool:
         return self.provider.force_flush(timeout_s * 1e3)
 
-    def report(self) -> MetricsReport:
-        return MetricsReport(
-            exports_ok=sum(w.ok for w in self._wrapped),
-            exports_failed=sum(w.failed for w in self._wrapped),
-            points_failed=sum(w.points_failed for w in self._wrapped),
-        )
+    def report(self, duration_s: float = 0.0) -> MetricsReport:
+        wrapped = self._wrapped
+        ok, failed = sum(w.ok for w in wrapped), sum(w.failed for w in wrapped)
+        return MetricsReport(ok, failed, sum(w.points_failed for w in wrapped), duration_s)
 
     def shutdown(self, timeout_s: float | None = None) -> MetricsReport:
         """Final export and close, bounded by `timeout_s`; idempotent."""
@@ -333,60 +348,24 @@ class Metrics:
             if self._report is None:
                 started = time.monotonic()
                 budget_s = self.cfg.shutdown_timeout_s if timeout_s is None else timeout_s
-                thread = threading.Thread(
-                    target=self.provider.shutdown,
-                    kwargs={"timeout_millis": budget_s * 1e3},
-                    name="tracing-metrics-close",
-                    daemon=True,
-                )
-                thread.start()
-                thread.join(budget_s)
-                report = self.report()
-                self._report = MetricsReport(
-                    report.exports_ok,
-                    report.exports_failed,
-                    report.points_failed,
-                    time.monotonic() - started,
-                )
+                call_bounded(self.provider.shutdown, budget_s, budget_s * 1e3)
+                self._report = self.report(time.monotonic() - started)
         return self._report
 
 
-def preferred_temporality(name: str) -> dict[type, AggregationTemporality]:
-    """The temporality of each instrument kind under a preference of
-    OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE (the metrics SDK specification's
-    table; a kind not named stays cumulative); a reader takes it from its exporter's
-    constructor, the one public way."""
-    delta_kinds: tuple[type, ...] = {
-        "delta": (Counter, HistogramInstrument, ObservableCounter),
-        "lowmemory": (Counter, HistogramInstrument),
-    }.get(name, ())
-    return dict.fromkeys(delta_kinds, AggregationTemporality.DELTA)
-
-
-def build_metric_exporters(cfg: MetricsConfig) -> list[MetricExporter]:
-    """The exporters `cfg.exporter` names; imports each SDK exporter only when used."""
+def build_metric_exporters(cfg: MetricsConfig, traces: TracingConfig) -> list[MetricExporter]:
+    """The exporters `cfg` names, or the variables or the traces' endpoint imply."""
+    protocol = otlp_protocol(traces.otlp_protocol, "metrics")
+    temporality = preferred_temporality(cfg.temporality)
     exporters: list[MetricExporter] = []
-    for name in cfg.exporter:
+    for name in wanted_exporters(cfg.exporter, "metrics", traces.otlp_endpoint is not None):
         if name == "console":
-            exporters.append(
-                ConsoleMetricExporter(preferred_temporality=preferred_temporality(cfg.temporality))
-            )
+            exporters.append(ConsoleMetricExporter(preferred_temporality=temporality))
         elif name == "otlp":
-            exporters.append(_otlp_metric_exporter(cfg))
+            options = {"preferred_temporality": temporality}
+            exporter = otlp_exporter("metrics", protocol, traces.otlp_endpoint, **options)
+            exporters += [exporter] if exporter is not None else []
     return exporters
-
-
-def _otlp_metric_exporter(cfg: MetricsConfig) -> MetricExporter:
-    quiet_otlp_loggers("opentelemetry.exporter.otlp.proto.http.metric_exporter")
-    url = otlp_metrics_url(cfg)
-    return otlp_exporter(
-        "metric",
-        cfg.otlp_protocol,
-        url,
-        cfg.otlp_headers,
-        cfg.export_timeout_s,
-        preferred_temporality=preferred_temporality(cfg.temporality),
-    )
 
 
 def start_metrics(
@@ -394,9 +373,9 @@ def start_metrics(
     tracing_cfg: TracingConfig,
     *,
     exporters: Sequence[MetricExporter] = (),
+    resource: Resource | None = None,
 ) -> Metrics:
-    """Metrics with the traces' resource (`build_resource`: the same service.instance.id,
-    `<attribute_namespace>.rank` and `.run.id`) and the exporters `cfg` names, plus
-    `exporters` (e.g. an in-memory one in tests)."""
-    resource = build_resource(tracing_cfg)
-    return Metrics(cfg, resource, [*build_metric_exporters(cfg), *exporters])
+    """Metrics with the exporters `cfg` names plus `exporters` (e.g. an in-memory one in
+    tests), and the traces' resource (`resource`, else `build_resource(tracing_cfg)`)."""
+    resource = resource if resource is not None else build_resource(tracing_cfg)
+    return Metrics(cfg, resource, [*build_metric_exporters(cfg, tracing_cfg), *exporters])

@@ -1,47 +1,47 @@
-"""Phase spans: the hot path. `phase(...)` times a block, feeds ProfileStats, and (at an
-enabled level, with a configured provider) records an OTel span.
+"""Phases, the hot path: `phase(...)` times a block, feeds ProfileStats and, at an
+enabled level, records a span through the tracer `setup` chose (the application's, the
+SDK's, or its fast stand-in, `tracing.fast`); with none, two clock reads and one `add`.
 
-Cost notes: a recorded span is the handle itself (`tracing.handle`): ids from a private
-generator, two clock reads, the name, parent, attributes and status, appended to the
-export queue when it ends; the export thread builds the SDK span from it. By default no
-OTel context is attached or detached and no SDK object is built on the hot path: the
-innermost open phase of the current thread/task is kept in one ContextVar of our own,
-and an OTel Context is built only when someone asks for `.context`. With
-`propagate_context` a phase is also the current OTel span while it runs (one attach and
-one detach more). With no span to record, a phase is two clock reads and one `add`.
-
-A phase object may be entered again, and from several threads at once: the first
-entry uses the object itself, every other entry a fresh copy with the same arguments,
-so each entry is its own measurement. Telemetry never raises into the host program:
-misuse is logged once.
+Attribute values are taken when set, on the calling thread (`clean_value`): nothing the
+program goes on changing (a numpy buffer, a CUDA tensor) is read later elsewhere. The
+innermost open phase of a thread/task is kept in a ContextVar of tracing's own: no OTel
+context is attached on the hot path unless `propagate_context` asks. A phase object may
+be entered again and from several threads at once, each entry its own measurement.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
+from enum import Enum
 from threading import get_ident
 from typing import Any, TypeVar
 
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import Status, StatusCode
 
-from tracing import record
 from tracing.clock import EPOCH_OFFSET_NS, now_ns
+from tracing.config import warn_once
 from tracing.device import DeviceClock, EventResolver
+from tracing.fast import FastSpan
 from tracing.format import DEVICE_SUFFIX
-from tracing.handle import SpanHandle, resolve_parent
-from tracing.record import Recorder
-from tracing.stats import ProfileStats
+from tracing.stats import NO_THREAD, ProfileStats
 
 logger = logging.getLogger("tracing")
 LEVEL_RANK = {"off": 0, "step": 1, "phase": 2}
-DEVICE_ATTRIBUTE = "tracing.device"
-DEVICE_DURATION_ATTRIBUTE = "tracing.device.duration_s"
+DEVICE_DURATION_ATTRIBUTE = "tracing.device.duration"
+"""Device time of the phase, in seconds (`--cuda-timing events`)."""
 TIMING_MODE_ATTRIBUTE = "tracing.timing.mode"
+_PLAIN_TYPES = frozenset((str, bool, int, float))
+_DROP = object()
+_NEW_TRACE = Context()  # no span in it: a span started under it is a root
 _time_ns = now_ns
 # The plain path reads the clock inline (a Python call costs more than the read itself).
 _mono_ns = time.monotonic_ns
@@ -51,16 +51,58 @@ _PLAIN, _SPAN, _DEVICE = 0, 1, 2
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def clean_value(key: str, value: Any) -> Any:
+    """The OTel attribute value a program means by `value`: numpy scalars and arrays as
+    Python values, an Enum as its value. `_DROP` (warned once per key) for a torch tensor
+    (reading it is a host sync, `.item()`, the caller's to choose) and for what is not an
+    attribute value by the specification: str, bool, int, float, a homogeneous list."""
+    if type(value) in _PLAIN_TYPES:
+        return value
+    if isinstance(value, Enum):
+        return clean_value(key, value.value)
+    torch = sys.modules.get("torch")  # never imported here: a tensor implies it is loaded
+    if torch is not None and isinstance(value, torch.Tensor):
+        return _refuse(key, "a torch tensor (reading it waits for the device): set .item()")
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, (numpy.generic, numpy.ndarray)):
+        value = value.tolist()  # np.float64(2.0) -> 2.0, np.array([1, 2]) -> [1, 2]
+    if isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, (list, tuple)):
+        items = tuple(None if v is None else clean_value(key, v) for v in value)
+        kinds = {type(v) for v in items if v is not None}
+        if _DROP not in items and len(kinds) <= 1 and kinds <= _PLAIN_TYPES:
+            return items
+    return _refuse(key, f"{type(value).__name__} is not str, bool, int, float or a list of one")
+
+
+def _refuse(key: str, why: str) -> Any:
+    warn_once(f"attribute {key}", f"attribute {key!r} dropped: {why} (warned once per key)")
+    return _DROP
+
+
+def clean_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """A private copy of `attributes` holding only values OTel takes (`clean_value`)."""
+    cleaned = {}
+    for key, value in attributes.items():
+        if type(value) not in _PLAIN_TYPES:
+            value = clean_value(key, value)
+            if value is _DROP:
+                continue
+        cleaned[key] = value
+    return cleaned
+
+
 class Runtime:
     """What `setup` installs for `phase` to read; replaced as a whole, never mutated."""
 
-    __slots__ = ("recorder", "level_rank", "stats", "clock", "sync", "resolver", "plain",
+    __slots__ = ("tracer", "level_rank", "stats", "clock", "sync", "resolver", "plain",
                  "propagate", "stop_exceptions", "hooks")  # fmt: skip
 
     def __init__(
         self,
         stats: ProfileStats,
-        recorder: Recorder | None = None,
+        tracer: Any = None,
         level_rank: int = 0,
         clock: DeviceClock | None = None,
         sync: bool = False,
@@ -72,16 +114,14 @@ class Runtime:
         self.stats = stats
         self.hooks = hooks  # tracing.hooks.PhaseHook objects (timeline, NVTX)
         # None when no span can be recorded at any level: phases then skip all span work.
-        self.recorder = recorder if level_rank > 0 else None
+        self.tracer = tracer if level_rank > 0 else None
         self.level_rank = level_rank
-        self.clock = clock
-        self.sync = sync
-        self.resolver = resolver
+        self.clock, self.sync, self.resolver = clock, sync, resolver
         self.propagate = propagate
         # Exceptions that end a phase without marking it ERROR: a requested stop.
         self.stop_exceptions = stop_exceptions
         # Phases can take the minimal path: nothing but clock reads and one `add`.
-        self.plain = self.recorder is None and clock is None and not hooks
+        self.plain = self.tracer is None and clock is None and not hooks
 
 
 DEFAULT_STATS = ProfileStats()
@@ -101,11 +141,115 @@ def runtime() -> Runtime:
 def _level_rank(level: str) -> int:
     rank = LEVEL_RANK.get(level)
     if rank is None:
-        record.warn_once(
-            f"level {level!r}", f"phase level must be one of off, step, phase, got {level!r}"
-        )
+        warn_once(f"level {level!r}", f"phase level must be one of off, step, phase, got {level!r}")
         return LEVEL_RANK["phase"]
     return rank
+
+
+class SpanHandle:
+    """A span that may end on another thread; `.context` is a parent for other threads.
+
+    Without a span (tracing off, level filtered) it still measures its duration for
+    ProfileStats. Thread contract: `set_attribute`/`record_exception` from one thread at
+    a time; `end` from any thread, once (later calls do nothing)."""
+
+    __slots__ = ("name", "start_time_ns", "_span", "_context", "_stats", "_hooks", "_ended")
+
+    def __init__(self, name: str, start_time_ns: int, stats: ProfileStats | None = None) -> None:
+        self.name, self.start_time_ns, self._stats = name, start_time_ns, stats
+        self._span: trace.Span | None = None
+        self._context: Context | None = None
+        self._hooks: tuple[Any, ...] = ()  # tracing.hooks.PhaseHook objects, set by start_span
+        self._ended = False
+
+    @property
+    def span(self) -> trace.Span | None:
+        """The OTel span (SDK, fast or non-recording), or None without one."""
+        return self._span
+
+    @property
+    def context(self) -> Context | None:
+        """An OTel Context holding this span (None without one)."""
+        context = self._context
+        if context is None and self._span is not None:
+            context = self._context = trace.set_span_in_context(self._span, _NEW_TRACE)
+        return context
+
+    @property
+    def recording(self) -> bool:
+        return self._span is not None and self._span.is_recording()
+
+    @property
+    def attributes(self) -> Mapping[str, Any]:
+        """The attributes recorded so far (empty when the span is not recorded)."""
+        span = self._span
+        if isinstance(span, (FastSpan, ReadableSpan)) and span.attributes:
+            return span.attributes
+        return {}
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        span = self._span
+        if span is not None and span.is_recording():
+            value = clean_value(key, value)
+            if value is not _DROP:
+                span.set_attribute(key, value)
+
+    def record_exception(self, exc: BaseException) -> None:
+        """Marks the span ERROR with an exception event."""
+        span = self._span
+        if span is not None and span.is_recording():
+            span.record_exception(exc)
+            span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+
+    def end(self, end_time_ns: int | None = None) -> None:
+        """Ends the span; its duration goes to ProfileStats as a cross-thread entry."""
+        if self._ended:
+            return
+        self._ended = True
+        end_ns = _time_ns() if end_time_ns is None else end_time_ns
+        _call_hooks(self._hooks, "span_ended", self, end_ns)
+        if self._stats is not None:
+            self._stats.add(self.name, (end_ns - self.start_time_ns) / 1e9, thread=NO_THREAD)
+        if self._span is not None:
+            self._span.end(end_time=end_ns)
+
+
+def _parent_context(parent: object) -> Context | None:
+    """The Context under an explicit `parent` (None: the current one, as the SDK's)."""
+    if isinstance(parent, SpanHandle):
+        return parent.context
+    if isinstance(parent, Context):
+        return parent
+    warn_once("parent", f"parent must be a Context or a SpanHandle, got {type(parent).__name__}")
+    return None
+
+
+class HookErrors:
+    """Exceptions raised by phase hooks, counted; the first of each hook method is logged."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._logged: set[tuple[str, str]] = set()
+
+    def record(self, hook: object, method: str, exc: BaseException) -> None:
+        key = (type(hook).__qualname__, method)
+        self.count += 1  # under the GIL; a lost increment of a misbehaving hook is harmless
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.error("tracing: hook %s.%s raised (further ones are counted): %r", *key, exc)
+
+
+HOOK_ERRORS = HookErrors()
+
+
+def _call_hooks(hooks: tuple[Any, ...], method: str, *args: Any) -> None:
+    """`method(*args)` of every hook; one that raises is counted and skipped: the phase
+    still reaches ProfileStats and its span still ends."""
+    for hook in hooks:
+        try:
+            getattr(hook, method)(*args)
+        except Exception as exc:  # a hook must break neither tracing nor the program
+            HOOK_ERRORS.record(hook, method, exc)
 
 
 def start_span(
@@ -117,24 +261,32 @@ def start_span(
     level: str = "step",
     stats: ProfileStats | None = None,
 ) -> SpanHandle:
-    """Starts a span that is not tied to the current thread (e.g. the per-batch root).
-
-    `parent=None` starts a new trace. End it with `handle.end()` from any thread.
-    """
+    """A span not tied to this thread (the per-batch root); `parent=None`: a new trace."""
     rt = _runtime
     start_ns = _time_ns() if start_time_ns is None else start_time_ns
     handle = SpanHandle(name, start_ns, stats if stats is not None else rt.stats)
-    recorder = rt.recorder
-    if recorder is not None and _level_rank(level) <= rt.level_rank:
-        handle._begin(recorder, None if parent is None else resolve_parent(parent), attributes)
+    tracer = rt.tracer
+    if tracer is not None and _level_rank(level) <= rt.level_rank:
+        try:
+            context = _NEW_TRACE if parent is None else _parent_context(parent)
+            values = clean_attributes(attributes) if attributes else None
+            handle._span = tracer.start_span(name, context, attributes=values, start_time=start_ns)
+        except Exception:  # telemetry never raises into the host program
+            logger.exception("tracing: span %s could not start", name)
     if rt.hooks:
         handle._hooks = rt.hooks
-        record.call_hooks(rt.hooks, "span_started", handle)
+        _call_hooks(rt.hooks, "span_started", handle)
     return handle
 
 
 class Phase(SpanHandle):
-    """Context manager returned by `phase`; also usable as a decorator."""
+    """`with phase(name, level=, parent=, start_time_ns=, attributes=, device=) as p:`,
+    also a decorator. `level`: off < step < phase, a span only at the configured one or
+    below. `parent`: a Context or SpanHandle; None: this thread's innermost phase, else
+    the current OTel context. `start_time_ns` (now_ns()): a wait opened after it ended
+    (the stats get all of it; the span starts no earlier than its parent). An exception
+    marks the span ERROR, then propagates. `device` (e.g. "cuda:0"): `sync` timing
+    synchronizes it at both ends; `events` resolves device events off the hot path."""
 
     __slots__ = ("_level", "_parent", "_given_attributes", "_device", "_token", "_rt",
                  "_mode", "_start_event", "_given_start_ns", "_propagate", "_otel_token",
@@ -152,17 +304,12 @@ class Phase(SpanHandle):
         stats: ProfileStats | None = None,
         propagate: bool | None = None,
     ) -> None:
-        """Times the block as phase `name` (see the package docstring for the arguments)."""
         # Only stores: at level off this object lives for two clock reads and one add.
-        self.name = name
-        self._given_start_ns = start_time_ns
-        self._level = level
-        self._parent = parent
-        self._given_attributes = attributes
-        self._device = device
-        self._stats = stats
-        self._propagate = propagate
-        self._rec = None
+        self.name, self._level, self._parent, self._device = name, level, parent, device
+        self._given_start_ns, self._given_attributes = start_time_ns, attributes
+        self._stats, self._propagate = stats, propagate
+        self._span = None
+        self._context = None
         self._hooks = ()  # phases call their hooks from the runtime, not from end()
         # None: never entered; False: entered once (as itself); a dict: thread -> copies.
         self._entries: dict[int, list[Phase]] | bool | None = None
@@ -182,34 +329,33 @@ class Phase(SpanHandle):
             if rt.clock is not None and self._device is not None:
                 self._enter_device(rt)
             self.start_time_ns = _time_ns() if start_ns is None else start_ns
-            recorder = rt.recorder
-            if recorder is not None and _level_rank(self._level) <= rt.level_rank:
-                self._start_span(recorder, rt)
+            if rt.tracer is not None and _level_rank(self._level) <= rt.level_rank:
+                self._start_span(rt)
             if rt.hooks:
-                record.call_hooks(rt.hooks, "phase_started", self)
+                _call_hooks(rt.hooks, "phase_started", self)
         except Exception:  # telemetry never raises into the host program
             logger.exception("tracing: phase %s could not start its span", self.name)
-            self._rec = None
-            self._mode = _SPAN
-            self.start_time_ns = _time_ns() if start_ns is None else start_ns
+            self._span = None
         return self
 
     def _enter_copy(self) -> Phase:
-        entry = Phase(
-            self.name,
-            level=self._level,
-            parent=self._parent,
-            start_time_ns=self._given_start_ns,
-            attributes=self._given_attributes,
-            device=self._device,
-            stats=self._stats,
-            propagate=self._propagate,
-        )
+        entry = Phase(self.name, **self._arguments())
         entries = self._entries
         if not isinstance(entries, dict):
             entries = self._entries = {}
         entries.setdefault(get_ident(), []).append(entry)
         return entry.__enter__()
+
+    def _arguments(self) -> dict[str, Any]:
+        return {
+            "level": self._level,
+            "parent": self._parent,
+            "start_time_ns": self._given_start_ns,
+            "attributes": self._given_attributes,
+            "device": self._device,
+            "stats": self._stats,
+            "propagate": self._propagate,
+        }
 
     def _enter_device(self, rt: Runtime) -> None:
         clock = rt.clock
@@ -220,26 +366,23 @@ class Phase(SpanHandle):
             else:
                 self._start_event = clock.record(self._device)  # type: ignore[union-attr]
 
-    def _start_span(self, recorder: Recorder, rt: Runtime) -> None:
+    def _start_span(self, rt: Runtime) -> None:
         propagate = rt.propagate if self._propagate is None else self._propagate
-        parent = self._parent
+        parent, start_ns = self._parent, self.start_time_ns
         if parent is None:
             parent = _current.get()
-            if propagate:
-                # Another tracer's span may be current inside this thread's phase.
-                foreign = record.foreign_parent(None)
-                if foreign is not None and (parent is None or foreign.span_id != parent.span_id):
-                    parent = foreign
-            elif parent is None:
-                parent = record.foreign_parent(None)
-        else:
-            parent = resolve_parent(parent)
+            if parent is None or (propagate and trace.get_current_span().is_recording()):
+                parent = None  # the current OTel span: another tracer's inside this phase
+        if isinstance(parent, SpanHandle) and parent._span is not None:
+            # A wait begun before its parent existed starts with it in the span (a child
+            # outside its parent confuses trace views); the stats keep all of it.
+            start_ns = max(start_ns, parent.start_time_ns)
+        context = None if parent is None else _parent_context(parent)
         attributes = self._given_attributes
-        if self._device is not None:
-            attributes = {**attributes} if attributes else {}
-            attributes[DEVICE_ATTRIBUTE] = str(self._device)
-        self._begin(recorder, parent, attributes)
-        self._ended = False
+        values = clean_attributes(attributes) if attributes else None
+        self._span = rt.tracer.start_span(
+            self.name, context, attributes=values, start_time=start_ns
+        )
         self._token = _current.set(self)
         self._otel_token = otel_context.attach(self.context) if propagate else None
 
@@ -250,7 +393,7 @@ class Phase(SpanHandle):
                 otel_context.detach(self._otel_token)
             _current.reset(self._token)
         except ValueError:  # exited in another context than it was entered in
-            record.warn_once("context", f"phase {self.name} exited in another context")
+            warn_once("context", f"phase {self.name} exited in another context")
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
         entries = self._entries
@@ -266,80 +409,58 @@ class Phase(SpanHandle):
             stats.add(self.name, (_mono_ns() + _OFFSET_NS - self.start_time_ns) / 1e9)
             return False
         try:
-            if self._rt.hooks:
-                record.call_hooks(self._rt.hooks, "phase_ended", self, exc)
+            rt = self._rt
+            if rt.hooks:
+                _call_hooks(rt.hooks, "phase_ended", self, exc)
+            end_event = None
             if mode is _DEVICE:
-                self._exit_device(exc)
-                return False
+                if rt.sync:
+                    rt.clock.synchronize(self._device)  # type: ignore[union-attr]
+                else:
+                    end_event = rt.clock.record(self._device)  # type: ignore[union-attr]
             end_ns = _time_ns()
-            stats = self._stats
-            if stats is None:
-                stats = self._rt.stats
+            stats = self._stats if self._stats is not None else rt.stats
             stats.add(self.name, (end_ns - self.start_time_ns) / 1e9)
-            if self._rec is not None:
+            span = self._span
+            if span is not None:
                 self._leave()
-                if exc is not None and not isinstance(exc, self._rt.stop_exceptions):
-                    self._mark_error(exc)
+                if exc is not None and not isinstance(exc, rt.stop_exceptions):
+                    self.record_exception(exc)
+            if end_event is not None:
+                self._submit_device_timing(end_event, end_ns, stats)
+            elif span is not None:
+                if mode is _DEVICE:
+                    span.set_attribute(TIMING_MODE_ATTRIBUTE, "sync")
                 self._ended = True
-                self._finish(end_ns)
+                span.end(end_time=end_ns)
         except Exception:  # telemetry never raises into the host program
             logger.exception("tracing: phase %s could not end its span", self.name)
         return False
 
-    def _exit_device(self, exc: BaseException | None) -> None:
-        rt = self._rt
-        end_event = None
-        if rt.sync:
-            rt.clock.synchronize(self._device)  # type: ignore[union-attr]
-        else:
-            end_event = rt.clock.record(self._device)  # type: ignore[union-attr]
-        end_ns = _time_ns()
-        stats = self._stats if self._stats is not None else rt.stats
-        stats.add(self.name, (end_ns - self.start_time_ns) / 1e9)
-        if self._rec is not None:
-            self._leave()
-            if exc is not None and not isinstance(exc, rt.stop_exceptions):
-                self._mark_error(exc)
-        if end_event is not None:
-            self._submit_device_timing(end_event, end_ns, stats)
-        elif self._rec is not None:
-            self.set_attribute(TIMING_MODE_ATTRIBUTE, "sync")
-            self._ended = True
-            self._finish(end_ns)
-
     def _submit_device_timing(self, end_event: object, end_ns: int, stats: ProfileStats) -> None:
         """Hands the event pair to the resolver, which ends the span at `end_ns` later."""
-        name, thread = self.name, stats.thread_key()
+        name, thread, span = self.name, stats.thread_key(), self._span
 
         def on_resolved(device_s: float | None) -> None:
             if device_s is not None:
                 stats.add(name + DEVICE_SUFFIX, device_s, thread=thread)
-            if self._rec is not None:
+            if span is not None:
                 if device_s is not None:
-                    self.set_attribute(DEVICE_DURATION_ATTRIBUTE, device_s)
-                self.set_attribute(TIMING_MODE_ATTRIBUTE, "events")
+                    span.set_attribute(DEVICE_DURATION_ATTRIBUTE, device_s)
+                span.set_attribute(TIMING_MODE_ATTRIBUTE, "events")
                 self._ended = True
-                self._finish(end_ns)
+                span.end(end_time=end_ns)
 
         self._rt.resolver.submit(  # type: ignore[union-attr]
             self._start_event, end_event, on_resolved, self._device
         )
 
     def end(self, end_time_ns: int | None = None) -> None:
-        record.warn_once("phase.end", "a phase ends when its `with` block exits; end() ignored")
+        warn_once("phase.end", "a phase ends when its `with` block exits; end() ignored")
 
     def __call__(self, fn: F) -> F:
         """Decorator form: each call of `fn` runs inside a fresh phase with these arguments."""
-        kwargs: dict[str, Any] = {
-            "level": self._level,
-            "parent": self._parent,
-            "start_time_ns": self._given_start_ns,
-            "attributes": self._given_attributes,
-            "device": self._device,
-            "stats": self._stats,
-            "propagate": self._propagate,
-        }
-        name = self.name
+        name, kwargs = self.name, self._arguments()
 
         @functools.wraps(fn)
         def wrapper(*a: Any, **kw: Any) -> Any:

@@ -11,7 +11,6 @@ import re
 from collections.abc import Sequence
 
 from tracing.config import TracingConfigError, parse_endpoint
-from tracing.profiler import parse_steps
 
 __all__ = [
     "device_list",
@@ -21,6 +20,7 @@ __all__ = [
     "noise_ratios",
     "noise_spec",
     "not_blank",
+    "parse_steps",
     "split_device_name",
     "step_range",
 ]
@@ -66,16 +66,33 @@ def noise_spec(value: str) -> str | None:
 
 def endpoint(value: str) -> str | None:
     try:
-        parse_endpoint(value, "grpc")  # the same URL rule for both protocols
+        parse_endpoint(value)
     except TracingConfigError:
-        return "expected a URL http(s)://host[:port][/path], e.g. http://localhost:4317"
+        return "expected a URL http(s)://host[:port][/path], e.g. http://localhost:4318"
     return None
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    """`200:205` -> (200, 205); `200` -> (200, 201). Bad input: ValueError, one line."""
+    start_text, sep, stop_text = str(text).strip().partition(":")
+    try:
+        start = int(start_text)
+        stop = int(stop_text) if sep else start + 1
+    except ValueError:
+        raise ValueError(
+            f"profile steps must look like START:STOP (e.g. 200:205), got {text!r}"
+        ) from None
+    if start < 0 or stop <= start:
+        raise ValueError(
+            f"profile steps need 0 <= START < STOP (an empty range records nothing), got {text!r}"
+        )
+    return start, stop
 
 
 def step_range(value: str) -> str | None:
     try:
         parse_steps(value)
-    except TracingConfigError as exc:
+    except ValueError as exc:
         return str(exc).split(", got ")[0]
     return None
 

@@ -369,14 +369,14 @@ class TelemetryConfig(Section):
 
     otlp_endpoint: str | None = setting(
         None,
-        "OTLP collector URL, http(s)://host[:port] (e.g. http://localhost:4317); unset uses "
-        "OTEL_EXPORTER_OTLP_ENDPOINT, else sends nothing over the network.",
+        "OTLP collector URL, http(s)://host[:port] (e.g. http://localhost:4318); unset uses "
+        "OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, else sends nothing over the network.",
         check=checks.endpoint,
     )
     otlp_protocol: Literal["grpc", "http"] | None = setting(
         None,
         "OTLP transport: grpc (port 4317) or http/protobuf (port 4318); unset uses "
-        "OTEL_EXPORTER_OTLP_PROTOCOL, else grpc.",
+        "OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL, else http/protobuf (the OTel specification's).",
     )
     trace_level: Literal["off", "step", "phase"] = setting(
         "phase", "Spans exported: none, one per batch and drafter step, or every phase."
@@ -398,7 +398,9 @@ class TelemetryConfig(Section):
         30.0, "Seconds between interval tables in the log.", option="profile_interval", gt=0.0
     )
     service_name: str | None = setting(
-        None, "OpenTelemetry service.name; unset uses OTEL_SERVICE_NAME, else dflash-train."
+        None,
+        "OpenTelemetry service.name; unset uses OTEL_SERVICE_NAME or "
+        "OTEL_RESOURCE_ATTRIBUTES, else dflash-train.",
     )
     timeline: str | None = setting(
         None,

@@ -18,12 +18,16 @@ from typing import Any
 import torch
 
 from dflash.errors import DFlashError
-from dflash.observe.flops import drafter_flops_of, linear_params, target_flops_per_token
-from tracing import TracingConfigError
-from tracing.hooks import NvtxRanges, nvtx_ranges
-from tracing.profiler import ProfileWindow
-from tracing.throughput import device_peak_tflops, peak_memory_reader
-from tracing.timeline import Timeline
+from dflash.observe.flops import (
+    device_peak_tflops,
+    drafter_flops_of,
+    linear_params,
+    peak_memory_reader,
+    target_flops_per_token,
+)
+from dflash.observe.profile_window import ProfileWindow
+from dflash.observe.timeline import Timeline
+from tracing import Phase, SpanHandle
 
 TIMELINE_OFF = "off"
 DEFAULT_TIMELINE = "timeline.json"
@@ -121,12 +125,12 @@ def build_instruments(
         if path is not None:
             limit = {} if max_events is None else {"max_events": max_events}
             out.timeline = Timeline(path, rank=rank, **limit)
-    except TracingConfigError as exc:
+    except ValueError as exc:
         raise ObserveError(f"--timeline {str(path)!r} is invalid: {exc}") from None
     try:
         if tel.torch_profile is not None:
             out.profile = ProfileWindow(tel.torch_profile, output_dir / PROFILE_DIR, rank=rank)
-    except TracingConfigError as exc:
+    except ValueError as exc:
         raise ObserveError(f"--torch-profile {tel.torch_profile!r} is invalid: {exc}") from None
     if tel.nvtx:
         note = logging.Logger("dflash.nvtx")
@@ -199,3 +203,38 @@ class PeakMemory:
 
 def _peak_bytes(device: torch.device) -> Callable[[], float]:
     return lambda: float(torch.cuda.max_memory_allocated(device))
+
+
+class NvtxRanges:
+    """Pushes an NVTX range named after each phase, so Nsight Systems shows phase
+    names over the kernels they launched. Cross-thread spans (`start_span`) get none:
+    an NVTX push/pop pair must stay on one thread.
+
+    Build it with `nvtx_ranges()`, which returns None (after one log line) where CUDA is
+    not available.
+    """
+
+    def __init__(self, push: object, pop: object) -> None:
+        self._push = push
+        self._pop = pop
+
+    def phase_started(self, phase: Phase) -> None:
+        self._push(phase.name)  # type: ignore[operator]
+
+    def phase_ended(self, phase: Phase, exc: BaseException | None) -> None:
+        self._pop()  # type: ignore[operator]
+
+    def span_started(self, handle: SpanHandle) -> None:
+        pass
+
+    def span_ended(self, handle: SpanHandle, end_time_ns: int) -> None:
+        pass
+
+
+def nvtx_ranges(log: logging.Logger | None = None) -> NvtxRanges | None:
+    """An NvtxRanges hook on CUDA machines; elsewhere None and one line saying so."""
+    log = log or logging.getLogger("tracing")
+    if not torch.cuda.is_available():
+        log.warning("tracing: NVTX ranges off: CUDA is not available on this machine")
+        return None
+    return NvtxRanges(torch.cuda.nvtx.range_push, torch.cuda.nvtx.range_pop)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExporter
+from opentelemetry.sdk.resources import Resource
 
 from tracing import ProfileStats, TracingConfig, TracingConfigError
 from tracing.metrics import Metrics, MetricsConfig, start_metrics
@@ -79,20 +80,21 @@ def start_run_metrics(
     queues: Mapping[str, Reader],
     memory: Mapping[str, Reader] | None = None,
     exporters: Sequence[MetricExporter] = (),
-    environ: Mapping[str, str] | None = None,
+    resource: Resource | None = None,
     **cfg_overrides: Any,
 ) -> Metrics:
     """Metrics of one rank: `tokens`/`steps` map a stage name to a monotonic counter,
     `queues` a queue name to its depth, `memory` a device to its peak bytes since the
-    last read. Endpoint and protocol follow the traces unless OTEL_*METRICS* say else;
-    the resource is the traces' (`tracing_cfg.attribute_namespace` must be NAMESPACE)."""
+    last read. Endpoint and protocol follow the traces' flags, else the OTEL_* variables
+    (the SDK reads them); the resource is the traces' (`resource`, else built from
+    `tracing_cfg`, whose attribute_namespace must be NAMESPACE)."""
     if tracing_cfg.attribute_namespace != NAMESPACE:
         raise TracingConfigError(
             f"run metrics need attribute_namespace {NAMESPACE!r} (the dashboard selects runs "
             f"by {NAMESPACE}_run_id), got {tracing_cfg.attribute_namespace!r}"
         )
-    cfg = MetricsConfig.from_env(tracing_cfg, environ, namespace=NAMESPACE, **cfg_overrides)
-    metrics = start_metrics(cfg, tracing_cfg, exporters=exporters)
+    cfg = MetricsConfig(namespace=NAMESPACE, **cfg_overrides)
+    metrics = start_metrics(cfg, tracing_cfg, exporters=exporters, resource=resource)
     for stage, fn in tokens.items():
         _observe(metrics, "tokens", fn, stage)
     for stage, fn in steps.items():

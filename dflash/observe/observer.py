@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import tracing
+from dflash import __version__
 from dflash.files import write_text_atomic
 from dflash.observe import bottleneck
 from dflash.observe.instruments import (
@@ -46,20 +47,15 @@ STATS_FILE = "stats.json"
 
 
 def tracing_config(tel: Any, rank: int, run_id: str) -> TracingConfig:
-    """TracingConfig from cfg.telemetry: flags win over OTEL_* variables, which win over
-    the defaults; a flag left unset (None) lets the variables apply. No endpoint (flag or
-    OTEL_EXPORTER_OTLP_ENDPOINT) sends nothing."""
-    exporters: list[str] = []
-    if tel.otlp_endpoint:
-        exporters.append("otlp")
-    if tel.trace_file:
-        exporters.append("file")
+    """TracingConfig from cfg.telemetry: a flag left unset (None) leaves the choice to
+    the OTEL_* variables, which the SDK reads; no endpoint (flag or variable) sends
+    nothing over the network."""
     try:
-        return TracingConfig.from_env(
+        return TracingConfig(
             default_service_name=SERVICE_NAME,
             service_name=tel.service_name,
+            service_version=__version__,
             attribute_namespace=NAMESPACE,
-            exporter=tuple(exporters) or None,
             otlp_endpoint=tel.otlp_endpoint,
             otlp_protocol=tel.otlp_protocol,
             trace_file=tel.trace_file,
@@ -74,20 +70,22 @@ def tracing_config(tel: Any, rank: int, run_id: str) -> TracingConfig:
         raise ObserveError(f"telemetry: {exc}") from None
 
 
-def describe(cfg: TracingConfig) -> str:
-    """The startup line: where traces go, level, sampling, timing mode, interval."""
-    sinks = []
-    if "otlp" in cfg.exporter:
-        sinks.append(f"OTLP/{cfg.otlp_protocol} {cfg.otlp_endpoint}")
-    if "file" in cfg.exporter:
-        sinks.append(f"file {cfg.trace_file}" + (f".rank{cfg.rank}" if cfg.rank else ""))
-    if "console" in cfg.exporter:
-        sinks.append("console")
-    where = " + ".join(sinks) if sinks else "nowhere (tables only; set --otlp-endpoint)"
+def describe(cfg: TracingConfig, telemetry: tracing.Telemetry) -> str:
+    """The start-up line: where traces go, level, sampling, the device timing in force
+    (off after a fallback), the interval, and the resource's service and instance."""
+    where = " + ".join(telemetry.sinks) or "nowhere (tables only; set --otlp-endpoint)"
+    if not telemetry.own_provider and telemetry.provider is not None:
+        where = "the application's TracerProvider"
+    ratio = cfg.sample_ratio
+    # ParentBased{root:X,...}: the root's sampler says what is sampled; children follow.
+    sampler = telemetry.sampler.split(",")[0] + ("}" if "{" in telemetry.sampler else "")
+    sampling = f"sample ratio {ratio:g}" if ratio is not None else f"sampler {sampler}"
+    resource = telemetry.resource.attributes
     return (
-        f"telemetry: traces -> {where}; level {cfg.level}; sample ratio {cfg.sample_ratio:g}; "
-        f"cuda timing {cfg.cuda_timing}; tables every {cfg.report_interval_s:g}s; "
-        f"service {cfg.service_name} ({cfg.service_instance_id}, run {cfg.run_id})"
+        f"telemetry: traces -> {where}; level {cfg.level}; {sampling}; "
+        f"cuda timing {telemetry.cuda_timing}; tables every {cfg.report_interval_s:g}s; "
+        f"service {resource.get('service.name')} ({resource.get('service.instance.id')}, "
+        f"run {cfg.run_id})"
     )
 
 
@@ -174,11 +172,11 @@ class Observer:
 
     @property
     def profile(self) -> Any:
-        """The --torch-profile window (tracing.profiler.ProfileWindow), or None."""
+        """The --torch-profile window (dflash.observe.profile_window.ProfileWindow), or None."""
         return self.instruments.profile
 
     def describe(self) -> str:
-        return describe(self.cfg)
+        return describe(self.cfg, self.telemetry)
 
     def attach(
         self,
@@ -278,8 +276,9 @@ class Observer:
         finals = self._final_ranks
         return StatsSnapshot.merge(finals) if finals is not None else self.stats.snapshot()
 
-    def close(self, log: Callable[[str], None]) -> dict[str, Any]:
-        """Final cumulative table, then the bounded shutdown; figures for summary.json.
+    def close(self, log: Callable[[str], None], table: bool = True) -> dict[str, Any]:
+        """Final cumulative table (`table` False: none, for a refusal that is one line),
+        then the bounded shutdown; figures for summary.json.
 
         Idempotent: the failure and signal paths may call it after the normal one.
         After `gather_final`, rank 0's final table shows each phase's min and max
@@ -289,18 +288,20 @@ class Observer:
             return self._closed
         reporter, finals = self.reporter, self._final_ranks
         final = self.final_snapshot()
+        if reporter is None and self.is_main and table:  # stopped in the start-up: its table
+            reporter = Reporter(self.stats, self.cfg.report_interval_s, verdict=self.verdict)
         if reporter is not None:
             # The final table and summary.json's verdict come from the same snapshot.
             reporter.stop(final=False)
             reporter.uninstall_exit_hooks()
-            if finals is None:
+            if table and finals is None:
                 title = f"interval: total {final.wall_s:.1f}s"
                 print(
                     reporter.render(final, title, cumulative=True),
                     file=self._stream or sys.stderr,
                     flush=True,
                 )
-            else:
+            elif table:
                 title = f"interval: total {final.wall_s:.1f}s, {len(finals)} ranks"
                 log(reporter.render(final, title, cumulative=True, rank_snapshots=finals))
         files = self.instruments.close(write=self.folder_written)

@@ -34,6 +34,9 @@ RUN_FILES = (
     "report.html", "pipeline-error.log",
 )  # fmt: skip
 RUN_DIRS = ("checkpoints", "drafter", "profile")
+# What a run stopped by a signal in its start-up leaves in a folder that held no run: its
+# start-up's tables. No earlier run: the next run replaces them.
+STARTUP_FILES = ("stats.json", "timeline.json")
 
 
 class FolderLock:
@@ -161,7 +164,7 @@ def earlier_run(output_dir: Path) -> list[str]:
         return []
     found = [name for name in RUN_FILES if (output_dir / name).is_file()]
     found += [f"{name}/" for name in RUN_DIRS if (output_dir / name).is_dir()]
-    return found
+    return [] if set(found) <= set(STARTUP_FILES) else found
 
 
 def claim_output_dir(cfg: TrainConfig) -> FolderLock:
@@ -202,6 +205,8 @@ def write_run_start(cfg: TrainConfig, log: Callable[[str], None]) -> None:
         if found:  # claim_output_dir let it through: --overwrite
             remove_run(output_dir)
             log(f"--overwrite: removed the earlier run in {output_dir} ({', '.join(found)})")
+        for name in STARTUP_FILES:  # of a start-up stopped here before, if any
+            (output_dir / name).unlink(missing_ok=True)
     write_json_atomic(output_dir / "config.json", cfg.to_dict())
 
 

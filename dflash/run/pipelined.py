@@ -24,6 +24,7 @@ from dflash import names
 from dflash.config.devices import Placement
 from dflash.config.settings import TrainConfig
 from dflash.errors import DFlashError
+from dflash.observe.flops import mfu
 from dflash.observe.instruments import flops_figures
 from dflash.observe.observer import Observer, shared_run_id, start_observer
 from dflash.observe.report import ReportError, write_report
@@ -43,7 +44,7 @@ from dflash.pipeline.queues import (
 )
 from dflash.pipeline.stages import Pipeline, StepFn
 from dflash.run.checkpoint import SaveError
-from dflash.run.folder import METRICS_FILE
+from dflash.run.folder import METRICS_FILE, earlier_run
 from dflash.run.lifecycle import (
     Run,
     RunStats,
@@ -59,7 +60,6 @@ from dflash.run.lifecycle import (
 from dflash.run.progress import HeldLog, Progress
 from dflash.run.replicas import Replica, build_replicas, mover, target_forwards
 from dflash.train.step_metrics import StageRates, StepMetrics, span_attributes
-from tracing.throughput import mfu
 
 __all__ = ["DEFAULT_STALL_TIMEOUT_S", "PipelineError", "TrainingInterrupted", "run_pipeline"]
 
@@ -150,9 +150,16 @@ def run_training(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
         raise
     try:
         return run_pipeline(cfg, log=log, start=start, observer=observer)
-    except (DFlashError, Interrupted):
-        if not observer.folder_written:  # refused or stopped before training: one line
-            observer.close(lambda _: None)
+    except Interrupted:
+        # Stopped in the start-up, before the run's files: the cumulative table, and in a
+        # folder that holds no earlier run the start-up's stats.json (and timeline); one
+        # that does stays as it was.
+        if start.info.is_main and not earlier_run(Path(cfg.run.output_dir)):
+            observer.folder_written = True
+        raise
+    except DFlashError:
+        if not observer.folder_written:  # refused before training: one line
+            observer.close(lambda _: None, table=False)
         raise
     finally:
         observer.close(log)  # no-op after a normal finish
@@ -291,7 +298,7 @@ def _stage_tokens(pipe: Pipeline, world_size: int) -> Callable[[], tuple[float, 
 def _step_fn(replica: Replica, index: int, metrics: StepMetrics, window: Any = None) -> StepFn:
     """The trainer's step; on logged steps replica 0 reads the figures, inside the
     drafter.step span (after its last phase), and puts them on that span. Replica 0's
-    thread also runs the --torch-profile `window` (tracing.profiler.ProfileWindow)."""
+    thread also runs the --torch-profile `window` (dflash.observe.profile_window.ProfileWindow)."""
     trainer = replica.trainer
 
     def step(batch: Any, target_out: Any, phase: Any) -> Any:

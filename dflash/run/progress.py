@@ -132,7 +132,10 @@ class Progress:
         self.total_steps, self.start_step = total_steps, start_step
         self.stream = stream if stream is not None else sys.stderr
         self.interval_s = interval_s
-        self.log = log or (lambda line: print(line, file=self.stream, flush=True))
+        # One lock for every line on the stream: its own and the interval tables (through
+        # `write`, from the reporter thread); a line is one write, never split by another.
+        self._lock = threading.Lock()
+        self.log = log or self._print
         self.every_steps = max(1, (total_steps - start_step) // 10)
         self.start_time_s = time.perf_counter()
         self.last_print_s = self.start_time_s
@@ -182,13 +185,19 @@ class Progress:
             )
             self.last_print_s, self.last_print_done = now_s, done
 
+    def _print(self, text: str) -> None:
+        with self._lock:
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
     def write(self, text: str) -> None:
         """Prints `text` (one or more lines) above the bar, or plainly without one."""
         bar = self.bar
         if bar is not None:
-            bar.write(text, file=self.stream)
+            with self._lock:
+                bar.write(text, file=self.stream)
         else:
-            print(text, file=self.stream, flush=True)
+            self._print(text)
 
     def line_stream(self) -> LineStream:
         """A text stream whose complete lines go through `write` (for the Reporter)."""

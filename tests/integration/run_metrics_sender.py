@@ -23,7 +23,13 @@ def metrics_run(
     service: str, endpoint: str, run_id: str, shares: WaitShares, interval_s: float = 0.2
 ) -> Iterator[tracing.ProfileStats]:
     """Exports every dflash metric of one run while the block runs (then shuts down)."""
-    cfg = tracing.TracingConfig(service_name=service, run_id=run_id, attribute_namespace=NAMESPACE)
+    cfg = tracing.TracingConfig(
+        service_name=service,
+        run_id=run_id,
+        attribute_namespace=NAMESPACE,
+        otlp_endpoint=endpoint,
+        otlp_protocol="grpc",
+    )
     stats = tracing.ProfileStats()
     tokens = {"target": 0.0, "drafter": 0.0}
     metrics = start_run_metrics(
@@ -33,9 +39,7 @@ def metrics_run(
         steps={k: (lambda k=k: tokens[k] / 512) for k in tokens},
         queues={"batch_queue": lambda: 2, "hs_queue": lambda: 1},
         memory={"cpu": lambda: 1 << 20},
-        environ={},
         exporter="otlp",
-        otlp_endpoint=endpoint,
         export_interval_s=interval_s,
     )
     stop = threading.Event()

@@ -194,7 +194,8 @@ def test_a_real_training_run_fills_every_dashboard_query(
     dashboard_queries = [(w, e) for w, e in checks.prometheus_queries(stack)
                          if "$__tags" not in e and "STATUS_CODE_ERROR" not in e]  # fmt: skip
     monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "500")  # train() copies the environment
-    process = train(tmp_path, service, "--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}",
+    endpoint = f"http://127.0.0.1:{ports['grpc']}"
+    process = train(tmp_path, service, "--otlp-endpoint", endpoint, "--otlp-protocol", "grpc",
                     "--profile-interval", "5", steps=1_000_000)  # fmt: skip
     try:
         deadline = time.monotonic() + 90

@@ -1,11 +1,16 @@
+"""The application's settings (one-line errors), the trace file, and the bounded shutdown
+against a collector that is gone."""
+
 from __future__ import annotations
 
 import json
 import logging
 import socket
+import threading
 import time
 
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import tracing
 from tracing import TracingConfig, TracingConfigError
@@ -16,65 +21,51 @@ from tracing import TracingConfig, TracingConfigError
     [
         ({"exporter": "jaeger"}, "'jaeger'"),
         ({"otlp_protocol": "udp"}, "'udp'"),
-        ({"exporter": "otlp", "otlp_endpoint": "http://host:notaport"}, "notaport"),
-        ({"exporter": "otlp", "otlp_endpoint": "ftp://host:4317"}, "ftp://host:4317"),
-        ({"exporter": "otlp"}, "needs an endpoint"),
+        ({"otlp_endpoint": "http://host:notaport"}, "notaport"),
+        ({"otlp_endpoint": "ftp://host:4317"}, "ftp://host:4317"),
+        ({"otlp_endpoint": "localhost:4317"}, "'localhost:4317'"),
         ({"exporter": "file"}, "trace_file"),
         ({"cuda_timing": "cupti"}, "'cupti'"),
         ({"level": "verbose"}, "'verbose'"),
         ({"sample_ratio": 1.5}, "1.5"),
         ({"report_interval_s": -1}, "-1"),
-        ({"export_timeout_s": 0}, "export_timeout_s"),
+        ({"shutdown_timeout_s": 0}, "shutdown_timeout_s"),
+        ({"rank": -1}, "rank"),
     ],
 )
-def test_bad_values_raise_one_line_errors(kwargs, needle):
+def test_bad_values_raise_one_line_errors(kwargs, needle) -> None:
     with pytest.raises(TracingConfigError) as info:
         TracingConfig(**kwargs)
     assert needle in str(info.value) and "\n" not in str(info.value)
 
 
-def test_env_is_honored_and_explicit_values_win():
-    env = {
-        "OTEL_SERVICE_NAME": "svc",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-        "OTEL_EXPORTER_OTLP_HEADERS": "api-key=abc",
-        "OTEL_RESOURCE_ATTRIBUTES": "team=ml,site=a",
-        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
-        "OTEL_TRACES_SAMPLER_ARG": "0.25",
-    }
-    cfg = TracingConfig.from_env(env, resource_attributes={"site": "b"}, level=None)
-    assert cfg.service_name == "svc" and cfg.exporter == ("otlp",)
-    assert cfg.otlp_protocol == "http" and cfg.otlp_headers == {"api-key": "abc"}
-    assert cfg.sample_ratio == 0.25 and cfg.level == "phase"
-    assert cfg.resource_attributes == {"team": "ml", "site": "b"}
-    explicit = TracingConfig.from_env(env, service_name="cli", exporter="none")
-    assert explicit.service_name == "cli" and explicit.exporter == ("none",)
-    assert TracingConfig.from_env({}).exporter == ("none",)  # no endpoint: no network
-    disabled = TracingConfig.from_env({**env, "OTEL_SDK_DISABLED": "true"})
-    assert disabled.level == "off" and disabled.exporter == ("none",)
+def test_protocols_and_exporters_are_normalized() -> None:
+    cfg = TracingConfig(exporter="OTLP, console,none", otlp_protocol="http")
+    assert cfg.exporter == ("otlp", "console") and cfg.otlp_protocol == "http/protobuf"
+    assert TracingConfig().run_id != TracingConfig().run_id  # random unless the app shares one
 
 
-def test_no_exporter_means_no_provider():
+def test_no_exporter_sends_nothing_and_costs_no_span(clean_env) -> None:
     telemetry = tracing.setup(TracingConfig())
     try:
-        assert telemetry.provider is None
+        assert telemetry.sinks == [] and not telemetry.tracing_spans
         with tracing.phase("x"):
             pass
         assert telemetry.stats.get("x").count == 1
     finally:
-        telemetry.shutdown()
+        assert telemetry.shutdown().spans_exported == 0
 
 
-def test_file_exporter_writes_otlp_json_lines(tmp_path):
+def test_file_exporter_writes_otlp_json_lines(clean_env, tmp_path) -> None:
     path = tmp_path / "trace.jsonl"
-    telemetry = tracing.setup(TracingConfig(exporter="file", trace_file=str(path), rank=2))
+    telemetry = tracing.setup(TracingConfig(trace_file=str(path), rank=2))
     root = tracing.start_span("batch")
     with tracing.phase("drafter.step", parent=root):
         pass
     root.end()
     report = telemetry.shutdown(timeout_s=2.0)
     assert report.spans_exported == 2 and report.clean
+    assert telemetry.sinks == [f"file {path}.rank2"]
     assert not path.exists()  # rank 2 writes PATH.rank2: ranks never share one file
     lines = [json.loads(line) for line in (tmp_path / "trace.jsonl.rank2").read_text().splitlines()]
     resource_spans = lines[0]["resourceSpans"][0]
@@ -93,13 +84,10 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_bounded_shutdown_against_closed_port():
-    cfg = TracingConfig(
-        exporter="otlp",
-        otlp_endpoint=f"http://127.0.0.1:{_closed_port()}",
-        schedule_delay_s=0.05,
-        max_queue_size=100,
-    )
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_bounded_shutdown_against_closed_port(clean_env, protocol) -> None:
+    clean_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    cfg = TracingConfig(otlp_endpoint=f"http://127.0.0.1:{_closed_port()}", otlp_protocol=protocol)
     telemetry = tracing.setup(cfg)
     started = time.monotonic()
     for _ in range(300):
@@ -108,18 +96,44 @@ def test_bounded_shutdown_against_closed_port():
     assert time.monotonic() - started < 2.0  # span creation never waits on the collector
     time.sleep(0.3)
     report = telemetry.shutdown(timeout_s=3.0)
-    assert report.duration_s < 3.0
-    assert report.spans_exported == 0
-    assert report.spans_dropped + report.spans_not_delivered == 300
-    assert "not delivered" in report.summary()
+    assert report.duration_s < 3.0 and report.spans_exported == 0
+    assert report.spans_not_delivered == 300 and "failed" in report.summary()
     assert telemetry.stats.get("work").count == 300
 
 
-def test_a_span_ended_after_shutdown_is_counted_and_warned_once(caplog):
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+class _GateExporter(InMemorySpanExporter):
+    """A collector that answers only once the test opens the gate."""
 
-    exporter = InMemorySpanExporter()
+    def __init__(self) -> None:
+        super().__init__()
+        self.called, self.gate = threading.Event(), threading.Event()
+
+    def export(self, spans):  # type: ignore[no-untyped-def]
+        self.called.set()
+        self.gate.wait(10)
+        return super().export(spans)
+
+
+def test_a_full_queue_drops_and_counts(clean_env) -> None:
+    clean_env.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "10")
+    clean_env.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "10")
+    exporter = _GateExporter()
     telemetry = tracing.setup(TracingConfig(), exporters=[exporter])
+    for index in range(25):
+        with tracing.phase("work"):
+            pass
+        if index == 9:  # a full batch: the export starts, and hangs
+            assert exporter.called.wait(10)
+    assert telemetry.delivery_counts().dropped == 25  # none exported yet
+    exporter.gate.set()
+    report = telemetry.shutdown(timeout_s=5.0)
+    assert report.spans_exported == 20 and report.spans_dropped == 5
+    assert len(exporter.get_finished_spans()) == 20 and not report.clean
+
+
+def test_a_span_ended_after_shutdown_is_counted_and_warned_once(clean_env, caplog) -> None:
+    memory = InMemorySpanExporter()
+    telemetry = tracing.setup(TracingConfig(), exporters=[memory])
     with tracing.phase("before"):
         pass
     open_phases = [tracing.start_span(f"open.{i}") for i in range(3)]
@@ -128,7 +142,7 @@ def test_a_span_ended_after_shutdown_is_counted_and_warned_once(caplog):
     with caplog.at_level(logging.WARNING, logger="tracing"):
         for span in open_phases:
             span.end()
-    warnings = [r.getMessage() for r in caplog.records if "after" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records if "after shutdown" in r.getMessage()]
     assert len(warnings) == 1 and "'open.0'" in warnings[0]
     assert telemetry.delivery_counts().late == 3
-    assert [s.name for s in exporter.get_finished_spans()] == ["before"]
+    assert [s.name for s in memory.get_finished_spans()] == ["before"]

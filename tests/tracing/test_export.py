@@ -1,26 +1,25 @@
-"""Export on the SDK's public exporter interface: phases reach real OTLP receivers over
-gRPC and HTTP through the SDK's own exporters, in this process."""
+"""Export through the SDK's public interfaces: phases reach real OTLP receivers over gRPC
+and HTTP through the SDK's own exporters and batch processor, in this process."""
 
 from __future__ import annotations
 
 import pytest
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
 import tracing
-from tracing.export.exporters import build_exporters
+from tracing.export import OtlpJsonFileExporter, build_exporters
 
 
-@pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_phases_reach_a_real_receiver_through_the_sdk_exporter(request, protocol) -> None:
-    receiver = request.getfixturevalue(f"{protocol}_receiver")
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_phases_reach_a_real_receiver_through_the_sdk_exporter(request, clean_env, protocol):
+    receiver = request.getfixturevalue(f"{protocol.partition('/')[0]}_receiver")
     cfg = tracing.TracingConfig(
-        exporter="otlp",
-        otlp_endpoint=receiver.endpoint,
-        otlp_protocol=protocol,
-        service_name="in-process",
+        otlp_endpoint=receiver.endpoint, otlp_protocol=protocol, service_name="in-process"
     )
     telemetry = tracing.setup(cfg)
-    exporter = telemetry.processors[0].exporter
+    exporter = telemetry.exporters[0].inner
     assert type(exporter).__module__.startswith("opentelemetry.exporter.otlp.proto")
+    assert telemetry.sinks == [f"OTLP/{protocol} {receiver.endpoint}"]
     for i in range(50):
         with tracing.phase("work", level="step", attributes={"i": i}):
             pass
@@ -29,14 +28,14 @@ def test_phases_reach_a_real_receiver_through_the_sdk_exporter(request, protocol
     names = [name for received in receiver.requests for name in received.span_names]
     assert names == ["work"] * 50
     assert receiver.requests[0].resource["service.name"] == 'string_value: "in-process"'
+    if protocol != "grpc":
+        assert {r.path for r in receiver.requests} == {"/v1/traces"}
 
 
-def test_every_named_exporter_is_built_in_this_process(tmp_path) -> None:
-    cfg = tracing.TracingConfig(exporter=("file", "console"), trace_file=str(tmp_path / "t"))
-    exporters = build_exporters(cfg)
-    assert [type(e).__name__ for e in exporters] == [
-        "OtlpJsonFileExporter",
-        "ConsoleSpanExporter",
-    ]
+def test_every_named_exporter_is_built_in_this_process(clean_env, tmp_path) -> None:
+    cfg = tracing.TracingConfig(exporter="console", trace_file=str(tmp_path / "t"))
+    exporters, sinks = build_exporters(cfg)
+    assert [type(e) for e in exporters] == [ConsoleSpanExporter, OtlpJsonFileExporter]
+    assert sinks == ["console", f"file {tmp_path / 't'}"]
     for exporter in exporters:
         exporter.shutdown()

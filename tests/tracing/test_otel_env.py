@@ -1,119 +1,128 @@
-"""The OTEL_* variables, parsed and ranked as the specification says (one test each,
-named in docs/observability.md), against real OTLP receivers where a request shows it."""
+"""The OTEL_* variables, read by the SDK itself (one test each, named in
+docs/observability.md), against real OTLP receivers where a request shows it; what
+tracing reads (whether to export, which protocol) as the specification says."""
 
 from __future__ import annotations
 
-import time
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
-from env_checks import read_warns_once
+from env_checks import warns_once
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import tracing
-from tracing import TracingConfig, TracingConfigError
+from tracing import TracingConfig
+from tracing.telemetry import build_resource
 
 AUTH = "Authorization=Basic%20dXNlcjpwYXNz"
+REPO = Path(__file__).resolve().parents[2]
 
 
-def _export_one(cfg: TracingConfig) -> tracing.ShutdownReport:
-    telemetry = tracing.setup(cfg)
+def _export_one(cfg: TracingConfig | None = None) -> tracing.ShutdownReport:
+    telemetry = tracing.setup(cfg or TracingConfig())
     with tracing.phase("work", level="step"):
         pass
     return telemetry.shutdown(timeout_s=5.0)
 
 
-def test_headers_reach_an_http_receiver_decoded(clean_env, http_receiver) -> None:
+def test_an_endpoint_variable_alone_exports_http_protobuf_with_its_headers(
+    clean_env, http_receiver
+):
     clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", http_receiver.endpoint)
-    clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
-    clean_env.setenv("OTEL_EXPORTER_OTLP_HEADERS", f"{AUTH}, X-Team = ml ,x-both=generic")
-    clean_env.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-both=traces")
-    report = _export_one(TracingConfig.from_env())
+    clean_env.setenv("OTEL_EXPORTER_OTLP_HEADERS", f"{AUTH}, X-Team = ml")
+    report = _export_one()  # no protocol named: http/protobuf, the specification's default
     assert report.spans_exported == 1 and report.clean
     (request,) = http_receiver.requests
     assert request.path == "/v1/traces" and request.span_names == ["work"]
     assert request.headers["authorization"] == "Basic dXNlcjpwYXNz"
     assert request.headers["x-team"] == "ml"
-    assert request.headers["x-both"] == "traces"  # the per-signal entry wins, others merge
+
+
+def test_the_traces_variables_win_over_the_generic_ones(clean_env, http_receiver) -> None:
+    clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    clean_env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", http_receiver.endpoint + "/in/traces")
+    clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    clean_env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    clean_env.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-signal=traces")
+    assert _export_one().spans_exported == 1
+    (request,) = http_receiver.requests
+    assert request.path == "/in/traces" and request.headers["x-signal"] == "traces"
 
 
 def test_headers_reach_a_grpc_receiver_as_metadata(clean_env, grpc_receiver) -> None:
     clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", grpc_receiver.endpoint)
+    clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
     clean_env.setenv("OTEL_EXPORTER_OTLP_HEADERS", AUTH)
-    report = _export_one(TracingConfig.from_env())
-    assert report.spans_exported == 1 and report.clean
+    assert _export_one().spans_exported == 1
     (request,) = grpc_receiver.requests
     assert request.headers["authorization"] == "Basic dXNlcjpwYXNz"
 
 
-def test_explicit_headers_override_the_variable(clean_env) -> None:
-    clean_env.setenv("OTEL_EXPORTER_OTLP_HEADERS", "a=env,b=env")
-    cfg = TracingConfig.from_env(otlp_headers={"B": "flag"})
-    assert cfg.otlp_headers == {"a": "env", "b": "flag"}
-
-
-def test_traces_endpoint_alone_is_used_as_is(clean_env, http_receiver) -> None:
-    clean_env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", http_receiver.endpoint + "/in/traces")
-    clean_env.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
-    clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")  # the per-signal one wins
-    cfg = TracingConfig.from_env()
-    assert cfg.exporter == ("otlp",) and cfg.otlp_protocol == "http"
-    assert _export_one(cfg).spans_exported == 1
-    assert [r.path for r in http_receiver.requests] == ["/in/traces"]
-
-
-def test_traces_endpoint_wins_over_the_generic_one(clean_env) -> None:
-    clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://generic:4317")
-    clean_env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://traces:4317")
-    assert TracingConfig.from_env().otlp_endpoint == "http://traces:4317"
-    flag = TracingConfig.from_env(otlp_endpoint="http://flag:4317")
-    assert flag.otlp_endpoint == "http://flag:4317" and not flag.otlp_endpoint_is_traces_url
-
-
-def test_traces_exporter_otlp_alone_uses_the_default_endpoint(clean_env) -> None:
-    clean_env.setenv("OTEL_TRACES_EXPORTER", "otlp")
-    assert TracingConfig.from_env().otlp_endpoint == "http://localhost:4317"
+def test_the_flags_win_over_the_variables(clean_env, grpc_receiver) -> None:
+    clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
     clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
-    assert TracingConfig.from_env().otlp_endpoint == "http://localhost:4318"
-
-
-def test_timeouts_in_milliseconds(clean_env) -> None:
-    clean_env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1500")
-    assert TracingConfig.from_env().export_timeout_s == 1.5
-    clean_env.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "700")
-    assert TracingConfig.from_env().export_timeout_s == 0.7
-    clean_env.setenv("OTEL_BSP_EXPORT_TIMEOUT", "300")  # an export must end within both
-    assert TracingConfig.from_env().export_timeout_s == 0.3
-    assert TracingConfig.from_env(export_timeout_s=9.0).export_timeout_s == 9.0
-
-
-def test_batch_processor_variables(clean_env) -> None:
-    clean_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "250")
-    clean_env.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "100")
-    clean_env.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "10")
-    cfg = TracingConfig.from_env()
-    assert (cfg.schedule_delay_s, cfg.max_queue_size, cfg.max_export_batch_size) == (
-        0.25,
-        100,
-        10,
-    )
-
-
-def test_sdk_disabled_wins_over_explicit_exporters(clean_env) -> None:
-    clean_env.setenv("OTEL_SDK_DISABLED", "TRUE")
-    cfg = TracingConfig.from_env(exporter="otlp", otlp_endpoint="http://h:4317", level="phase")
-    assert cfg.exporter == ("none",) and cfg.level == "off"
-    clean_env.setenv("OTEL_SDK_DISABLED", "false")
-    assert TracingConfig.from_env(exporter="console").exporter == ("console",)
-
-
-def test_resource_attributes_are_percent_decoded(clean_env) -> None:
-    clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "team=ml%2Cinfra, note=a%20b%3Dc,k%20x=v")
-    cfg = TracingConfig.from_env()
-    assert cfg.resource_attributes == {"team": "ml,infra", "note": "a b=c", "k x": "v"}
+    cfg = TracingConfig(otlp_endpoint=grpc_receiver.endpoint, otlp_protocol="grpc")
+    assert _export_one(cfg).spans_exported == 1 and len(grpc_receiver.requests) == 1
 
 
 @pytest.mark.parametrize(
-    ("env", "kwargs", "expected"),
+    ("variables", "exporters"),
+    [
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, ["OTLPSpanExporter"]),
+        ({"OTEL_TRACES_EXPORTER": "console,none"}, ["ConsoleSpanExporter"]),
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://h:4318"}, []),
+        ({}, []),  # the specification's default is otlp: tracing sends nothing unasked
+    ],
+)
+def test_traces_exporter_variable(clean_env, variables, exporters) -> None:
+    for name, value in variables.items():
+        clean_env.setenv(name, value)
+    telemetry = tracing.setup(TracingConfig())
+    try:
+        assert [type(e.inner).__name__ for e in telemetry.exporters] == exporters
+        if exporters == ["OTLPSpanExporter"]:  # no protocol named: the HTTP one
+            assert "http" in type(telemetry.exporters[0].inner).__module__
+    finally:
+        telemetry.shutdown(timeout_s=1.0)
+
+
+def test_http_json_is_sent_as_http_protobuf_warned_once(clean_env, caplog) -> None:
+    clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    clean_env.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    for _ in range(2):
+        telemetry = warns_once(caplog, "OTEL_EXPORTER_OTLP_PROTOCOL", lambda: tracing.setup())
+        assert telemetry.sinks[0].startswith("OTLP/http/protobuf")
+        telemetry.shutdown(timeout_s=1.0)
+
+
+def test_a_value_the_sdk_refuses_is_its_warning_and_the_run_goes_on(clean_env, caplog) -> None:
+    clean_env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "soon")  # the gRPC exporter raises
+    clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    for _ in range(2):
+        telemetry = warns_once(caplog, "refused its settings", lambda: tracing.setup())
+        with tracing.phase("work"):
+            pass
+        assert telemetry.stats.get("work").count == 1 and telemetry.exporters == []
+        telemetry.shutdown(timeout_s=1.0)
+
+
+def test_batch_variables_the_sdk_refuses_leave_its_defaults(clean_env, caplog) -> None:
+    clean_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "0")  # the SDK's processor raises on it
+    memory = InMemorySpanExporter()
+    telemetry = warns_once(caplog, "OTEL_BSP", lambda: tracing.setup(exporters=[memory]))
+    with tracing.phase("now"):
+        pass
+    assert telemetry.shutdown(timeout_s=2.0).spans_exported == 1
+
+
+@pytest.mark.parametrize(
+    ("variables", "flags", "expected"),
     [
         ({}, {}, "unknown_service:"),
         ({}, {"default_service_name": "app"}, "app"),
@@ -126,114 +135,78 @@ def test_resource_attributes_are_percent_decoded(clean_env) -> None:
         ({"OTEL_SERVICE_NAME": "svc"}, {"service_name": "flag"}, "flag"),
     ],
 )
-def test_service_name_precedence(clean_env, env, kwargs, expected) -> None:
-    for name, value in env.items():
+def test_service_name_precedence(clean_env, variables, flags, expected) -> None:
+    for name, value in variables.items():
         clean_env.setenv(name, value)
-    cfg = TracingConfig.from_env(**kwargs)
-    assert cfg.service_name.startswith(expected)
-    resource = tracing.telemetry.build_resource(cfg)
-    assert resource.attributes["service.name"] == cfg.service_name
-    assert resource.attributes["telemetry.sdk.language"] == "python"
-    assert resource.attributes["telemetry.sdk.name"] == "opentelemetry"
-    assert resource.attributes["telemetry.sdk.version"]
+    attributes = build_resource(TracingConfig(**flags)).attributes
+    assert attributes["service.name"].startswith(expected)
+    assert attributes["telemetry.sdk.language"] == "python"
+    assert attributes["telemetry.sdk.name"] == "opentelemetry"
 
 
-def test_instance_id_unique_and_run_id_from_the_application(clean_env) -> None:
-    first = TracingConfig(run_id="run-7", attribute_namespace="app", rank=1)
-    second = TracingConfig(run_id="run-7", attribute_namespace="app", rank=1)
-    assert first.service_instance_id != second.service_instance_id
-    attributes = tracing.telemetry.build_resource(first).attributes
+def test_resource_attributes_and_the_applications_own(clean_env) -> None:
+    clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "team=ml%2Cinfra,service.version=9")
+    cfg = TracingConfig(run_id="run-7", attribute_namespace="app", rank=1, service_version="1.0")
+    attributes = build_resource(cfg).attributes
+    assert attributes["team"] == "ml,infra" and attributes["service.version"] == "9"
     assert attributes["app.run.id"] == "run-7" and attributes["app.rank"] == 1
-    assert attributes["service.instance.id"] == first.service_instance_id
+    clean_env.delenv("OTEL_RESOURCE_ATTRIBUTES")
+    again = build_resource(cfg).attributes
+    assert again["service.version"] == "1.0"
+    # One instance id per process, for every signal (the two-rank test: one per rank).
+    assert len(again["service.instance.id"]) == 36
+    assert again["service.instance.id"] == attributes["service.instance.id"]
+    clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.instance.id=pod-3")
+    assert build_resource(cfg).attributes["service.instance.id"] == "pod-3"
 
 
-MALFORMED = [
-    ("OTEL_RESOURCE_ATTRIBUTES", "team=ml,broken", "resource_attributes", {}),
-    ("OTEL_TRACES_SAMPLER", "sometimes", "sample_ratio", 1.0),
-    ("OTEL_TRACES_SAMPLER_ARG", "half", "sample_ratio", 1.0),
-    ("OTEL_EXPORTER_OTLP_TIMEOUT", "soon", "export_timeout_s", 2.0),
-    ("OTEL_BSP_MAX_QUEUE_SIZE", "-3", "max_queue_size", 8192),
-    ("OTEL_BSP_SCHEDULE_DELAY", "1.5s", "schedule_delay_s", 1.0),
-    ("OTEL_EXPORTER_OTLP_PROTOCOL", "thrift", "otlp_protocol", "grpc"),
-    ("OTEL_EXPORTER_OTLP_ENDPOINT", "notaurl", "otlp_endpoint", None),
-    ("OTEL_EXPORTER_OTLP_ENDPOINT", "localhost:4317", "otlp_endpoint", None),
-    ("OTEL_TRACES_EXPORTER", "zipkin", "exporter", ("none",)),
-    ("OTEL_SDK_DISABLED", "yes", "level", "phase"),
-    ("OTEL_EXPORTER_OTLP_HEADERS", "novalue", "otlp_headers", {}),
-]
+def test_resource_detectors_are_the_sdks(clean_env) -> None:
+    clean_env.setenv("OTEL_EXPERIMENTAL_RESOURCE_DETECTORS", "otel,process")
+    assert build_resource(TracingConfig()).attributes["process.pid"] == os.getpid()
 
 
-@pytest.mark.parametrize(
-    "variable", ["OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"]
-)
-def test_http_json_is_sent_as_http_protobuf_not_grpc(clean_env, caplog, variable) -> None:
-    """http/json means "the collector's HTTP port": protobuf goes there, never gRPC."""
-    clean_env.setenv(variable, "http/json")
-    clean_env.setenv("OTEL_TRACES_EXPORTER", "otlp")
-    cfg = read_warns_once(caplog, variable, "http/json", TracingConfig.from_env)
-    assert cfg.otlp_protocol == "http"
-    assert cfg.otlp_endpoint == "http://localhost:4318"
-    assert "http/protobuf" in caplog.text
-
-
-@pytest.mark.parametrize(("variable", "value", "field", "default"), MALFORMED)
-def test_malformed_variables_warn_once_and_fall_back(
-    clean_env, caplog, variable, value, field, default
-) -> None:
-    clean_env.setenv(variable, value)
-    if variable == "OTEL_TRACES_SAMPLER_ARG":
-        clean_env.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
-    cfg = read_warns_once(caplog, variable, value, TracingConfig.from_env)
-    assert getattr(cfg, field) == default
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "needle"),
-    [
-        ({"otlp_headers": "novalue"}, "'novalue'"),
-        ({"resource_attributes": "a=1,b"}, "'b'"),
-        ({"otlp_endpoint": "notaurl"}, "'notaurl'"),
-        ({"otlp_endpoint": "localhost:4317"}, "'localhost:4317'"),
-        ({"otlp_endpoint": "unix:///tmp/otlp.sock"}, "unix:///tmp/otlp.sock"),
-        ({"otlp_endpoint": "http://"}, "'http://'"),
-        ({"max_export_batch_size": 0}, "max_export_batch_size"),
-    ],
-)
-def test_the_same_mistakes_in_arguments_raise_one_line(clean_env, kwargs, needle) -> None:
-    with pytest.raises(TracingConfigError) as info:
-        TracingConfig.from_env(**kwargs)
-    assert needle in str(info.value) and "\n" not in str(info.value)
-
-
-def test_a_schedule_delay_of_zero_exports_each_span_without_waiting(clean_env) -> None:
-    """The specification's delay is non-negative: 0 means no span waits for a round."""
-    clean_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "0")
-    cfg = TracingConfig.from_env()
-    assert cfg.schedule_delay_s == 0.0
-    exporter = InMemorySpanExporter()
-    telemetry = tracing.setup(cfg, exporters=[exporter])
-    try:
-        with tracing.phase("now", level="step"):
+def test_the_sampler_variables_are_the_sdks(clean_env, caplog) -> None:
+    clean_env.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    clean_env.setenv("OTEL_TRACES_SAMPLER_ARG", "0")
+    memory = InMemorySpanExporter()
+    telemetry = tracing.setup(exporters=[memory])
+    for _ in range(20):
+        with tracing.phase("step"):
             pass
-        deadline = time.monotonic() + 5.0
-        while not exporter.get_finished_spans() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert [s.name for s in exporter.get_finished_spans()] == ["now"]
-    finally:
-        report = telemetry.shutdown(timeout_s=2.0)
-    assert report.spans_exported == 1
-    clean_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "-5")
-    assert TracingConfig.from_env().schedule_delay_s == 1.0  # bad: warned and ignored
+    telemetry.shutdown(timeout_s=2.0)
+    assert memory.get_finished_spans() == () and telemetry.stats.get("step").count == 20
+    clean_env.setenv("OTEL_TRACES_SAMPLER", "sometimes")  # the SDK warns, samples everything
+    telemetry = tracing.setup(exporters=[InMemorySpanExporter()])
+    with tracing.phase("step"):
+        pass
+    assert telemetry.shutdown(timeout_s=2.0).spans_exported == 1
 
 
-def test_the_resource_holds_what_the_config_says_not_the_process_environment(clean_env) -> None:
-    clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "team=ml,broken")
-    clean_env.setenv("OTEL_SERVICE_NAME", "from-env")
-    for cfg in (TracingConfig(), TracingConfig.from_env(environ={})):
-        attributes = tracing.telemetry.build_resource(cfg).attributes
-        assert "team" not in attributes and attributes["service.name"] != "from-env"
-        assert attributes["telemetry.sdk.name"] == "opentelemetry"
-        assert attributes["telemetry.sdk.version"]
-    # Read from the environment, the malformed variable is warned about and left out whole.
-    attributes = tracing.telemetry.build_resource(TracingConfig.from_env()).attributes
-    assert "team" not in attributes and attributes["service.name"] == "from-env"
+DISABLED = """
+import sys; sys.path.insert(0, {repo!r})
+import tracing
+telemetry = tracing.setup(tracing.TracingConfig(otlp_endpoint="http://127.0.0.1:9"))
+with tracing.phase("work"):
+    pass
+print(telemetry.tracing_spans, telemetry.stats.get("work").count)
+"""
+
+
+def test_sdk_disabled_records_no_span_and_the_tables_still_count() -> None:
+    env = {**os.environ, "OTEL_SDK_DISABLED": "true"}
+    code = textwrap.dedent(DISABLED).format(repo=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert done.stdout.split() == ["False", "1"]
+
+
+def test_no_warning_without_variables(clean_env, caplog) -> None:
+    with caplog.at_level(logging.WARNING):
+        tracing.setup().shutdown(timeout_s=1.0)
+    assert not caplog.records

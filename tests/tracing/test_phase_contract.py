@@ -85,7 +85,7 @@ def test_propagate_context_nests_otel_spans_under_the_phase(memory) -> None:
     ours = {s.name: s for s in memory.get_finished_spans()}
     assert http.parent.span_id == ours["data.batch"].context.span_id
     assert ours["decode"].parent.span_id == http.context.span_id
-    assert http.context.trace_id == outer.trace_id
+    assert http.context.trace_id == outer.span.get_span_context().trace_id
     telemetry.shutdown()
 
 
@@ -171,9 +171,10 @@ class _GateExporter(InMemorySpanExporter):
         return SpanExportResult.FAILURE if self.fail else super().export(spans)
 
 
-def test_force_flush_is_true_only_when_nothing_is_queued() -> None:
+def test_force_flush_is_true_only_when_nothing_is_queued(clean_env) -> None:
+    clean_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "30000")
     exporter = _GateExporter()
-    telemetry = tracing.setup(tracing.TracingConfig(schedule_delay_s=30.0), exporters=[exporter])
+    telemetry = tracing.setup(tracing.TracingConfig(), exporters=[exporter])
     try:
         with tracing.phase("a"):
             pass
@@ -253,7 +254,7 @@ def test_a_raising_hook_breaks_neither_the_phase_nor_its_span(caplog) -> None:
         names = [span.name for span in exporter.get_finished_spans()]
         assert names.count("work") == 3 and names.count("root") == 1
         parents = {s.parent.span_id for s in exporter.get_finished_spans() if s.name == "work"}
-        assert parents == {root.span_id}
+        assert parents == {root.span.get_span_context().span_id}
     finally:
         report = telemetry.shutdown(timeout_s=2.0)
     assert report.hook_errors == 3 * 2 + 2  # phase start and end, span start and end

@@ -127,9 +127,9 @@ def test_events_timing_through_host_clock(memory):
     while not memory.get_finished_spans() and time.monotonic() < deadline:
         time.sleep(0.005)
     span = by_name(memory)["target.forward"]
-    assert span.attributes["tracing.device.duration_s"] >= 0.002
+    assert span.attributes["tracing.device.duration"] >= 0.002  # seconds; no unit in the key
     assert span.attributes["tracing.timing.mode"] == "events"
-    assert span.attributes["tracing.device"] == "cuda:0"
+    assert "tracing.device" not in span.attributes  # the device is the application's to name
     device = telemetry.stats.get("target.forward" + tracing.DEVICE_SUFFIX)
     assert device.count == 1 and device.total_s >= 0.002
     # The span keeps its host end time, not the time the resolver ended it.
@@ -187,4 +187,4 @@ def test_device_timing_without_cuda_warns_and_falls_back(memory):
         setup_memory(memory, cuda_timing="events")
     with tracing.phase("target.forward", device="cuda:0"):
         pass
-    assert "device.duration_ms" not in by_name(memory)["target.forward"].attributes
+    assert "tracing.device.duration" not in by_name(memory)["target.forward"].attributes

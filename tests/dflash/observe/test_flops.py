@@ -9,12 +9,15 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash.observe.flops import (
+    achieved_tflops,
     attention_flops,
     drafter_flops,
     linear_params,
+    mfu,
+    peak_memory_reader,
+    peak_tflops,
     target_flops_per_token,
 )
-from tracing.throughput import achieved_tflops, mfu, peak_memory_reader, peak_tflops
 
 
 def counted(fn) -> int:  # type: ignore[no-untyped-def]

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -66,8 +67,10 @@ def traced_run(tmp_path, obs: Observer, **overrides) -> list[str]:
 
 def batch_trees(spans):
     roots = [s for s in spans if s.name == "batch"]
-    return {r.context.trace_id: [s for s in spans if s.context.trace_id == r.context.trace_id]
-            for r in roots}  # fmt: skip
+    return {
+        r.context.trace_id: [s for s in spans if s.context.trace_id == r.context.trace_id]
+        for r in roots
+    }
 
 
 @pytest.mark.usefixtures("tiny_target")
@@ -100,8 +103,9 @@ def test_every_batch_has_a_whole_tree_in_time_order(tmp_path) -> None:
     steps = sorted(named_step(t) for t in trees.values())
     assert steps == list(range(STEPS))
     # Logged steps (the first and the last here) carry the step figures.
-    logged = {named_step(t): t for t in trees.values()
-              if names.METRIC_LOSS in step_span(t).attributes}  # fmt: skip
+    logged = {
+        named_step(t): t for t in trees.values() if names.METRIC_LOSS in step_span(t).attributes
+    }
     assert sorted(logged) == [0, STEPS - 1]
     attrs = step_span(logged[0]).attributes
     assert attrs[names.METRIC_LOSS] > 0 and attrs[names.METRIC_TAU_ESTIMATE] >= 1.0
@@ -143,8 +147,9 @@ def test_failing_drafter_step_marks_its_spans_and_prints_the_final_table(
     assert "FloatingPointError: loss is nan" in str(failure.value)
     err = capsys.readouterr().err
     assert "interval: total" in err and "drafter.loss" in err
-    failed = {s.name: s for s in exporter.get_finished_spans() if s.status.status_code
-              == StatusCode.ERROR}  # fmt: skip
+    failed = {
+        s.name: s for s in exporter.get_finished_spans() if s.status.status_code == StatusCode.ERROR
+    }
     assert {"drafter.loss", "drafter.step", "batch"} <= set(failed)
     assert any(e.name == "exception" for e in failed["drafter.loss"].events)
 
@@ -184,24 +189,38 @@ def test_sampling_exports_a_tenth_but_counts_every_phase() -> None:
     assert 10 <= exported[0.1] <= 80  # binomial(400, 0.1): mean 40, sd 6
 
 
-def test_flags_win_over_otel_variables(monkeypatch) -> None:
+def test_flags_win_over_otel_variables_and_the_line_says_what_is_in_force(monkeypatch) -> None:
+    import torch
+
     from dflash.config.settings import TelemetryConfig
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
     monkeypatch.setenv("OTEL_SERVICE_NAME", "from-env")
     cfg = tracing_config(TelemetryConfig(), rank=1, run_id="r")
-    assert (cfg.otlp_endpoint, cfg.otlp_protocol, cfg.service_name) == (
-        "http://127.0.0.1:9", "http", "from-env",
-    )  # fmt: skip
-    cfg = tracing_config(
-        TelemetryConfig(otlp_protocol="grpc", service_name="flag", trace_sample_ratio=0.5),
-        rank=1, run_id="r",
-    )  # fmt: skip
-    assert (cfg.otlp_protocol, cfg.service_name, cfg.sample_ratio) == ("grpc", "flag", 0.5)
-    line = describe(cfg)
-    assert "OTLP/grpc http://127.0.0.1:9" in line and "sample ratio 0.5" in line
-    assert cfg.service_instance_id in line and cfg.rank == 1
+    telemetry = setup_tracing(cfg)
+    line = describe(cfg, telemetry)
+    telemetry.shutdown(timeout_s=0.5)
+    assert "traces -> OTLP/grpc http://127.0.0.1:9" in line and "service from-env" in line
+    flags = TelemetryConfig(
+        otlp_endpoint="http://127.0.0.1:8",
+        otlp_protocol="http",
+        service_name="flag",
+        trace_sample_ratio=0.5,
+        cuda_timing="events",
+    )
+    cfg = tracing_config(flags, rank=1, run_id="r")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # no CUDA here: one warning, then off
+        telemetry = setup_tracing(cfg)
+    line = describe(cfg, telemetry)
+    telemetry.shutdown(timeout_s=0.5)
+    resource = telemetry.resource.attributes
+    assert "OTLP/http/protobuf http://127.0.0.1:8" in line and "sample ratio 0.5" in line
+    assert "service flag" in line and resource["service.instance.id"] in line
+    assert resource["service.version"] and resource["dflash.rank"] == 1
+    # The timing in force, not the one asked for: off after the fallback without CUDA.
+    assert f"cuda timing {'events' if torch.cuda.is_available() else 'off'};" in line
 
 
 @pytest.mark.usefixtures("tiny_target")
@@ -276,8 +295,13 @@ def _torchrun_worker(out_dir: Path) -> None:
 
     run.evaluate_run = slow_evaluate
     (out_dir / f"data{info.rank}").mkdir(parents=True, exist_ok=True)
-    cfg = small_cfg(out_dir / f"data{info.rank}", out_dir / f"out{info.rank}", steps=4,
-                    trace_file=str(out_dir / "spans.jsonl"), timeline="off")  # fmt: skip
+    cfg = small_cfg(
+        out_dir / f"data{info.rank}",
+        out_dir / f"out{info.rank}",
+        steps=4,
+        trace_file=str(out_dir / "spans.jsonl"),
+        timeline="off",
+    )
     pipeline.run_training(cfg, log=print)
 
 

@@ -22,7 +22,7 @@ import pytest
 
 import tracing
 from dflash.observe.report import ReportError, write_report
-from tracing.timeline import Timeline
+from dflash.observe.timeline import Timeline
 
 NUM_STEPS = 20
 ACCEPTANCE = [0.61, 0.42, 0.25, 0.12, 0.05, 0.02, 0.0]

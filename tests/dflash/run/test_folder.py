@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from dflash import cli as cli_mod
 from dflash.config.schema import ConfigError
-from dflash.run.folder import LOCK_FILE, FolderLock, claim_output_dir
+from dflash.run.folder import LOCK_FILE, FolderLock, claim_output_dir, earlier_run
 from tests.dflash.app_fixtures import (  # noqa: F401 - fixture
     ROOT,
     script_env,
@@ -245,6 +245,7 @@ cli.cli({args!r}, prog_name="dflash-train")
     [
         ("run_datasets", "SIGTERM", 143, "data.prepare"),
         ("run_datasets", "SIGINT", 130, "data.prepare"),
+        ("build_drafter", "SIGTERM", 143, "drafter.build"),
         ("evaluate_run", "SIGTERM", 143, "eval"),
     ],
 )
@@ -264,8 +265,12 @@ def test_a_signal_outside_the_training_loop_is_one_line_and_keeps_what_is_known(
     errors = [line for line in child.stderr.splitlines() if line.startswith("Error:")]
     assert errors == [f"Error: stopped by {signal_name} during {phase}"], child.stderr
     assert "Traceback" not in child.stderr and "Aborted!" not in child.stderr
-    if phase == "data.prepare":  # before its checks passed: the folder holds nothing of it
-        assert folder_state(run) == {}
+    if phase != "eval":  # in the start-up: its table, and its stats alone in the new folder
+        assert "interval: total" in child.stderr and phase in child.stderr
+        assert set(folder_state(run)) == {"stats.json", "timeline.json"}
+        stats = json.loads((run / "stats.json").read_text())["phases"]
+        assert stats["target.load"]["count"] == 1 and stats[phase]["count"] >= 1
+        assert earlier_run(run) == []  # no earlier run: the next one is not refused
         return
     summary = json.loads((run / "summary.json").read_text())  # valid JSON: null, not NaN
     assert summary["interrupted"] == f"stopped by {signal_name} during eval"

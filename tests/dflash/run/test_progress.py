@@ -1,4 +1,6 @@
 import io
+import threading
+import time
 
 import pytest
 
@@ -84,3 +86,31 @@ def test_write_without_a_bar_prints_plainly() -> None:
     print("interval: last 1.0s", file=progress.line_stream(), flush=True)
     progress.write("note")
     assert out.getvalue() == "interval: last 1.0s\nnote\n"
+
+
+class _SlowStream(io.StringIO):
+    """A stream whose writes take long enough for another thread to come in between."""
+
+    def write(self, text: str) -> int:
+        time.sleep(0.0005)
+        return super().write(text)
+
+
+def test_a_table_from_the_reporter_thread_never_joins_a_progress_line() -> None:
+    stream = _SlowStream()
+    progress = Progress(total_steps=400, stream=stream, interval_s=0.0)
+    tables = progress.line_stream()
+
+    def reporter() -> None:  # what tracing.Reporter does on its thread: print(table, file=...)
+        for _ in range(40):
+            print("interval: last 5.3s\nphase  count", file=tables)
+
+    thread = threading.Thread(target=reporter)
+    thread.start()
+    for step in range(1, 401):
+        progress.update(step, 8, {"loss": 1.0, "tau_estimate": 1.0})
+    thread.join()
+    lines = stream.getvalue().splitlines()
+    assert sum(line.startswith("step ") for line in lines) >= 40
+    assert lines.count("interval: last 5.3s") == 40 and lines.count("phase  count") == 40
+    assert all(line.startswith(("step ", "interval: ", "phase ")) for line in lines), lines

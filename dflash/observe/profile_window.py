@@ -1,5 +1,8 @@
 """ProfileWindow: torch.profiler over a few chosen steps, its file named on their spans.
 
+Training tooling on torch, not telemetry plumbing: it lives with the run's other
+instruments (tracing imports torch only for device timing).
+
     window = ProfileWindow("200:205", "runs/x/profile", rank=0)   # steps 200..204
     for step in ...:
         window.before_step(step)             # starts the profiler at 200, stops at 205
@@ -18,26 +21,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tracing.config import TracingConfigError
+from dflash.config.checks import parse_steps
 
 logger = logging.getLogger("tracing")
-
-
-def parse_steps(text: str) -> tuple[int, int]:
-    """`200:205` -> (200, 205); `200` -> (200, 201). Bad input: one-line error."""
-    start_text, sep, stop_text = str(text).strip().partition(":")
-    try:
-        start = int(start_text)
-        stop = int(stop_text) if sep else start + 1
-    except ValueError:
-        raise TracingConfigError(
-            f"profile steps must look like START:STOP (e.g. 200:205), got {text!r}"
-        ) from None
-    if start < 0 or stop <= start:
-        raise TracingConfigError(
-            f"profile steps need 0 <= START < STOP (an empty range records nothing), got {text!r}"
-        )
-    return start, stop
 
 
 class ProfileWindow:
@@ -53,11 +39,11 @@ class ProfileWindow:
         try:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise TracingConfigError(
+            raise ValueError(
                 f"profile directory {str(self.out_dir)!r} cannot be created: {exc.strerror}"
             ) from None
         if not os.access(self.out_dir, os.W_OK):
-            raise TracingConfigError(f"profile directory {str(self.out_dir)!r} is not writable")
+            raise ValueError(f"profile directory {str(self.out_dir)!r} is not writable")
         name = f"steps-{self.start}-{self.stop - 1}.rank{rank}.pt.trace.json"
         self.path = self.out_dir / name
         self._profiler: Any = None

@@ -1,5 +1,8 @@
 """Timeline: every phase of every thread as Chrome trace-event JSON (Perfetto, chrome://tracing).
 
+A consumer of tracing's phase hooks (tracing.hooks.PhaseHook), built for the run's
+report: one root span per batch becomes a flow through the threads that worked on it.
+
     timeline = Timeline("run.json", rank=0)          # rank N writes run.json.rankN
     tracing.setup(cfg, phase_hooks=[timeline])
     timeline.watch("queue depth", {"hs_queue": hs_q.qsize})   # gauges, sampled
@@ -30,9 +33,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tracing.clock import now_ns
-from tracing.config import TracingConfigError
-from tracing.handle import SpanHandle
+from tracing import SpanHandle, now_ns
 
 logger = logging.getLogger("tracing")
 Sampler = Mapping[str, Callable[[], float]]
@@ -51,9 +52,7 @@ def _check_writable(path: Path) -> None:
         with open(path, "a", encoding="utf-8"):
             pass
     except OSError as exc:
-        raise TracingConfigError(
-            f"timeline file {str(path)!r} cannot be written: {exc.strerror}"
-        ) from None
+        raise ValueError(f"timeline file {str(path)!r} cannot be written: {exc.strerror}") from None
     if not existed:
         path.unlink()
 
@@ -134,7 +133,7 @@ class Timeline:
             self.dropped += opened is not None
             return
         serial, tid, start_ns = opened
-        attributes = dict(getattr(handle, "_attributes", None) or {})
+        attributes = dict(handle.attributes)
         self._spans.append((serial, handle.name, tid, start_ns, end_time_ns, attributes))
 
     # --- counters -------------------------------------------------------------------
@@ -160,7 +159,7 @@ class Timeline:
     def start_sampling(self, interval_s: float = 0.5) -> Timeline:
         """Starts the daemon thread that samples `watch`/`watch_rate` every `interval_s`."""
         if not interval_s > 0:
-            raise TracingConfigError(f"timeline sampling interval must be > 0, got {interval_s!r}")
+            raise ValueError(f"timeline sampling interval must be > 0, got {interval_s!r}")
         self._sampler = threading.Thread(
             target=self._sample_loop, args=(interval_s,), name="timeline-sampler", daemon=True
         )

@@ -1,0 +1,340 @@
+"""Where ended spans go: the exporters `setup` builds, and what became of their spans.
+
+The SDK's exporters read their OTEL_* variables themselves (endpoint, headers, timeout,
+compression, TLS); only what the SDK does not decide is read here: whether to export at
+all (OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER, an endpoint being set) and which
+exporter class a protocol names (OTEL_EXPORTER_OTLP_[SIGNAL_]PROTOCOL).
+
+The SDK's BatchSpanProcessor reads OTEL_BSP_*, restarts after os.fork and drops the
+oldest span when its queue is full; it counts nothing, its force_flush has no bound and
+its shutdown waits up to 30 s on an export to a dead collector. So each exporter sits
+behind a `CountingExporter` (exported, failed; `close` aborts a hung export's retries),
+a `SpanCounter` counts the sampled spans handed over, and `call_bounded` bounds the SDK
+calls that have no bound of their own.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from opentelemetry.environment_variables import OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
+from opentelemetry.sdk.environment_variables import OTEL_EXPORTER_OTLP_ENDPOINT
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SpanExporter,
+    SpanExportResult,
+)
+
+from tracing.config import PROTOCOLS, TracingConfig, TracingConfigError, parse_exporters, warn_once
+
+logger = logging.getLogger("tracing")
+Signal = Literal["traces", "metrics"]
+EXPORT_THREAD_NICENESS = 10
+
+
+class OtlpJsonFileExporter(SpanExporter):
+    """Appends one OTLP/JSON `ExportTraceServiceRequest` object per line (ids in hex).
+
+    The format of the collector's file exporter; Jaeger's UI can load such a file.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in shutdown
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        from google.protobuf.json_format import MessageToDict
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+        message = MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+        # Protobuf's JSON mapping writes bytes in base64; OTLP/JSON wants hex ids.
+        for resource_spans in message.get("resourceSpans", []):
+            for scope_spans in resource_spans.get("scopeSpans", []):
+                for span in scope_spans.get("spans", []):
+                    for key in ("traceId", "spanId", "parentSpanId"):
+                        if span.get(key):
+                            span[key] = base64.b64decode(span[key]).hex()
+        with self._lock:
+            if self._file.closed:
+                return SpanExportResult.FAILURE
+            self._file.write(json.dumps(message, separators=(",", ":")) + "\n")
+            self._file.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+class _RateLimitFilter(logging.Filter):
+    """One record per message template every `period_s`: a dead collector would
+    otherwise log an error for every batch, all through training."""
+
+    def __init__(self, period_s: float = 60.0) -> None:
+        super().__init__()
+        self.period_s = period_s
+        self._last_s: dict[tuple[str, object], float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key, now_s = (record.name, record.msg), time.monotonic()
+        if now_s - self._last_s.get(key, -self.period_s) < self.period_s:
+            return False
+        self._last_s[key] = now_s
+        return True
+
+
+# The loggers of the SDK's public exporter modules that report failed exports.
+_OTLP_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+    "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+)
+_rate_limit = _RateLimitFilter()
+
+
+def wanted_exporters(
+    explicit: tuple[str, ...] | None, signal: Signal, endpoint_given: bool
+) -> tuple[str, ...]:
+    """The exporters of `signal`: `explicit` if given, else OTEL_<SIGNAL>_EXPORTER, else
+    OTLP when an endpoint is set (argument or variable), else none: unlike the
+    specification's `otlp` default, nothing goes over the network unless asked."""
+    if explicit is not None:
+        return explicit
+    variable = OTEL_TRACES_EXPORTER if signal == "traces" else OTEL_METRICS_EXPORTER
+    named = os.environ.get(variable, "").strip()
+    if named:
+        try:
+            return parse_exporters(named, ("none", "otlp", "console"))
+        except TracingConfigError as exc:
+            warn_once(variable, f"ignoring {variable}={named!r} ({exc})")
+    endpoints = (OTEL_EXPORTER_OTLP_ENDPOINT, f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
+    set_ = endpoint_given or any(os.environ.get(name, "").strip() for name in endpoints)
+    return ("otlp",) if set_ else ()
+
+
+def otlp_protocol(explicit: str | None, signal: Signal) -> str:
+    """`explicit`, else OTEL_EXPORTER_OTLP_<SIGNAL>_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL,
+    else http/protobuf (the specification's default). The Python exporters encode
+    protobuf only: http/json is sent as http/protobuf, to the same port."""
+    if explicit is not None:
+        return explicit
+    for variable in (
+        f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ):
+        text = os.environ.get(variable, "").strip().lower()
+        if text in PROTOCOLS:
+            return text
+        if text:
+            warn_once(
+                variable, f"{variable}={text!r} is not grpc or http/protobuf; sending http/protobuf"
+            )
+            return "http/protobuf"
+    return "http/protobuf"
+
+
+def otlp_exporter(signal: Signal, protocol: str, endpoint: str | None, **options: Any) -> Any:
+    """The SDK's OTLP exporter of `signal` (None, warned once, if it refuses its settings).
+    `endpoint` None lets it read OTEL_*; a base URL given here gets the signal's path
+    over HTTP. Its module is imported only here: an unused transport need not exist."""
+    transport = "grpc" if protocol == "grpc" else "http"
+    kind = "trace" if signal == "traces" else "metric"
+    module = importlib.import_module(
+        f"opentelemetry.exporter.otlp.proto.{transport}.{kind}_exporter"
+    )
+    if endpoint is not None and transport == "http":
+        path = f"/v1/{signal}"
+        endpoint = endpoint if endpoint.rstrip("/").endswith(path) else endpoint.rstrip("/") + path
+    for name in _OTLP_LOGGERS:
+        if _rate_limit not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_rate_limit)
+    exporter_cls = module.OTLPSpanExporter if signal == "traces" else module.OTLPMetricExporter
+    try:
+        return exporter_cls(endpoint=endpoint, **options)
+    except Exception as exc:  # e.g. a malformed OTEL_EXPORTER_OTLP_TIMEOUT: the run goes on
+        warn_once(
+            f"otlp {signal}",
+            f"the SDK's OTLP {signal} exporter refused its settings "
+            f"({type(exc).__name__}: {exc}); {signal} are not exported",
+        )
+        return None
+
+
+def trace_file_path(path: str, rank: int) -> str:
+    """PATH for rank 0, PATH.rankN for the others (ranks appending to one file interleave)."""
+    return path if rank == 0 else f"{path}.rank{rank}"
+
+
+def build_exporters(cfg: TracingConfig) -> tuple[list[SpanExporter], list[str]]:
+    """The span exporters `cfg` (and the OTEL_* variables it leaves open) name, and a
+    few words on where each sends (for a start-up line). A trace file is always written."""
+    names = wanted_exporters(cfg.exporter, "traces", cfg.otlp_endpoint is not None)
+    if cfg.trace_file and "file" not in names:
+        names = (*names, "file")
+    exporters: list[SpanExporter] = []
+    sinks: list[str] = []
+    for name in names:
+        if name == "otlp":
+            protocol = otlp_protocol(cfg.otlp_protocol, "traces")
+            exporter = otlp_exporter("traces", protocol, cfg.otlp_endpoint)
+            if exporter is not None:
+                exporters.append(exporter)
+                sinks.append(f"OTLP/{protocol} {cfg.otlp_endpoint or _endpoint_variable()}")
+        elif name == "console":
+            exporters.append(ConsoleSpanExporter())
+            sinks.append("console")
+        elif name == "file":
+            assert cfg.trace_file is not None  # checked by TracingConfig
+            path = trace_file_path(cfg.trace_file, cfg.rank)
+            exporters.append(OtlpJsonFileExporter(path))
+            sinks.append(f"file {path}")
+    return exporters, sinks
+
+
+def _endpoint_variable() -> str:
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", OTEL_EXPORTER_OTLP_ENDPOINT):
+        if os.environ.get(name, "").strip():
+            return os.environ[name].strip()
+    return "(the SDK's default endpoint)"
+
+
+@dataclass
+class DeliveryCounts:
+    """What became of the sampled spans handed to tracing's exporters."""
+
+    handed: int = 0
+    exported: int = 0
+    failed: int = 0  # the exporter reported an error, or was closed at the bound
+    late: int = 0  # ended after shutdown began (a phase still open then)
+
+    @property
+    def dropped(self) -> int:
+        """Neither exported nor failed: queue full, or still queued (at the bound)."""
+        return max(0, self.handed - self.exported - self.failed)
+
+
+def lower_thread_priority() -> None:
+    """Lets an export thread yield the CPU to the program it observes: encoding spans is
+    real work, which on busy cores should fill the training threads' idle moments. On
+    Linux a thread is a task, so setpriority on its native id affects it alone."""
+    try:
+        tid = threading.get_native_id()
+        niceness = os.getpriority(os.PRIO_PROCESS, tid) + EXPORT_THREAD_NICENESS
+        os.setpriority(os.PRIO_PROCESS, tid, niceness)
+    except (AttributeError, OSError):
+        pass  # not permitted here, or not POSIX: export at normal priority
+
+
+class CountingExporter(SpanExporter):
+    """An exporter that counts what it exported and what failed.
+
+    Thread contract: `export` on the processor's worker (whose priority it lowers once);
+    `close` from any thread: it shuts the inner exporter down, which aborts an export
+    waiting to retry, and every later export fails at once without sending."""
+
+    def __init__(self, inner: SpanExporter) -> None:
+        self.inner = inner
+        self.exported = self.failed = 0
+        self._closed = False
+        self._niced: set[int] = set()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if threading.get_ident() not in self._niced:
+            self._niced.add(threading.get_ident())
+            lower_thread_priority()
+        result = SpanExportResult.FAILURE
+        if not self._closed:
+            try:
+                result = self.inner.export(spans)
+            except Exception:  # telemetry never crashes the host program
+                logger.exception("tracing: exporter %s raised", type(self.inner).__name__)
+        if result == SpanExportResult.SUCCESS:
+            self.exported += len(spans)
+        else:
+            self.failed += len(spans)
+        return result
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.inner.shutdown()
+
+    def shutdown(self) -> None:
+        self.close()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class SpanCounter(SpanProcessor):
+    """Counts the sampled spans handed to the processors after it; once `closed`, counts
+    them as late (warned once). Thread contract: `on_end` on any thread, never blocking:
+    next() of itertools.count is atomic under the GIL; a read draws once more."""
+
+    def __init__(self) -> None:
+        self.reset()
+        self.closed = self._warned = False
+
+    def reset(self) -> None:
+        self._handed, self._late, self._reads = itertools.count(), itertools.count(), 0
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.context is None or not span.context.trace_flags.sampled:
+            return
+        if not self.closed:
+            next(self._handed)
+        elif next(self._late) is not None and not self._warned:
+            self._warned = True
+            message = "tracing: span %r ended after shutdown began; it and later ones are late"
+            logger.warning(message, span.name)
+
+    def counts(self, exporters: Sequence[CountingExporter]) -> DeliveryCounts:
+        self._reads += 1  # the draws of earlier reads are not spans
+        handed = next(self._handed) - (self._reads - 1)
+        late = next(self._late) - (self._reads - 1)
+        exported, failed = sum(e.exported for e in exporters), sum(e.failed for e in exporters)
+        return DeliveryCounts(handed * len(exporters), exported, failed, late)
+
+
+def batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
+    """The SDK's batch processor, with its settings from OTEL_BSP_*. Values it refuses
+    (a delay of 0, a batch larger than the queue) are warned once; the specification's
+    defaults apply and the run goes on."""
+    try:
+        return BatchSpanProcessor(exporter)
+    except ValueError as exc:
+        warn_once("bsp", f"the SDK's batch processor refused OTEL_BSP_* ({exc}); using defaults")
+        return BatchSpanProcessor(exporter, 2048, 5000, 512)
+
+
+def call_bounded(fn: Any, timeout_s: float, *args: Any) -> Any:
+    """`fn(*args)` on a daemon thread, waited for at most `timeout_s`: its result, or
+    None when it raised (logged) or is still running."""
+    result: list[Any] = [None]
+
+    def target() -> None:
+        try:
+            result[0] = fn(*args)
+        except Exception:
+            logger.exception("tracing: %s raised", type(fn).__qualname__)
+
+    thread = threading.Thread(target=target, name="tracing-bounded-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return result[0]

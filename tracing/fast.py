@@ -1,0 +1,211 @@
+"""The fast path: phase spans recorded without the SDK's Span on the hot path (the SDK's
+Tracer costs the training thread several times more: `bench/tracing_overhead.py`).
+
+A `FastSpan` holds what a span needs; at its end it becomes the SDK's ReadableSpan (the
+provider's resource, the SDK's span limits) for the `on_end` of tracing's processors.
+`FastTracer` stands in for the SDK's Tracer only where no one can tell: on the provider
+`setup` built, with a parent-based sampler and only tracing's processors (the SDK's
+batch processors and a counter, whose `on_start` does nothing). Once another processor
+is added, `setup` puts the SDK's Tracer in its place: `on_start` for every later span.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import traceback
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+
+from tracing.clock import now_ns
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+_UNSET = Status(StatusCode.UNSET)
+
+
+class PhaseIds(IdGenerator):
+    """Span and trace ids from a generator of tracing's own, seeded from the OS and again
+    in a forked child. The process-wide `random` (the SDK's default) would give every
+    rank and rerun the same ids once the program calls random.seed, and drawing from it
+    would change the program's own random sequence."""
+
+    def __init__(self) -> None:
+        self._random = random.Random()
+        self._reseed()
+        os.register_at_fork(after_in_child=self._reseed)
+
+    def _reseed(self) -> None:
+        self._random.seed(int.from_bytes(os.urandom(32), "little"))
+
+    def generate_span_id(self) -> int:
+        return self._random.getrandbits(64) or 1  # 0 is the invalid id
+
+    def generate_trace_id(self) -> int:
+        return self._random.getrandbits(128) or 1
+
+
+class FastSpan(trace.Span):
+    """A sampled span of `FastTracer`. Thread contract: one thread at a time changes it
+    (the phase's, then the device-timing resolver's); `end` from any thread, once."""
+
+    __slots__ = (
+        *("name", "trace_id", "span_id", "parent", "trace_state", "attributes", "events"),
+        *("status", "start_time", "end_time", "_tracer", "_context"),
+    )
+
+    def __init__(
+        self,
+        tracer: FastTracer,
+        name: str,
+        parent: SpanContext | None,
+        trace_id: int,
+        trace_state: Any,
+        attributes: dict[str, Any] | None,
+        start_time: int,
+    ) -> None:
+        self._tracer, self.name, self.parent, self.trace_id = tracer, name, parent, trace_id
+        self.span_id, self.trace_state = tracer.ids.generate_span_id(), trace_state
+        self.attributes = attributes  # already clean (tracing.spans): copied, never shared
+        self.events: list[Event] | None = None
+        self.status, self.start_time, self.end_time = _UNSET, start_time, None
+        self._context: SpanContext | None = None
+
+    def get_span_context(self) -> SpanContext:
+        context = self._context
+        if context is None:
+            args = (self.trace_id, self.span_id, False, _SAMPLED, self.trace_state)
+            context = self._context = SpanContext(*args)
+        return context
+
+    def is_recording(self) -> bool:
+        return self.end_time is None
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if self.end_time is None:
+            if self.attributes is None:
+                self.attributes = {}
+            self.attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        for key, value in attributes.items():
+            self.set_attribute(key, value)
+
+    def add_event(self, name: str, attributes: Any = None, timestamp: int | None = None) -> None:
+        if self.end_time is None:
+            limits = self._tracer.limits
+            event_attributes = BoundedAttributes(
+                limits.max_event_attributes, attributes, max_value_len=limits.max_attribute_length
+            )
+            event = Event(name, event_attributes, now_ns() if timestamp is None else timestamp)
+            self.events = [*(self.events or ()), event]
+
+    def update_name(self, name: str) -> None:
+        self.name = name
+
+    def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
+        if self.end_time is None:
+            self.status = status if isinstance(status, Status) else Status(status, description)
+
+    def record_exception(
+        self,
+        exception: BaseException,
+        attributes: Any = None,
+        timestamp: int | None = None,
+        escaped: bool = False,
+    ) -> None:
+        """The event the SDK's `Span.record_exception` adds (same attribute names)."""
+        module, qualname = type(exception).__module__, type(exception).__qualname__
+        values = {
+            "exception.type": f"{module}.{qualname}" if module != "builtins" else qualname,
+            "exception.message": str(exception),
+            "exception.stacktrace": "".join(traceback.format_exception(exception)),
+            "exception.escaped": str(escaped),
+            **(attributes or {}),
+        }
+        self.add_event("exception", values, timestamp)
+
+    def end(self, end_time: int | None = None) -> None:
+        """Ends the span and hands the SDK's ReadableSpan of it to the processors."""
+        if self.end_time is not None:
+            return
+        self.end_time = now_ns() if end_time is None else end_time
+        tracer, attributes = self._tracer, self.attributes
+        limits = tracer.limits
+        if attributes and (
+            len(attributes) > limits.max_span_attributes or limits.max_span_attribute_length
+        ):  # the values are clean already; only the SDK's limits are left to apply
+            attributes = BoundedAttributes(
+                limits.max_span_attributes,
+                attributes,
+                max_value_len=limits.max_span_attribute_length,
+            )
+        span = ReadableSpan(
+            name=self.name,
+            context=self.get_span_context(),
+            parent=self.parent,
+            resource=tracer.provider.resource,  # refreshed by the SDK after a fork
+            attributes=attributes,
+            events=tuple(self.events or ()),
+            kind=SpanKind.INTERNAL,
+            status=self.status,
+            start_time=self.start_time,
+            end_time=self.end_time,
+            instrumentation_scope=tracer.scope,
+        )
+        for processor in tracer.processors:
+            processor.on_end(span)
+
+
+class FastTracer:
+    """`start_span` as the SDK's Tracer answers it, for the provider `setup` built.
+    Thread contract: `start_span` from any thread; it never blocks."""
+
+    def __init__(
+        self,
+        provider: TracerProvider,
+        processors: Sequence[SpanProcessor],
+        scope: InstrumentationScope,
+    ) -> None:
+        self.sampler = provider.sampler  # kept, as the SDK's Tracer keeps it
+        self.provider, self.ids, self.scope = provider, provider.id_generator, scope
+        self.limits = SpanLimits()
+        self.processors = tuple(processors)
+
+    def start_span(
+        self,
+        name: str,
+        context: Context | None = None,
+        attributes: dict[str, Any] | None = None,
+        start_time: int | None = None,
+    ) -> trace.Span:
+        parent = trace.get_current_span(context).get_span_context()
+        if parent.is_valid:  # a parent-based sampler follows the parent's decision
+            trace_id, sampled, state = (
+                parent.trace_id,
+                parent.trace_flags.sampled,
+                parent.trace_state,
+            )
+        else:
+            parent, trace_id = None, self.ids.generate_trace_id()
+            result = self.sampler.should_sample(
+                context, trace_id, name, SpanKind.INTERNAL, attributes
+            )
+            sampled, state = result.decision.is_sampled(), result.trace_state
+            if result.attributes:
+                attributes = {**(attributes or {}), **result.attributes}
+        if not sampled:
+            span_id = self.ids.generate_span_id()
+            return trace.NonRecordingSpan(
+                SpanContext(trace_id, span_id, False, _NOT_SAMPLED, state)
+            )
+        start = now_ns() if start_time is None else start_time
+        return FastSpan(self, name, parent, trace_id, state, attributes, start)
