@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,18 @@ def unwritable(path: Path | str, folder: bool = False) -> str | None:
     if not os.access(probe, os.W_OK | os.X_OK):
         return f"{probe} is not writable"
     return None
+
+
+def free_space_note(path: Path | str) -> str:
+    """'N GiB free there' for the disk `path` is on (or would be: its nearest existing
+    folder), for the one-line error of a failed write."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        return f"{shutil.disk_usage(probe).free / 2**30:.2f} GiB free there"
+    except OSError:
+        return "free space unknown"
 
 
 @contextmanager

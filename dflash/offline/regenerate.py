@@ -19,7 +19,6 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -42,7 +41,7 @@ from dflash.data.corpus import (
 from dflash.data.packing import frame
 from dflash.data.sources import CUT_KEY, DataReport, iter_jsonl, read_jsonl
 from dflash.data.tokenizer import decode_text, encode_texts, special_ids
-from dflash.files import cache_dir, write_json_atomic
+from dflash.files import cache_dir, free_space_note, write_json_atomic
 from dflash.offline.settings import RegenerateError, RegenerateSettings
 from dflash.target.generation import generate_batch, generate_padded
 from dflash.target.model import TargetModel, target_fingerprint
@@ -414,13 +413,7 @@ def append_lines(fd: int, data: bytes, path: Path, lines_before: int) -> None:
 
 def write_failure(exc: OSError, path: Path, lines: int) -> RegenerateError:
     """The one-line error of a write to `path` that failed with `lines` complete."""
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        free = f"{shutil.disk_usage(probe).free / 2**30:.2f} GiB free there"
-    except OSError:
-        free = "free space unknown"
+    free = free_space_note(path)
     return RegenerateError(
         f"--output {path}: could not write ({exc.strerror or type(exc).__name__}; {free}): "
         f"its first {lines} lines are complete; the same command continues after them once "

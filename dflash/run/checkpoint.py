@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash.errors import DFlashError, first_line
-from dflash.files import FILE_MODE, sha256_file
+from dflash.files import FILE_MODE, free_space_note, sha256_file
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _DRAFTER_WEIGHTS = "drafter/model.safetensors"  # a DFlash directory's weights
@@ -55,13 +55,7 @@ whose zip writer reports a short write (a full disk) as "unexpected pos"."""
 
 def save_failure(exc: BaseException, path: Path, complete: str) -> SaveError:
     """The SaveError of `exc` raised while writing `path`; `complete` says what remains."""
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    try:
-        free = f"{shutil.disk_usage(probe).free / 2**30:.2f} GiB free there"
-    except OSError:
-        free = "free space unknown"
+    free = free_space_note(path)
     reason = getattr(exc, "strerror", None) or first_line(exc)
     return SaveError(f"could not write {path} ({reason}; {free}): {complete}")
 
