@@ -4,7 +4,8 @@ the same drafter, target and prompts; prints both τ, their ratio and the wall-t
     python bench/eval_server.py --drafter DIR --target HF_DIR --eval-data PROMPTS.jsonl
         [--max-new-tokens 64] [--concurrency 1]
 
-vLLM's CPU build comes from tools/vllm/venv.sh. The server starts first (its start-up is
+vLLM's CPU build comes from tools/vllm/venv.sh, started and stopped as `train
+--eval-engine vllm` does (dflash.run.engine). The server starts first (its start-up is
 not counted: a user evaluates against a server that runs), then each evaluation runs
 alone. The in-process wall time includes its greedy baseline, as `eval` always measures
 the speedup; its speculative decoding alone is printed too.
@@ -15,64 +16,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+from dflash.run.engine import served_drafter
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_server(drafter: Path, target: str, log: Path) -> tuple[subprocess.Popen, str]:
+def vllm_command() -> str:
+    """vLLM's CPU build (tools/vllm/venv.sh) as `served_drafter` starts it."""
     python = subprocess.run(
         ["bash", str(ROOT / "tools/vllm/venv.sh")], capture_output=True, text=True, check=True
     ).stdout.split()[-1]
-    block = json.loads((drafter / "config.json").read_text())["block_size"]
-    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": block - 1}
-    port = _port()
-    args = [
-        python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        target,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "2048",
-        "--enforce-eager",
-        "--speculative-config",
-        json.dumps(spec),
-    ]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-    proc = subprocess.Popen(
-        args, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return proc, url
-        except OSError:
-            if proc.poll() is not None:
-                sys.exit(f"vLLM exited: see {log}")
-            time.sleep(1)
-    sys.exit(f"vLLM did not serve in 600 s: see {log}")
+    flags = "--dtype float32 --max-model-len 2048 --enforce-eager"
+    return f"{shlex.quote(python)} -m vllm.entrypoints.openai.api_server {flags}"
 
 
 def evaluate(args: list[str], out: Path) -> tuple[dict, float]:
@@ -103,15 +65,14 @@ def main() -> None:
     ]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        proc, url = start_server(opts.drafter, opts.target, work / "vllm.log")
-        try:
+        block = json.loads((opts.drafter / "config.json").read_text())["block_size"]
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # the server inherits it
+        # `train --eval-engine vllm`'s own start and stop of the engine.
+        with served_drafter(vllm_command(), opts.target, opts.drafter, block, work) as url:
             served, served_s = evaluate(
                 ["--server", url, "--concurrency", str(opts.concurrency), *common],
                 work / "served.json",
             )
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
         ours, ours_s = evaluate(["--drafter", str(opts.drafter), *common], work / "ours.json")
     print(
         f"τ pooled: server {served['tau_pooled']:.4f}, in process {ours['tau_pooled']:.4f} "
