@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ import torch
 from conftest import REPO_ROOT, die_with_parent
 from safetensors.torch import load_file
 from vllm_fixtures import (  # noqa: F401 - fixtures
+    dflash_ok,
     end_leftovers,
     new_marker,
     smollm2_dir_fixture,
@@ -98,18 +98,6 @@ def _chats(path: Path) -> Path:
     return path
 
 
-def _dflash(*args: str, timeout_s: float = 600) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "dflash.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-    assert done.returncode == 0, f"dflash-train {args[0]}:\n{done.stderr[-3000:]}"
-    return done.stderr
-
-
 def _extract(python: Path, *args: str, timeout_s: float = 600) -> subprocess.CompletedProcess:
     """The script in vLLM's venv; no process of it may outlive it."""
     marker = new_marker()
@@ -147,8 +135,15 @@ def test_training_from_vllms_hidden_states_gives_the_online_losses(
         *DATA_OPTIONS,
     ]
     files = tmp_path / "from-vllm"
-    _dflash(
-        "cache-hidden", "--format", "speculators", "--samples-only", "--output", str(files), *data
+    dflash_ok(
+        "cache-hidden",
+        "--format",
+        "speculators",
+        "--samples-only",
+        "--output",
+        str(files),
+        *data,
+        timeout_s=600,
     )
     done = _extract(
         vllm_python,
@@ -163,7 +158,7 @@ def test_training_from_vllms_hidden_states_gives_the_online_losses(
     assert "eagle_aux_hidden_state_layer_ids [2, 28, 30]" in done.stdout  # ours 1, 27; the last
     # The files against this project's own target runner's, sample for sample.
     own = tmp_path / "own"
-    _dflash("cache-hidden", "--format", "speculators", "--output", str(own), *data)
+    dflash_ok("cache-hidden", "--format", "speculators", "--output", str(own), *data, timeout_s=600)
     names = sorted(p.name for p in (own / "hidden_states").iterdir())
     assert names == sorted(p.name for p in (files / "hidden_states").iterdir())
     worst = 0.0
@@ -177,8 +172,10 @@ def test_training_from_vllms_hidden_states_gives_the_online_losses(
             worst = max(worst, float((a[:, k] - b[:, k]).norm() / a[:, k].norm()))
     assert worst <= STATES_REL, f"vLLM's states differ from ours by {worst:.2e} relative"
     # Training: online, then from vLLM's files.
-    _dflash("train", *data, *TRAIN_OPTIONS, "--output-dir", str(tmp_path / "online"))
-    log = _dflash(
+    dflash_ok(
+        "train", *data, *TRAIN_OPTIONS, "--output-dir", str(tmp_path / "online"), timeout_s=600
+    )
+    log = dflash_ok(
         "train",
         *data,
         *TRAIN_OPTIONS,
@@ -186,7 +183,8 @@ def test_training_from_vllms_hidden_states_gives_the_online_losses(
         str(files),
         "--output-dir",
         str(tmp_path / "cached"),
-    )
+        timeout_s=600,
+    ).stderr
     assert "the target's decoder layers never run while training" in log
     online, cached = _losses(tmp_path / "online"), _losses(tmp_path / "cached")
     assert len(online) == len(cached) == STEPS

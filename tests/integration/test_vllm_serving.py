@@ -31,6 +31,8 @@ from typing import Any
 import pytest
 from conftest import REPO_ROOT, die_with_parent
 from vllm_fixtures import (  # noqa: F401
+    dflash_cli,
+    dflash_ok,
     end_leftovers,
     new_marker,
     smollm2_dir_fixture,
@@ -70,23 +72,6 @@ DRAFTERS = {  # name -> (extra train flags, dtype vLLM serves it in)
 }
 
 
-def _cli(*args: str, timeout_s: float = 1800) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [sys.executable, "-m", "dflash.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-    return done
-
-
-def _ok(*args: str, timeout_s: float = 1800) -> subprocess.CompletedProcess[str]:
-    done = _cli(*args, timeout_s=timeout_s)
-    assert done.returncode == 0, f"dflash-train {args[0]} failed:\n{done.stderr[-3000:]}"
-    return done
-
-
 def _tree_hash(directory: Path) -> str:
     digest = hashlib.sha256()
     for path in sorted(directory.rglob("*")):
@@ -117,7 +102,7 @@ def recipe(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[
         "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS)
     )
     regen = root / "regen.jsonl"
-    _ok(
+    dflash_ok(
         "regenerate",
         "--target",
         str(smollm2_dir),
@@ -134,7 +119,7 @@ def recipe(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[
     for name, (extra, dtype) in DRAFTERS.items():
         out = root / name
         init = ["--init-from", str(drafters["whole"])] if name == "bf16" else []
-        _ok(
+        dflash_ok(
             "train",
             "--target",
             str(smollm2_dir),
@@ -164,7 +149,7 @@ def recipe(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[
 def _eval(drafter: Path, target: Path, prompts: Path, dtype: str, work: Path) -> dict[str, Any]:
     """`dflash-train eval`'s figures, target and drafter in `dtype` as vLLM serves them."""
     figures = work / f"eval-{dtype}.json"
-    _ok(
+    dflash_ok(
         "eval",
         "--drafter",
         str(drafter),
@@ -388,7 +373,7 @@ def test_eval_server_measures_our_tau_through_vllm_serve(recipe, serve):
     url = serve(drafter)
     ours = recipe["evals"]["whole"]
     out = recipe["root"] / "served.json"
-    done = _ok(
+    done = dflash_ok(
         "eval",
         "--server",
         url,
@@ -423,7 +408,7 @@ def test_eval_server_measures_our_tau_through_vllm_serve(recipe, serve):
 def test_regenerate_server_against_vllm_writes_the_in_process_replies(recipe, serve, tmp_path):
     url = serve(None)
     out = tmp_path / "regen-server.jsonl"
-    _ok(
+    dflash_ok(
         "regenerate",
         "--server",
         url,
@@ -444,7 +429,7 @@ def test_regenerate_server_against_vllm_writes_the_in_process_replies(recipe, se
     theirs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [t["messages"] for t in theirs] == [o["messages"] for o in ours]
     # A server that drafts nothing is no speculative server: one line, exit 2, no traceback.
-    done = _cli(
+    done = dflash_cli(
         "eval",
         "--server",
         url,

@@ -29,6 +29,24 @@ MODEL_TIMEOUT_S = 900
 MARKER = "DFLASH_VLLM_TEST_RUN"  # in the environment of every process a test starts
 
 
+def dflash_cli(*args: str, timeout_s: float = 1800) -> subprocess.CompletedProcess[str]:
+    """`dflash-train ARGS` in this python, its output captured (the caller checks it)."""
+    return subprocess.run(
+        [sys.executable, "-m", "dflash.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def dflash_ok(*args: str, timeout_s: float = 1800) -> subprocess.CompletedProcess[str]:
+    """`dflash_cli` that must succeed; its standard error in the failure."""
+    done = dflash_cli(*args, timeout_s=timeout_s)
+    assert done.returncode == 0, f"dflash-train {args[0]} failed:\n{done.stderr[-3000:]}"
+    return done
+
+
 def vllm_unavailable(reason: str, script: str = "venv.sh") -> NoReturn:
     """Skips the test, or fails it where CI demands the real engine."""
     cost = " (about 6 GB, a few minutes)" if script == "venv.sh" else ""
