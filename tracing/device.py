@@ -14,6 +14,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 logger = logging.getLogger("tracing")
@@ -84,12 +85,10 @@ class CudaClock:
         self._torch.cuda.synchronize(device)
 
 
+@dataclass(slots=True)
 class HostEvent:
-    __slots__ = ("time_ns", "done")
-
-    def __init__(self, time_ns: int, done: bool) -> None:
-        self.time_ns = time_ns
-        self.done = done
+    time_ns: int
+    done: bool
 
 
 class HostClock:
@@ -128,8 +127,6 @@ class HostClock:
 
 def cuda_clock_or_none(mode: str) -> CudaClock | None:
     """A CudaClock for `sync`/`events`, or None (with one warning) when CUDA is absent."""
-    if mode == "off":
-        return None
     try:
         import torch
 
@@ -162,8 +159,6 @@ class EventResolver:
 
     def __init__(self, clock: DeviceClock, poll_interval_s: float = 0.001) -> None:
         self.clock = clock
-        # A clock written before `release` existed keeps working, without reuse.
-        self._release = getattr(clock, "release", None) or (lambda device, *events: None)
         self._poll_interval_s = poll_interval_s
         self._queues: dict[object, deque[_Pending]] = {}
         self._queues_lock = threading.Lock()  # adding a device's queue (rare)
@@ -215,7 +210,7 @@ class EventResolver:
                     if not self.clock.query(end):
                         break
                     device_s = self.clock.elapsed_s(start, end)
-                    self._release(device, start, end)
+                    self.clock.release(device, start, end)
                 except Exception:  # a broken event must not stall the others
                     logger.exception("tracing: device event could not be resolved")
                     device_s = None

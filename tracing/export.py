@@ -78,9 +78,6 @@ class OtlpJsonFileExporter(SpanExporter):
         with self._lock:
             self._file.close()
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
-
 
 class _RateLimitFilter(logging.Filter):
     """One record per message template every `period_s`: a dead collector would
@@ -229,10 +226,14 @@ class DeliveryCounts:
         return max(0, self.handed - self.exported - self.failed)
 
 
-def lower_thread_priority() -> None:
-    """Lets an export thread yield the CPU to the program it observes: encoding spans is
-    real work, which on busy cores should fill the training threads' idle moments. On
-    Linux a thread is a task, so setpriority on its native id affects it alone."""
+def lower_thread_priority(done: set[int]) -> None:
+    """Lets an export thread yield the CPU to the program it observes, once per thread
+    (`done` holds those lowered): encoding spans is real work, which on busy cores should
+    fill the training threads' idle moments. On Linux a thread is a task, so setpriority
+    on its native id affects it alone."""
+    if threading.get_ident() in done:
+        return
+    done.add(threading.get_ident())
     try:
         tid = threading.get_native_id()
         niceness = os.getpriority(os.PRIO_PROCESS, tid) + EXPORT_THREAD_NICENESS
@@ -255,9 +256,7 @@ class CountingExporter(SpanExporter):
         self._niced: set[int] = set()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if threading.get_ident() not in self._niced:
-            self._niced.add(threading.get_ident())
-            lower_thread_priority()
+        lower_thread_priority(self._niced)
         result = SpanExportResult.FAILURE
         if not self._closed:
             try:

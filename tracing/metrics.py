@@ -151,9 +151,7 @@ class _StatsExporter(MetricExporter):
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> MetricExportResult:
-        if threading.get_ident() not in self._niced:  # the reader's thread, as the spans'
-            self._niced.add(threading.get_ident())
-            lower_thread_priority()
+        lower_thread_priority(self._niced)  # the reader's thread, as the spans' export
         data = self.owner._with_stats(metrics_data)
         try:
             result = self.inner.export(data, timeout_millis=timeout_millis)

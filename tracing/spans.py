@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
+from dataclasses import dataclass, field
 from enum import Enum
 from threading import get_ident
 from typing import Any, TypeVar
@@ -93,35 +94,27 @@ def clean_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
     return cleaned
 
 
+@dataclass(slots=True)
 class Runtime:
-    """What `setup` installs for `phase` to read; replaced as a whole, never mutated."""
+    """What `setup` installs for `phase` to read; replaced as a whole, never mutated.
+    `stop_exceptions` end a phase without marking it ERROR (a requested stop); `hooks`
+    are tracing.hooks.PhaseHook objects (timeline, NVTX)."""
 
-    __slots__ = ("tracer", "level_rank", "stats", "clock", "sync", "resolver", "plain",
-                 "propagate", "stop_exceptions", "hooks")  # fmt: skip
+    stats: ProfileStats
+    tracer: Any = None  # None when no span can be recorded: phases skip all span work
+    level_rank: int = 0
+    clock: DeviceClock | None = None
+    sync: bool = False
+    resolver: EventResolver | None = None
+    propagate: bool = False
+    stop_exceptions: tuple[type[BaseException], ...] = ()
+    hooks: tuple[Any, ...] = ()
+    plain: bool = field(init=False)  # nothing but clock reads and one `add`
 
-    def __init__(
-        self,
-        stats: ProfileStats,
-        tracer: Any = None,
-        level_rank: int = 0,
-        clock: DeviceClock | None = None,
-        sync: bool = False,
-        resolver: EventResolver | None = None,
-        propagate: bool = False,
-        stop_exceptions: tuple[type[BaseException], ...] = (),
-        hooks: tuple[Any, ...] = (),
-    ) -> None:
-        self.stats = stats
-        self.hooks = hooks  # tracing.hooks.PhaseHook objects (timeline, NVTX)
-        # None when no span can be recorded at any level: phases then skip all span work.
-        self.tracer = tracer if level_rank > 0 else None
-        self.level_rank = level_rank
-        self.clock, self.sync, self.resolver = clock, sync, resolver
-        self.propagate = propagate
-        # Exceptions that end a phase without marking it ERROR: a requested stop.
-        self.stop_exceptions = stop_exceptions
-        # Phases can take the minimal path: nothing but clock reads and one `add`.
-        self.plain = self.tracer is None and clock is None and not hooks
+    def __post_init__(self) -> None:
+        if self.level_rank <= 0:
+            self.tracer = None
+        self.plain = self.tracer is None and self.clock is None and not self.hooks
 
 
 DEFAULT_STATS = ProfileStats()
