@@ -33,7 +33,8 @@ from dflash.offline.sample_cache import (  # noqa: E402
     sample_datasets,
     write_sample_cache,
 )
-from dflash.run.lifecycle import resolve_layer_ids, run_datasets  # noqa: E402
+from dflash.run.features import resolve_layer_ids  # noqa: E402
+from dflash.run.lifecycle import run_datasets  # noqa: E402
 from dflash.target import load as target_load  # noqa: E402
 
 

@@ -69,21 +69,6 @@ def drafter_flops(
     )
 
 
-def drafter_flops_of(drafter: nn.Module, seq_len: int) -> DrafterFlops:
-    """`drafter_flops` of a DFlashDrafter (reads its layers, fusion and shared LM head)."""
-    cfg = drafter.config  # type: ignore[attr-defined]
-    return drafter_flops(
-        layer_weights=linear_params(drafter.layers),  # type: ignore[arg-type]
-        fusion_weights=linear_params(drafter.fc),  # type: ignore[arg-type]
-        lm_head_weights=drafter.lm_head.weight.numel(),  # type: ignore[union-attr]
-        num_layers=cfg.num_layers,
-        num_heads=cfg.num_heads,
-        head_dim=cfg.head_dim,
-        seq_len=seq_len,
-        block_size=cfg.block_size,
-    )
-
-
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from the vendor's data sheets.
 # Matched against the device name in this order: the first listed substring wins.
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (

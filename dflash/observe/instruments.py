@@ -18,13 +18,7 @@ from typing import Any
 import torch
 
 from dflash.errors import DFlashError
-from dflash.observe.flops import (
-    device_peak_tflops,
-    drafter_flops_of,
-    linear_params,
-    peak_memory_reader,
-    target_flops_per_token,
-)
+from dflash.observe.flops import device_peak_tflops, peak_memory_reader
 from dflash.observe.profile_window import ProfileWindow
 from dflash.observe.timeline import Timeline
 from tracing import Phase, SpanHandle
@@ -156,27 +150,19 @@ def _total_peak(devices: Sequence[torch.device]) -> float | None:
     return None if not peaks or any(p is None for p in peaks) else float(sum(peaks))  # type: ignore[arg-type]
 
 
-def flops_figures(run: Any) -> FlopsFigures:
-    """FLOPs of the run's target forward and drafter step (dflash.observe.flops), counting the
-    configured anchors per row (an upper bound where rows have fewer valid anchors)."""
-    cfg, target = run.cfg, run.target
-    rows, seq_len = cfg.data.batch_size, cfg.data.seq_len
-    weights = linear_params(target.model)
-    if not cfg.loss.use_soft_labels and isinstance(target.lm_head, torch.nn.Linear):
-        weights -= target.lm_head.weight.numel()  # hidden states only: no logits
-    geo = target.geometry
-    per_target = target_flops_per_token(weights, geo.num_layers, geo.num_heads, geo.head_dim,
-                                        seq_len)  # fmt: skip
-    if cfg.data.hidden_cache is not None:
-        per_target = 0.0  # the target stage reads features from disk
-    drafter = drafter_flops_of(run.drafter, seq_len)
-    block_tokens = rows * cfg.loss.num_anchors * run.drafter.config.block_size
-    per_step = drafter.per_step(block_tokens, rows * seq_len)
+def flops_figures(
+    target_per_token: float,
+    drafter_per_token: float,
+    target_devices: Sequence[torch.device],
+    drafter_devices: Sequence[torch.device],
+) -> FlopsFigures:
+    """The figures, with the peaks of the stages' devices (the caller counts the FLOPs of
+    its models with dflash.observe.flops: this layer knows no model)."""
     return FlopsFigures(
-        target_per_token=per_target,
-        drafter_per_token=per_step / (rows * seq_len),
-        target_peak_tflops=_total_peak(run.placement.targets),
-        drafter_peak_tflops=_total_peak(run.placement.drafters),
+        target_per_token=target_per_token,
+        drafter_per_token=drafter_per_token,
+        target_peak_tflops=_total_peak(target_devices),
+        drafter_peak_tflops=_total_peak(drafter_devices),
     )
 
 

@@ -29,6 +29,7 @@ from dflash.config.devices import DeviceError, decide_placement
 from dflash.config.settings import LossConfig, TrainConfig
 from dflash.drafter.vocab import check_draft_vocab_size
 from dflash.errors import DFlashError, first_line
+from dflash.run.features import target_runs
 from dflash.target.geometry import TargetError, TargetGeometry, geometry_from_hf_config
 from dflash.target.hf import hub_unreachable
 from dflash.target.model import choose_target_layers
@@ -258,7 +259,7 @@ def shape_for_config(cfg: TrainConfig, geometry: TargetGeometry, device_type: st
         num_target_features=len(layer_ids) if layer_ids else None,
         document_masks=cfg.data.packing == "docs",
         draft_vocab_size=cfg.drafter.draft_vocab_size,
-        from_cache=cfg.data.hidden_cache is not None,
+        from_cache=not target_runs(cfg),
     )  # fmt: skip
 
 
@@ -341,7 +342,7 @@ def check_sizes_before_work(
     if size is not None and size > geometry.vocab_size:
         check_draft_vocab_size(size, geometry.vocab_size, ())
     check_memory(cfg, geometry, device, device_bytes)
-    if cfg.target.layer_ids is not None or cfg.data.hidden_cache is None:
+    if cfg.target.layer_ids is not None or target_runs(cfg):
         # Unset with a cache: per-sample files may name the layers themselves.
         choose_target_layers(cfg.target.layer_ids, geometry.num_layers, cfg.drafter.num_layers)
 

@@ -9,7 +9,6 @@ finished run and for an interrupted one alike.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -25,7 +24,7 @@ import torch
 import tracing
 from dflash import names
 from dflash.config.devices import Placement, decide_placement
-from dflash.config.settings import DataConfig, TrainConfig
+from dflash.config.settings import TrainConfig
 from dflash.data.chat import use_template_kwargs as use_chat_kwargs
 from dflash.data.corpus import EMBEDDED
 from dflash.data.datasets import (
@@ -33,7 +32,6 @@ from dflash.data.datasets import (
     build_datasets,
     datasets_from_corpus,
     heldout_prompts,
-    pad_id,
 )
 from dflash.data.sources import DataError
 from dflash.drafter.io import (
@@ -49,13 +47,6 @@ from dflash.drafter.vocab import DraftVocab, check_draft_vocab_size, select_draf
 from dflash.eval.evaluate import eval_figures, evaluate_run
 from dflash.files import write_json_atomic
 from dflash.offline.regenerate import embedded_regeneration, regenerated_corpus
-from dflash.offline.sample_cache import (
-    SampleCache,
-    SampleCacheError,
-    cache_format,
-    open_sample_cache,
-    sample_datasets,
-)
 from dflash.pipeline.distributed import DistInfo, dist_info_from_env, init_distributed
 from dflash.run.checkpoint import (
     SAVE_FAILURES,
@@ -72,6 +63,7 @@ from dflash.run.checkpoint import (
 )
 from dflash.run.engine import check_vllm_command, measure_with_vllm
 from dflash.run.estimate import check_seq_len, check_sizes_before_work, estimate_for_config
+from dflash.run.features import FeatureSource, feature_source
 from dflash.run.folder import METRICS_FILE, FolderLock, claim_output_dir, write_run_start
 from dflash.run.outputs import check_run_folder
 from dflash.run.progress import (
@@ -87,7 +79,6 @@ from dflash.target.model import (
     MaskToken,
     TargetModel,
     check_mask_token_unused,
-    choose_target_layers,
     frozen_parts,
     last_layer_warning,
 )
@@ -109,14 +100,13 @@ class Run:
     layer_ids: list[int]
     placement: Placement
     output_dir: Path
+    features: FeatureSource  # where the target's features come from
     step: int = 0
     next_batch_index: int = 0
     setup_s: float = 0.0
     resumed_from: Path | None = None
     initialized_from: Path | None = None
     final_saved: bool = False  # the final checkpoint and OUTPUT_DIR/drafter are written
-    samples: SampleCache | None = None  # training from per-sample hidden-state files
-    cache_bytes_read: Callable[[], int] | None = None  # the cache reader's count, once reading
     _fingerprint: str | None = None
 
     @property
@@ -240,10 +230,6 @@ def choose_draft_vocab(
     return vocab
 
 
-def resolve_layer_ids(cfg: TrainConfig, num_layers: int) -> list[int]:
-    return choose_target_layers(cfg.target.layer_ids, num_layers, cfg.drafter.num_layers)
-
-
 def use_template_kwargs(
     target: TargetModel, kwargs: dict[str, Any], log: Callable[[str], None]
 ) -> None:
@@ -345,39 +331,6 @@ def _warm_start(cfg: TrainConfig, resuming: bool) -> tuple[Path, DrafterConfig] 
     return where, saved
 
 
-def reads_samples(cfg: TrainConfig) -> bool:
-    """--hidden-cache names per-sample files (speculators' layout), not a batch cache."""
-    return (
-        cfg.data.hidden_cache is not None and cache_format(cfg.data.hidden_cache) == "speculators"
-    )
-
-
-def open_run_samples(
-    cfg: TrainConfig, target: TargetModel, log: Callable[[str], None] = print
-) -> SampleCache:
-    """The per-sample hidden-state files of --hidden-cache (`reads_samples`), checked
-    against the target and --target-layers, and said at start."""
-    d = cfg.data
-    assert d.hidden_cache is not None
-    if d.packing != "docs":
-        raise SampleCacheError(
-            f"--hidden-cache {d.hidden_cache} holds one file per sample: each is a document "
-            "of its own, so --packing must be docs"
-        )
-    cache = open_sample_cache(
-        d.hidden_cache, target=target, layer_ids=cfg.target.layer_ids,
-        soft_labels=cfg.loss.use_soft_labels, strict=d.strict_cache,
-    )  # fmt: skip
-    log(cache.describe())
-    if target.head_only:
-        log(f"target {target.spec}: only its embedding, LM head and final norm are loaded "
-            "(the decoder stays unallocated); evaluation needs the whole target: run "
-            "`dflash-train eval` where it fits")  # fmt: skip
-    if d.source != DataConfig.source:
-        log(f"data: the rows are the samples of {d.hidden_cache}; --data {d.source} is not read")
-    return cache
-
-
 @dataclass
 class EarlyRows:
     """A data file's rows, built from the target's tokenizer before its weights load."""
@@ -387,14 +340,16 @@ class EarlyRows:
     held: HeldLog  # the data's report, printed once the mask token is chosen too
 
 
-def rows_before_target(cfg: TrainConfig, log: Callable[[str], None] = print) -> EarlyRows | None:
+def rows_before_target(
+    cfg: TrainConfig, features: FeatureSource, log: Callable[[str], None] = print
+) -> EarlyRows | None:
     """Data that cannot train (no learnable tokens, most conversations dropped, an
     explicit mask id it uses) is refused before the target's weights load, minutes for a
     large one: a data file's rows need only the tokenizer. None where the rows need the
     target itself (`--data embedded`: its own continuations; per-sample hidden states) or
     its tokenizer does not load alone (the target's own load then says why)."""
     d = cfg.data
-    if d.source == EMBEDDED or reads_samples(cfg):
+    if d.source == EMBEDDED or features.has_rows:
         return None
     try:
         tokenizer = target_load.load_tokenizer(cfg.target.spec)
@@ -417,24 +372,21 @@ def run_datasets(
     cfg: TrainConfig,
     target: TargetModel,
     log: Callable[[str], None] = print,
-    samples: SampleCache | None = None,
+    features: FeatureSource | None = None,
     early: EarlyRows | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
     """Train and held-out rows of a run (`cache-hidden` cuts its batches the same way);
     an explicit mask token the data uses is refused here. `--data embedded` trains on
-    the target's own continuations of the corpus (regenerated once, cached); `samples`
-    (per-sample hidden-state files) are the rows themselves; `early` rows were built
+    the target's own continuations of the corpus (regenerated once, cached); `features`
+    that hold rows (per-sample hidden-state files) give them; `early` rows were built
     before the target loaded (`rows_before_target`)."""
     d, tok = cfg.data, target.tokenizer
     rows = d.batch_size * cfg.optim.grad_accum  # the step splits it into micro-batches
     held = HeldLog(log)  # the data's report, once the data can train: else the Error alone
     if early is not None:
         train, heldout, held = early.train, early.heldout, early.held
-    elif samples is not None:
-        train, heldout, samples.train_rows = sample_datasets(
-            samples, seq_len=d.seq_len, batch_size=rows, seed=cfg.run.seed,
-            heldout_fraction=d.heldout_fraction, pad_id=pad_id(tok), log=held,
-        )  # fmt: skip
+    elif features is not None and features.has_rows:
+        train, heldout = features.rows(target, rows, held)
     elif d.source == EMBEDDED:
         with tracing.phase(names.DATA_REGENERATE):
             path = embedded_regeneration(target, d.heldout_fraction, live_log(log))
@@ -493,17 +445,16 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     if cfg.run.eval_engine == "vllm" and cfg.run.eval_prompts:
         check_vllm_command(cfg.run.vllm_command)  # not after hours of training
     dtype = target_load.target_dtype(placement.target)
-    # From a hidden-state cache the target never runs during training: its weights stay
-    # in host memory (the drafter copies the embedding and LM head it shares) until the
-    # final evaluation needs them on the target device.
-    load_on = torch.device("cpu") if cfg.data.hidden_cache else placement.target
-    # From per-sample files only the embedding, LM head and final norm are ever used.
-    from_samples = reads_samples(cfg)
+    features = feature_source(cfg)
     with tracing.phase(names.DATA_PREPARE):
-        early = rows_before_target(cfg, log)
+        early = rows_before_target(cfg, features, log)
+    # A target that never runs while training keeps its weights in host memory (the
+    # drafter copies the embedding and LM head it shares) until the final evaluation.
+    load_on, head_only = features.load_device(placement), features.head_only
     with tracing.phase(names.TARGET_LOAD):
-        target = target_load.load_target(cfg.target.spec, load_on, dtype, log=live_log(log),
-                                         head_only=from_samples)  # fmt: skip
+        target = target_load.load_target(
+            cfg.target.spec, load_on, dtype, log=live_log(log), head_only=head_only
+        )
     use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
     check_draft_vocab(cfg, target)
@@ -511,19 +462,20 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     target.needs_mask_from_data(cfg.drafter.mask_token_id)
     if warm is not None:
         check_fits_target(warm[1], target, f"--init-from {warm[0]}")
-    samples = open_run_samples(cfg, target, log) if from_samples else None
-    layer_ids = samples.layer_ids if samples else resolve_layer_ids(cfg, target.num_layers)
+    features.open(target, log)
+    layer_ids = features.layer_ids(target)
     warning = last_layer_warning(layer_ids, target.num_layers)
     if warning is not None:
         log(warning)
     with tracing.phase(names.DATA_PREPARE):
-        train, heldout = run_datasets(cfg, target, log, samples, early)
+        train, heldout = run_datasets(cfg, target, log, features, early)
     with tracing.phase(names.DRAFTER_BUILD):
         vocab = choose_draft_vocab(cfg, target, train, log)
         drafter = build_drafter(cfg, target, layer_ids, placement.drafter, vocab)
         trainer = DrafterTrainer(drafter, cfg, placement.drafter)
-    run = Run(cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir)
-    run.samples = samples
+    run = Run(
+        cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir, features
+    )
     log(run.mask_token.describe())
     if warm is not None:
         init_drafter_from(drafter, warm[0])
@@ -636,8 +588,9 @@ def complete_run(
         with phase(names.EVAL):
             figures = _measure_with_vllm(run, log)
         return figures, time.perf_counter() - eval_start_s
-    if run.target.head_only:  # no decoder to verify drafts with
-        return {"tau": None, "eval_skipped": "the target was loaded without its decoder"}, 0.0
+    skipped = run.features.eval_skipped(run.target)
+    if skipped is not None:
+        return {"tau": None, "eval_skipped": skipped}, 0.0
     with phase(names.EVAL):
         if run.cfg.run.eval_prompts and run.target.device != run.placement.target:
             run.target.to(run.placement.target)  # kept on the host while training from a cache
@@ -694,8 +647,7 @@ def build_summary(
         "drafter_dir": str(run.output_dir / "drafter") if run.final_saved else None,
         "tau_estimate": _last_tau_estimate(run.output_dir / METRICS_FILE),
     }
-    if run.samples is not None:  # samples left out of training, by why
-        summary["hidden_cache_skipped"] = dataclasses.asdict(run.samples.skipped)
+    summary.update(run.features.summary())
     if interrupted is not None:
         summary["interrupted"] = interrupted
     return {**summary, **(extra or {})}

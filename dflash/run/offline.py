@@ -28,9 +28,9 @@ from dflash.offline.sample_cache import (
     write_sample_plan,
 )
 from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateError, RegenerateSettings
+from dflash.run.features import resolve_layer_ids
 from dflash.run.lifecycle import (
     check_target_fits,
-    resolve_layer_ids,
     run_datasets,
     use_template_kwargs,
 )

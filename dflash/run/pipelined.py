@@ -24,8 +24,8 @@ from dflash import names
 from dflash.config.devices import Placement
 from dflash.config.settings import TrainConfig
 from dflash.errors import DFlashError
-from dflash.observe.flops import mfu
-from dflash.observe.instruments import flops_figures
+from dflash.observe.flops import drafter_flops, linear_params, mfu, target_flops_per_token
+from dflash.observe.instruments import FlopsFigures, flops_figures
 from dflash.observe.observer import Observer, shared_run_id, start_observer
 from dflash.observe.report import ReportError, write_report
 from dflash.pipeline.distributed import (
@@ -67,6 +67,37 @@ __all__ = ["DEFAULT_STALL_TIMEOUT_S", "PipelineError", "TrainingInterrupted", "r
 DEFAULT_STALL_TIMEOUT_S = 600.0
 
 
+def run_flops(run: Run) -> FlopsFigures:
+    """FLOPs per trained token of the run's target forward (none where the features are
+    read from disk) and drafter step, counting the configured anchors per row (an upper
+    bound where rows have fewer valid anchors)."""
+    cfg, target, drafter = run.cfg, run.target, run.drafter
+    rows, seq_len, config = cfg.data.batch_size, cfg.data.seq_len, drafter.config
+    per_target = 0.0
+    if run.features.runs_target:
+        weights = linear_params(target.model)
+        if not cfg.loss.use_soft_labels and isinstance(target.lm_head, torch.nn.Linear):
+            weights -= target.lm_head.weight.numel()  # hidden states only: no logits
+        geo = target.geometry
+        per_target = target_flops_per_token(
+            weights, geo.num_layers, geo.num_heads, geo.head_dim, seq_len
+        )
+    step = drafter_flops(
+        layer_weights=linear_params(drafter.layers),
+        fusion_weights=linear_params(drafter.fc),
+        lm_head_weights=drafter.lm_head.weight.numel(),
+        num_layers=config.num_layers,
+        num_heads=config.num_heads,
+        head_dim=config.head_dim,
+        seq_len=seq_len,
+        block_size=config.block_size,
+    )
+    block_tokens = rows * cfg.loss.num_anchors * config.block_size
+    per_drafter = step.per_step(block_tokens, rows * seq_len) / (rows * seq_len)
+    placement = run.placement
+    return flops_figures(per_target, per_drafter, placement.targets, placement.drafters)
+
+
 class _StepBook:
     """Losses per step; replica 0 advances the run, reports progress and checkpoints."""
 
@@ -76,7 +107,7 @@ class _StepBook:
         self.run, self.progress, self.info, self.metrics = run, progress, info, metrics
         self.averager, self.observer = averager, observer
         self.rates: StageRates | None = None  # set once the pipeline exists
-        self.flops = flops_figures(run)
+        self.flops = run_flops(run)
         self.start_step, self.start_index = run.step, run.next_batch_index
         self.batches_per_step = info.world_size * num_replicas
         self.losses: dict[int, list[torch.Tensor]] = {}  # device tensors, read at the end
@@ -197,7 +228,7 @@ def run_pipeline(
         if observer is not None:
             observer.attach(setup.pipe.snapshot, (*placement.targets, *placement.drafters),
                             setup.book.flops, stream=setup.progress.line_stream(),
-                            read_bytes=setup.run.cache_bytes_read)  # fmt: skip
+                            read_bytes=setup.run.features.bytes_counter())  # fmt: skip
         train_start_s, cpu_start_s = time.perf_counter(), time.process_time()
         with SignalStop(setup.pipe.group.stop) as signals:
             try:
@@ -261,7 +292,7 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], start: Start,
         make_batch=run.train_data.batch,
         indices=indices,
         forwards=target_forwards(run, indices[-1] if indices else 0),
-        target_phase=names.TARGET_READ if cfg.data.hidden_cache else names.TARGET_FORWARD,
+        target_phase=run.features.target_phase,
         steps=[(r.device, _step_fn(r, i, metrics, window), mover(r.device))
                for i, r in enumerate(replicas)],
         on_step=book.on_step,

@@ -27,7 +27,7 @@ from dflash.run.lifecycle import (
     start_run,
 )
 from dflash.run.progress import Progress
-from dflash.run.replicas import cache_reader, move_target_out
+from dflash.run.replicas import move_target_out, target_forwards
 from dflash.train.step_metrics import StepMetrics
 
 
@@ -49,7 +49,7 @@ def _train(cfg: TrainConfig, start: Start, log: Callable[[str], None], progress_
     run = build_run(cfg, placement, log)
     log_startup(run, log, f"target {placement.target}, drafter {placement.drafter}")
     last_index = run.next_batch_index + cfg.run.steps - run.step - 1
-    read = cache_reader(run, last_index)[1] if cfg.data.hidden_cache else None
+    read = target_forwards(run, last_index, all_devices=False)[0][1]
     start.begin_training(cfg, log)  # every check has passed, the cache's among them
     progress = Progress(cfg.run.steps, run.step, stream=progress_stream, log=None)
     metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
@@ -58,20 +58,10 @@ def _train(cfg: TrainConfig, start: Start, log: Callable[[str], None], progress_
         metrics.continue_file()
     losses: list[torch.Tensor] = []
     num_tokens, train_start_s = 0, time.perf_counter()
-    soft = cfg.loss.use_soft_labels
     try:
         while run.step < cfg.run.steps:
             batch = run.train_data.batch(run.next_batch_index)
-            if read is not None:
-                target_out = read(batch)
-            else:
-                with torch.no_grad():
-                    docs = None if batch.doc_ids is None else batch.doc_ids.to(placement.target)
-                    target_out = run.target.capture(
-                        batch.input_ids.to(placement.target), run.layer_ids,
-                        with_logits=False, with_final_hidden=soft, doc_ids=docs,
-                    )  # fmt: skip
-            target_out = move_target_out(target_out, placement.drafter)
+            target_out = move_target_out(read(batch), placement.drafter)
             result = run.trainer.step(batch, target_out)
             run.step, run.next_batch_index = run.step + 1, run.next_batch_index + 1
             losses.append(result.loss)
