@@ -13,10 +13,10 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from dflash.config.settings import TelemetryConfig
 from dflash.errors import DFlashError
 from dflash.observe.flops import device_peak_tflops, peak_memory_reader
 from dflash.observe.profile_window import ProfileWindow
@@ -56,18 +56,18 @@ class MainThreadPhase:
         self._names: list[str] = []
         self._main = threading.main_thread().ident
 
-    def phase_started(self, phase: Any) -> None:
+    def phase_started(self, phase: Phase) -> None:
         if threading.get_ident() == self._main:
             self._names.append(phase.name)
 
-    def phase_ended(self, phase: Any, exc: BaseException | None) -> None:
+    def phase_ended(self, phase: Phase, exc: BaseException | None) -> None:
         if threading.get_ident() == self._main and self._names:
             self._names.pop()
 
-    def span_started(self, handle: Any) -> None:
+    def span_started(self, handle: SpanHandle) -> None:
         pass
 
-    def span_ended(self, handle: Any, end_time_ns: int) -> None:
+    def span_ended(self, handle: SpanHandle, end_time_ns: int) -> None:
         pass
 
     def current(self) -> str | None:
@@ -100,7 +100,7 @@ class Instruments:
         return files
 
 
-def timeline_file(tel: Any, output_dir: Path) -> tuple[Path | None, int | None]:
+def timeline_file(tel: TelemetryConfig, output_dir: Path) -> tuple[Path | None, int | None]:
     """(path, max events) of the timeline cfg.telemetry asks for; (None, None) when off."""
     if tel.timeline == TIMELINE_OFF:
         return None, None
@@ -110,7 +110,7 @@ def timeline_file(tel: Any, output_dir: Path) -> tuple[Path | None, int | None]:
 
 
 def build_instruments(
-    tel: Any, output_dir: Path, rank: int, log: Callable[[str], None]
+    tel: TelemetryConfig, output_dir: Path, rank: int, log: Callable[[str], None]
 ) -> Instruments:
     """Timeline, profiler window and NVTX hook of cfg.telemetry (`tel`) for `rank`."""
     out = Instruments()

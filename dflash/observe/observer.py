@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import tracing
 from dflash import __version__
+from dflash.config.settings import TelemetryConfig
 from dflash.files import write_text_atomic
 from dflash.observe import bottleneck
 from dflash.observe.instruments import (
@@ -38,7 +39,7 @@ from dflash.observe.instruments import (
 from dflash.observe.metrics import NAMESPACE, record_step, start_run_metrics
 from dflash.pipeline.queues import CounterSnapshot, Stopped
 from tracing import Reporter, StatsSnapshot, TracingConfig, TracingConfigError
-from tracing.metrics import Metrics
+from tracing.metrics import Metrics, MetricsReport
 
 __all__ = ["ObserveError", "Observer", "describe", "shared_run_id", "start_observer"]
 
@@ -46,7 +47,7 @@ SERVICE_NAME = "dflash-train"
 STATS_FILE = "stats.json"
 
 
-def tracing_config(tel: Any, rank: int, run_id: str) -> TracingConfig:
+def tracing_config(tel: TelemetryConfig, rank: int, run_id: str) -> TracingConfig:
     """TracingConfig from cfg.telemetry: a flag left unset (None) leaves the choice to
     the OTEL_* variables, which the SDK reads; no endpoint (flag or variable) sends
     nothing over the network."""
@@ -353,7 +354,7 @@ def _add_flops(reporter: Reporter, snapshot: Callable[[], CounterSnapshot], flop
         reporter.add_rate(f"{side} MFU", lambda t=tera, p=peak: 100 * t() / p, "%")
 
 
-def _metrics_counts(report: Any) -> dict[str, Any]:
+def _metrics_counts(report: MetricsReport | None) -> dict[str, Any]:
     if report is None:
         return {}
     return {"metric_exports_ok": report.exports_ok, "metric_exports_failed": report.exports_failed,
@@ -361,7 +362,7 @@ def _metrics_counts(report: Any) -> dict[str, Any]:
 
 
 def start_observer(
-    tel: Any, rank: int, world_size: int, *, run_id: str, output_dir: Path,
+    tel: TelemetryConfig, rank: int, world_size: int, *, run_id: str, output_dir: Path,
     log: Callable[[str], None] = print,
 ) -> Observer:  # fmt: skip
     """Sets tracing up for this process from cfg.telemetry (call once, before training).

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tracing import SpanHandle, now_ns
+from tracing import Phase, SpanHandle, now_ns
 
 logger = logging.getLogger("tracing")
 Sampler = Mapping[str, Callable[[], float]]
@@ -106,10 +106,10 @@ class Timeline:
             self._thread_names[tid] = threading.current_thread().name
             return tid
 
-    def phase_started(self, phase: Any) -> None:
+    def phase_started(self, phase: Phase) -> None:
         pass  # the slice is taken whole at the end: the phase knows its start time
 
-    def phase_ended(self, phase: Any, exc: BaseException | None) -> None:
+    def phase_ended(self, phase: Phase, exc: BaseException | None) -> None:
         if len(self._slices) >= self.max_events:
             self.dropped += 1
             return

@@ -21,6 +21,7 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Generic, TypeVar
 
 from dflash.errors import first_line
@@ -396,7 +397,7 @@ class StopSignals:
         self._saved: dict[int, Any] = {}
         self._raised = False
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._raised:
             os._exit(128 + signum)
         self._raised = True
@@ -423,7 +424,7 @@ class SignalStop:
         self.signum: int | None = None
         self._saved: dict[int, Any] = {}
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:
             os._exit(128 + signum)
         self.signum = signum

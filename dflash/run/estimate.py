@@ -21,7 +21,6 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -263,7 +262,7 @@ def shape_for_config(cfg: TrainConfig, geometry: TargetGeometry, device_type: st
     )  # fmt: skip
 
 
-def device_memory_bytes(device: Any) -> float | None:
+def device_memory_bytes(device: torch.device | str) -> float | None:
     """Total memory of a torch device (CUDA: the GPU's; CPU: physical RAM), if known."""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
@@ -277,7 +276,10 @@ def device_memory_bytes(device: Any) -> float | None:
 
 
 def estimate_for_config(
-    cfg: TrainConfig, geometry: TargetGeometry, device: Any, device_bytes: float | None = None
+    cfg: TrainConfig,
+    geometry: TargetGeometry,
+    device: torch.device | str,
+    device_bytes: float | None = None,
 ) -> list[str]:
     """One line: the estimate of `cfg` on `device`, or the warning (with the estimate)
     when it exceeds the device's memory (`device_bytes`, default: `device_memory_bytes`)."""
@@ -327,7 +329,7 @@ def check_seq_len(cfg: TrainConfig, positions: int | None) -> None:
 
 
 def check_sizes_before_work(
-    cfg: TrainConfig, device: Any, device_bytes: float | None = None
+    cfg: TrainConfig, device: torch.device | str, device_bytes: float | None = None
 ) -> None:
     """Before any model loads: --seq-len within the target's positions, the step's
     estimated peak memory within the drafter device's (or the host's) memory unless
@@ -348,7 +350,10 @@ def check_sizes_before_work(
 
 
 def check_memory(
-    cfg: TrainConfig, geometry: TargetGeometry, device: Any, device_bytes: float | None
+    cfg: TrainConfig,
+    geometry: TargetGeometry,
+    device: torch.device | str,
+    device_bytes: float | None,
 ) -> None:
     """The step's estimated peak memory within the device's, unless --allow-over-memory."""
     device = torch.device(device)

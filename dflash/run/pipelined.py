@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -23,10 +23,12 @@ import tracing
 from dflash import names
 from dflash.config.devices import Placement
 from dflash.config.settings import TrainConfig
+from dflash.data.datasets import Batch
 from dflash.errors import DFlashError
 from dflash.observe.flops import drafter_flops, linear_params, mfu, target_flops_per_token
 from dflash.observe.instruments import FlopsFigures, flops_figures
 from dflash.observe.observer import Observer, shared_run_id, start_observer
+from dflash.observe.profile_window import ProfileWindow
 from dflash.observe.report import ReportError, write_report
 from dflash.pipeline.distributed import (
     DistInfo,
@@ -39,6 +41,7 @@ from dflash.pipeline.queues import (
     Interrupted,
     PipelineError,
     SignalStop,
+    StageFailure,
     StageGroup,
     TrainingInterrupted,
 )
@@ -59,6 +62,8 @@ from dflash.run.lifecycle import (
 )
 from dflash.run.progress import HeldLog, Progress
 from dflash.run.replicas import Replica, build_replicas, mover, target_forwards
+from dflash.target.model import TargetOutput
+from dflash.train.step import PhaseFn, StepResult
 from dflash.train.step_metrics import StageRates, StepMetrics, span_attributes
 
 __all__ = ["DEFAULT_STALL_TIMEOUT_S", "PipelineError", "TrainingInterrupted", "run_pipeline"]
@@ -114,7 +119,7 @@ class _StepBook:
         self.tokens = 0  # over all ranks: every rank trains batches of the same size
         self._lock = threading.Lock()
 
-    def on_step(self, replica: int, step: int, batch: Any, result: Any) -> None:
+    def on_step(self, replica: int, step: int, batch: Batch, result: StepResult) -> None:
         with self._lock:
             self.losses.setdefault(step, []).append(result.loss)
             self.tokens += batch.num_tokens * self.info.world_size
@@ -203,7 +208,7 @@ def run_pipeline(
     *,
     start: Start | None = None,
     observer: Observer | None = None,
-    progress_stream: Any = None,
+    progress_stream: IO[str] | None = None,
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
 ) -> dict[str, Any]:
     """Train `cfg` with the pipeline; the summary dict.
@@ -263,7 +268,7 @@ def _share_cpu_cores(placement: Placement, local_world_size: int) -> None:
 
 
 def _setup(cfg: TrainConfig, log: Callable[[str], None], start: Start,
-           observer: Observer | None, progress_stream: Any) -> _Setup:  # fmt: skip
+           observer: Observer | None, progress_stream: IO[str] | None) -> _Setup:  # fmt: skip
     info, placement = start.info, start.placement
     quiet = log if info.is_main else (lambda _: None)
     held = HeldLog(quiet)  # what start-up says, once every check below has passed
@@ -326,13 +331,15 @@ def _stage_tokens(pipe: Pipeline, world_size: int) -> Callable[[], tuple[float, 
     return read
 
 
-def _step_fn(replica: Replica, index: int, metrics: StepMetrics, window: Any = None) -> StepFn:
+def _step_fn(
+    replica: Replica, index: int, metrics: StepMetrics, window: ProfileWindow | None = None
+) -> StepFn:
     """The trainer's step; on logged steps replica 0 reads the figures, inside the
     drafter.step span (after its last phase), and puts them on that span. Replica 0's
     thread also runs the --torch-profile `window` (dflash.observe.profile_window.ProfileWindow)."""
     trainer = replica.trainer
 
-    def step(batch: Any, target_out: Any, phase: Any) -> Any:
+    def step(batch: Batch, target_out: TargetOutput, phase: PhaseFn) -> StepResult:
         if index == 0 and window is not None:
             window.before_step(trainer.step_count)
             path = window.path_for(trainer.step_count)
@@ -422,7 +429,7 @@ def _write_report(run_dir: Path, log: Callable[[str], None]) -> None:
         log(f"warning: report.html not written: {exc}")
 
 
-def _write_error_log(run_dir: Path, info: DistInfo, failure: Any) -> str | None:
+def _write_error_log(run_dir: Path, info: DistInfo, failure: StageFailure) -> str | None:
     name = f"pipeline-error-rank{info.rank}.log" if info.enabled else "pipeline-error.log"
     path = run_dir / name
     try:

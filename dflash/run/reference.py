@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -32,7 +32,7 @@ from dflash.train.step_metrics import StepMetrics
 
 
 def train_reference(
-    cfg: TrainConfig, log: Callable[[str], None] = print, progress_stream: Any = None
+    cfg: TrainConfig, log: Callable[[str], None] = print, progress_stream: IO[str] | None = None
 ) -> dict[str, Any]:
     """Trains `cfg` in this thread on the first target and drafter device; the summary."""
     started_s = time.perf_counter()
@@ -43,8 +43,13 @@ def train_reference(
         start.end()
 
 
-def _train(cfg: TrainConfig, start: Start, log: Callable[[str], None], progress_stream: Any,
-           started_s: float) -> dict[str, Any]:  # fmt: skip
+def _train(
+    cfg: TrainConfig,
+    start: Start,
+    log: Callable[[str], None],
+    progress_stream: IO[str] | None,
+    started_s: float,
+) -> dict[str, Any]:
     placement = start.placement
     run = build_run(cfg, placement, log)
     log_startup(run, log, f"target {placement.target}, drafter {placement.drafter}")

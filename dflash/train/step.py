@@ -44,6 +44,7 @@ from dflash.objective.loss import (
     gather_target_hidden,
 )
 from dflash.objective.noise import NoiseSchedule
+from dflash.target.model import TargetOutput
 from dflash.train.optim import GradAccumulator, NonFiniteGuard, grad_norm, nonfinite
 
 PhaseFn = Callable[[str], AbstractContextManager[Any]]
@@ -136,7 +137,9 @@ class DrafterTrainer:
         )  # fmt: skip
         return blocks.to(self.device)
 
-    def step(self, batch: Batch, target_out: Any, phase: PhaseFn = null_phase) -> StepResult:
+    def step(
+        self, batch: Batch, target_out: TargetOutput, phase: PhaseFn = null_phase
+    ) -> StepResult:
         """One optimizer step on `batch` (any device) given the target's features."""
         self.drafter.train()
         with phase(names.ANCHOR_SELECTION):
@@ -145,7 +148,7 @@ class DrafterTrainer:
         return self._learn(batch.num_tokens, target_out, blocks, phase)
 
     def _learn(
-        self, num_tokens: int, target_out: Any, blocks: BlockInputs, phase: PhaseFn
+        self, num_tokens: int, target_out: TargetOutput, blocks: BlockInputs, phase: PhaseFn
     ) -> StepResult:
         """Forward, loss and backward per micro-batch, then one (guarded) optimizer step."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -165,7 +168,7 @@ class DrafterTrainer:
         return StepResult(loss, num_tokens, lr, metrics)
 
     def _micro_step(
-        self, target_out: Any, blocks: BlockInputs, rows: slice, phase: PhaseFn, last: bool
+        self, target_out: TargetOutput, blocks: BlockInputs, rows: slice, phase: PhaseFn, last: bool
     ) -> ChunkedLossOutput:
         """Forward, loss and backward of some rows; the last one also finishes the
         gradients (sets last_loss) and lets the replicas average them."""
