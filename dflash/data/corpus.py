@@ -52,7 +52,9 @@ def stdlib_source_files() -> list[Path]:
 
 
 def is_heldout(name: str, heldout_fraction: float) -> bool:
-    """Deterministic document-level split: a document's hash decides its side."""
+    """Deterministic document-level split: the hash of a document's key decides its side
+    (data files: dflash.data.packing.content_key; the embedded corpus keys its files by
+    their name inside the standard library, the same on every machine)."""
     digest = hashlib.sha256(name.encode("utf-8")).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < heldout_fraction
 

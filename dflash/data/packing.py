@@ -10,6 +10,8 @@ older behaviour: one token stream cut into rows, documents running into each oth
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,9 +19,17 @@ import numpy as np
 PACKING_MODES = ("docs", "concat")
 
 
+def content_key(content: str | dict) -> str:
+    """What decides a document's side of the held-out split: a hash of its content (a
+    text, or a JSONL record), so the same data splits alike at any path, on any machine;
+    duplicates land on one side."""
+    text = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
 @dataclass
 class Document:
-    name: str
+    name: str  # its key in the held-out split (`content_key`)
     ids: np.ndarray  # [n] int32
     mask: np.ndarray  # [n] bool
     templated: bool = False  # rendered by a chat template, which adds its own BOS

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from dflash.data.chat import KNOWN_ROLES, ChatTemplateError, render_documents
-from dflash.data.packing import Document, PackReport
+from dflash.data.packing import Document, PackReport, content_key
 from dflash.data.tokenizer import encode_texts
 from dflash.errors import DFlashError
 
@@ -110,15 +110,16 @@ def read_jsonl(
     """Documents of a JSONL file: one object per line with `text` or `messages`; a
     conversation with a reply `regenerate` cut is left out (counted) unless `keep_cut`.
     `rendering` (--chat-rendering) makes a conversation one document or one per reply;
-    those of one conversation share its name, and so its side of the held-out split."""
+    those of one conversation share its key (`content_key`), and so its side of the
+    held-out split."""
     report = report if report is not None else DataReport()
     docs: list[Document] = []
     templated = bool(getattr(tokenizer, "chat_template", None))
     for lineno, obj in iter_jsonl(path, report):
-        where = f"{path}:{lineno}"
+        where, key = f"{path}:{lineno}", content_key(obj)
         if isinstance(obj.get("text"), str):
             (ids,) = encode_texts(tokenizer, [obj["text"]])
-            docs.append(Document(where, ids, np.ones(len(ids), bool)))
+            docs.append(Document(key, ids, np.ones(len(ids), bool)))
             continue
         if not keep_cut and any(m.get(CUT_KEY) for m in obj["messages"]):
             report.cut_replies += 1
@@ -127,17 +128,17 @@ def read_jsonl(
             chats = render_documents(tokenizer, obj["messages"], rendering)
         except ChatTemplateError as exc:
             raise DataError(f"{where}: {exc}") from None
-        docs += [Document(where, c.ids, c.mask, templated, c.turn_ends) for c in chats]
+        docs += [Document(key, c.ids, c.mask, templated, c.turn_ends) for c in chats]
     return docs
 
 
-def _read_text_file(path: Path, tokenizer: Any, name: str) -> list[Document]:
+def _read_text_file(path: Path, tokenizer: Any) -> list[Document]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"cannot read {path} as UTF-8 text: {exc}") from exc
     (ids,) = encode_texts(tokenizer, [text])
-    return [Document(name, ids, np.ones(len(ids), bool))]
+    return [Document(content_key(text), ids, np.ones(len(ids), bool))]
 
 
 def read_documents(
@@ -155,7 +156,7 @@ def read_documents(
     if path.is_file():
         if path.suffix == ".jsonl":
             return read_jsonl(path, tokenizer, report, keep_cut, rendering)
-        return _read_text_file(path, tokenizer, path.name)
+        return _read_text_file(path, tokenizer)
     docs: list[Document] = []
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         rel = file.relative_to(path)
@@ -165,7 +166,7 @@ def read_documents(
             docs += read_jsonl(file, tokenizer, report, keep_cut, rendering)
             continue
         try:
-            docs += _read_text_file(file, tokenizer, rel.as_posix())
+            docs += _read_text_file(file, tokenizer)
         except DataError:
             continue  # binary files in a folder are skipped, not fatal
     return docs

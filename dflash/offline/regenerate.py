@@ -38,7 +38,7 @@ from dflash.data.corpus import (
     embedded_tokens,
     is_heldout,
 )
-from dflash.data.packing import frame
+from dflash.data.packing import content_key, frame
 from dflash.data.sources import CUT_KEY, DataReport, iter_jsonl, read_jsonl
 from dflash.data.tokenizer import decode_text, encode_texts, special_ids
 from dflash.files import cache_dir, free_space_note, write_json_atomic
@@ -46,6 +46,10 @@ from dflash.offline.settings import RegenerateError, RegenerateSettings
 from dflash.target.generation import generate_batch, generate_padded
 from dflash.target.model import TargetModel, target_fingerprint
 from dflash.target.served import CompletionClient, TokenizerTarget
+
+RECORD_FORMAT = 2
+"""Of `<output>.run.json`: 2 since held-out documents are chosen by their content (1: by
+their file path, which the same data at another path did not match)."""
 
 
 @dataclass
@@ -95,17 +99,16 @@ def read_items(source: str, report: DataReport, heldout_fraction: float) -> list
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     items: list[dict[str, Any]] = []
     for file in files:
-        name = file.name if file == path else file.relative_to(path).as_posix()
         if file.suffix == ".jsonl":
-            for lineno, obj in iter_jsonl(file, report):
-                if not is_heldout(f"{file}:{lineno}", heldout_fraction):
+            for _, obj in iter_jsonl(file, report):
+                if not is_heldout(content_key(obj), heldout_fraction):
                     items.append(obj)
             continue
         try:
             text = file.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue  # binary files are skipped, as when training
-        if not is_heldout(name, heldout_fraction):
+        if not is_heldout(content_key(text), heldout_fraction):
             items.append({"text": text})
     return items
 
@@ -295,7 +298,7 @@ def run_record(
         identity = target_fingerprint(target)  # type: ignore[arg-type]
     return {
         **(template if target.chat_template_kwargs else {}),  # older records stay resumable
-        "format": 1,
+        "format": RECORD_FORMAT,
         "target": target.spec,
         "target_hash": identity,
         "data": data[:20],
@@ -314,6 +317,12 @@ def _resume_point(output: Path, record: dict, chunk_lines: int) -> int:
         saved = json.loads(meta.read_text())
     except (OSError, ValueError):
         saved = None
+    if isinstance(saved, dict) and saved.get("format") == 1:
+        raise RegenerateError(
+            f"--output {output} was begun by an earlier dflash-train, which held documents "
+            "out by their file path (this one: by their content, so the records it "
+            "regenerates differ): finish it with that version, or choose another --output"
+        )
     if saved != record:
         why = "no run record" if saved is None else "its run record differs"
         raise RegenerateError(

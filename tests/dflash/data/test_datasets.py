@@ -154,19 +154,46 @@ def test_heldout_prompts_do_not_depend_on_seq_len(tmp_path) -> None:
 def test_per_turn_documents_of_one_conversation_share_its_name_and_side_of_the_split(
     tmp_path,
 ) -> None:
+    from dflash.data.packing import content_key
     from dflash.data.sources import read_jsonl
 
-    chat = [
-        {"role": "user", "content": "q1"},
-        {"role": "assistant", "content": "a1"},
-        {"role": "user", "content": "q2"},
-        {"role": "assistant", "content": "a2"},
-    ]
+    def chat(n: int) -> list[dict[str, str]]:
+        return [
+            {"role": "user", "content": f"q1 of {n}"},
+            {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "q2"},
+            {"role": "assistant", "content": "a2"},
+        ]
+
     path = tmp_path / "chats.jsonl"
-    path.write_text("".join(json.dumps({"messages": chat}) + "\n" for _ in range(3)))
+    path.write_text("".join(json.dumps({"messages": chat(n)}) + "\n" for n in range(3)))
     whole = read_jsonl(path, ByteTokenizer())
     turns = read_jsonl(path, ByteTokenizer(), rendering="per-turn")
-    assert [d.name for d in whole] == [f"{path}:{i}" for i in (1, 2, 3)]
-    assert [d.name for d in turns] == [f"{path}:{i}" for i in (1, 1, 2, 2, 3, 3)]
+    keys = [content_key({"messages": chat(n)}) for n in range(3)]
+    assert [d.name for d in whole] == keys
+    assert [d.name for d in turns] == [key for key in keys for _ in range(2)]
     assert sum(int(d.mask.sum()) for d in turns) == sum(int(d.mask.sum()) for d in whole)
     assert all(d.turn_ends.tolist() == [len(d.ids)] for d in turns)
+
+
+def test_the_held_out_split_is_by_content_the_same_data_at_another_path_splits_alike(
+    tmp_path,
+) -> None:
+    from dflash.data.datasets import load_corpus
+
+    texts = [f"document {i}: " + "lorem ipsum " * (i % 7 + 1) for i in range(60)]
+    records = "".join(json.dumps({"text": t}) + "\n" for t in texts)
+    first, second = tmp_path / "a" / "data.jsonl", tmp_path / "b" / "renamed.jsonl"
+    for path in (first, second):
+        path.parent.mkdir()
+        path.write_text(records)
+    split = [
+        load_corpus(str(path), ByteTokenizer(), heldout_fraction=0.2) for path in (first, second)
+    ]
+    held = [sorted(d.ids.tobytes() for d in corpus.heldout) for corpus in split]
+    assert held[0] and held[0] == held[1]
+    assert len(split[0].train) == len(split[1].train) == len(texts) - len(held[0])
+    # Lines in another order: the same documents are held out.
+    second.write_text("".join(reversed(records.splitlines(keepends=True))))
+    shuffled = load_corpus(str(second), ByteTokenizer(), heldout_fraction=0.2)
+    assert sorted(d.ids.tobytes() for d in shuffled.heldout) == held[0]

@@ -59,7 +59,7 @@ def _write_chats(path, conversations=CONVERSATIONS, extra_lines=()):
     return path
 
 
-# No held-out documents: the split hashes the file path, which changes with tmp_path.
+# No held-out documents: every conversation is regenerated.
 SETTINGS = RegenerateSettings(max_new_tokens=6, batch_size=4, chunk_lines=2, heldout_fraction=0.0)
 
 
@@ -157,6 +157,35 @@ def test_an_interrupted_regeneration_continues_and_a_foreign_output_is_refused(
     with pytest.raises(RegenerateError, match="no run record"):
         regenerate(target, str(data), stranger, settings=SETTINGS)
     assert stranger.read_text() == '{"text": "mine"}\n'
+
+
+def test_a_regeneration_resumed_from_a_copy_of_its_input_continues_and_an_old_record_is_refused(
+    hf_dir, tmp_path
+) -> None:
+    """The held-out split hashes each record's content: the same data at another path
+    holds the same records out, so the run record matches and the run continues."""
+    target = load_target(str(hf_dir))
+    settings = dataclasses.replace(SETTINGS, heldout_fraction=0.4)
+    (tmp_path / "here").mkdir()
+    (tmp_path / "there").mkdir()
+    data = _write_chats(tmp_path / "here" / "chats.jsonl")
+    full = tmp_path / "full.jsonl"
+    regenerate(target, str(data), full, settings=settings)
+    kept = full.read_text().splitlines(keepends=True)
+    assert 2 < len(kept) < len(CONVERSATIONS)  # some are held out, and never regenerated
+    part = tmp_path / "part.jsonl"
+    regenerate(target, str(data), part, settings=settings)
+    part.write_text(kept[0] + kept[1] + kept[2][:5])  # killed while writing line 3
+    moved = tmp_path / "there" / "copy.jsonl"
+    moved.write_bytes(data.read_bytes())
+    report = regenerate(target, str(moved), part, settings=settings)
+    assert report.resumed_from_line == 2 and part.read_text() == full.read_text()
+    meta = part.with_name(part.name + ".run.json")
+    record = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**record, "format": 1}))  # begun before the split by content
+    with pytest.raises(RegenerateError, match="held documents out by their file path"):
+        regenerate(target, str(moved), part, settings=settings)
+    assert part.read_text() == full.read_text()
 
 
 def _cli(*args):
