@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash.data.tokenizer import encode_texts
+from dflash.data.tokenizer import Tokenizer, encode_texts
 from dflash.errors import DFlashError
 
 KNOWN_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -32,7 +32,7 @@ def plain_turn_header(role: str) -> str:
     return f"<|{role}|>\n"
 
 
-def _render_plain(tokenizer: Any, messages: list[dict]) -> RenderedChat:
+def _render_plain(tokenizer: Tokenizer, messages: list[dict]) -> RenderedChat:
     ids: list[np.ndarray] = []
     mask: list[np.ndarray] = []
     ends: list[int] = []
@@ -57,7 +57,7 @@ def _mask_run_ends(mask: np.ndarray) -> np.ndarray:
 _GENERATION_MARK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
-def _render_generation_mask(tokenizer: Any, messages: list[dict]) -> RenderedChat | None:
+def _render_generation_mask(tokenizer: Tokenizer, messages: list[dict]) -> RenderedChat | None:
     """Templates with `{% generation %}` give the assistant mask directly."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, str) and not _GENERATION_MARK.search(template):
@@ -88,7 +88,7 @@ _PROBE = "dflash-probe-reply-7f3a"
 _suffixes: weakref.WeakKeyDictionary[Any, tuple[str, str]] = weakref.WeakKeyDictionary()
 
 
-def _assistant_suffix(tokenizer: Any) -> str:
+def _assistant_suffix(tokenizer: Tokenizer) -> str:
     """What the template writes after an assistant reply's text (its end-of-turn marker),
     learned from a probe conversation rendered once per template."""
     template = str(tokenizer.chat_template)
@@ -104,7 +104,7 @@ def _assistant_suffix(tokenizer: Any) -> str:
     return suffix
 
 
-def _render_spans(tokenizer: Any, messages: list[dict]) -> RenderedChat:
+def _render_spans(tokenizer: Tokenizer, messages: list[dict]) -> RenderedChat:
     """The whole conversation rendered once; each message's text located in it, in order.
 
     Templates may rewrite earlier turns once a later one exists (Qwen3 drops the empty
@@ -146,7 +146,7 @@ def _render_spans(tokenizer: Any, messages: list[dict]) -> RenderedChat:
     return RenderedChat(np.concatenate(encoded).astype(np.int32), mask, ends)
 
 
-def use_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
+def use_template_kwargs(tokenizer: Tokenizer, kwargs: dict[str, Any]) -> None:
     """Every rendering of a conversation by `tokenizer` gets `kwargs` (e.g.
     enable_thinking=False); an argument given at a call still wins."""
     if not kwargs or not hasattr(tokenizer, "apply_chat_template"):
@@ -160,14 +160,14 @@ def use_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
     _suffixes.pop(tokenizer, None)  # found without these arguments
 
 
-def render_chat(tokenizer: Any, messages: list[dict]) -> RenderedChat:
+def render_chat(tokenizer: Tokenizer, messages: list[dict]) -> RenderedChat:
     """ids, loss mask (assistant turns only) and turn ends of one conversation."""
     if not getattr(tokenizer, "chat_template", None):
         return _render_plain(tokenizer, messages)
     return _render_generation_mask(tokenizer, messages) or _render_spans(tokenizer, messages)
 
 
-def render_turns(tokenizer: Any, messages: list[dict]) -> list[RenderedChat]:
+def render_turns(tokenizer: Tokenizer, messages: list[dict]) -> list[RenderedChat]:
     """One document per assistant reply, as a server prompts for it (`--chat-rendering
     per-turn`): the turns before the reply rendered with the generation prompt
     (`chat_prompt_ids`: the template with add_generation_prompt=True and the template
@@ -194,7 +194,7 @@ def render_turns(tokenizer: Any, messages: list[dict]) -> list[RenderedChat]:
     return out
 
 
-def _reply_end(tokenizer: Any) -> str:
+def _reply_end(tokenizer: Tokenizer) -> str:
     """What follows a reply and is learned with it, as in the whole rendering: the
     template's end-of-turn marker (the target writes it, then stops), or the newline
     that ends a turn without a template."""
@@ -203,7 +203,9 @@ def _reply_end(tokenizer: Any) -> str:
     return "\n"
 
 
-def render_documents(tokenizer: Any, messages: list[dict], rendering: str) -> list[RenderedChat]:
+def render_documents(
+    tokenizer: Tokenizer, messages: list[dict], rendering: str
+) -> list[RenderedChat]:
     """The documents of one conversation by --chat-rendering: `whole` (one, `render_chat`)
     or `per-turn` (one per reply, `render_turns`)."""
     if rendering == "whole":
@@ -215,7 +217,7 @@ def render_documents(tokenizer: Any, messages: list[dict], rendering: str) -> li
     )
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
     """Ids of the conversation so far followed by the assistant's header: what a
     model is given to write the next assistant turn."""
     if getattr(tokenizer, "chat_template", None):

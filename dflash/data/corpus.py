@@ -12,14 +12,13 @@ import sysconfig
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from dflash.config.settings import DataConfig
 from dflash.data.packing import Document, frame, stream
 from dflash.data.sources import DataReport
-from dflash.data.tokenizer import encode_texts, special_ids, tokenizer_fingerprint
+from dflash.data.tokenizer import Tokenizer, encode_texts, special_ids, tokenizer_fingerprint
 from dflash.files import cache_dir, replacing
 
 # `--data embedded` (the default) trains on the target's own continuations of the
@@ -103,7 +102,7 @@ class Corpus:
         return self.heldout_stream[0]
 
 
-def embedded_key(tokenizer: Any, heldout_fraction: float) -> str:
+def embedded_key(tokenizer: Tokenizer, heldout_fraction: float) -> str:
     root = Path(sysconfig.get_paths()["stdlib"])
     h = hashlib.sha256(f"v{_CACHE_VERSION} {sys.version} {heldout_fraction}".encode())
     h.update(tokenizer_fingerprint(tokenizer).encode())
@@ -121,7 +120,7 @@ def _split_stream(ids: np.ndarray, mask: np.ndarray, starts: np.ndarray) -> list
 
 
 def embedded_tokens(
-    tokenizer: Any, heldout_fraction: float = DataConfig.heldout_fraction
+    tokenizer: Tokenizer, heldout_fraction: float = DataConfig.heldout_fraction
 ) -> Corpus:
     """The embedded corpus tokenized and framed once per tokenizer, cached under cache_dir()."""
     path = cache_dir() / "tokens" / f"embedded-{embedded_key(tokenizer, heldout_fraction)}.npz"

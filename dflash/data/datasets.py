@@ -10,7 +10,6 @@ import hashlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -27,7 +26,7 @@ from dflash.data.packing import (
     stream,
 )
 from dflash.data.sources import DataError, DataReport, read_documents
-from dflash.data.tokenizer import special_ids
+from dflash.data.tokenizer import Tokenizer, special_ids
 
 # --------------------------------------------------------------------------- batches
 
@@ -142,7 +141,7 @@ class PackedDataset:
 
 def load_corpus(
     source: str,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     heldout_fraction: float = DataConfig.heldout_fraction,
     keep_cut: bool = False,
     rendering: str = DataConfig.chat_rendering,
@@ -169,7 +168,7 @@ def load_corpus(
     return Corpus(train, heldout, report)
 
 
-def pad_id(tokenizer: Any) -> int:
+def pad_id(tokenizer: Tokenizer) -> int:
     for attr in ("pad_token_id", "eos_token_id"):
         value = getattr(tokenizer, attr, None)
         if value is not None:
@@ -190,7 +189,7 @@ def pack_split(
 
 def build_datasets(
     source: str,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     seq_len: int,
     batch_size: int,
     seed: int,
@@ -212,7 +211,7 @@ def build_datasets(
 
 def datasets_from_corpus(
     corpus: Corpus,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     seq_len: int,
     batch_size: int,
     seed: int,

@@ -16,7 +16,7 @@ import numpy as np
 
 from dflash.data.chat import KNOWN_ROLES, ChatTemplateError, render_documents
 from dflash.data.packing import Document, PackReport, content_key
-from dflash.data.tokenizer import encode_texts
+from dflash.data.tokenizer import Tokenizer, encode_texts
 from dflash.errors import DFlashError
 
 
@@ -102,7 +102,7 @@ drafter trained on it learns endings the target does not write."""
 
 def read_jsonl(
     path: Path,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     report: DataReport | None = None,
     keep_cut: bool = False,
     rendering: str = "whole",
@@ -132,7 +132,7 @@ def read_jsonl(
     return docs
 
 
-def _read_text_file(path: Path, tokenizer: Any) -> list[Document]:
+def _read_text_file(path: Path, tokenizer: Tokenizer) -> list[Document]:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -143,7 +143,7 @@ def _read_text_file(path: Path, tokenizer: Any) -> list[Document]:
 
 def read_documents(
     source: str,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     report: DataReport | None = None,
     keep_cut: bool = False,
     rendering: str = "whole",

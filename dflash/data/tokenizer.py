@@ -9,9 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Byte-level vocabulary: ids 0..255 are raw bytes, then the special tokens.
 PAD_ID, BOS_ID, EOS_ID, MASK_ID = 256, 257, 258, 259
@@ -35,7 +38,11 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def encode_texts(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
+Tokenizer: TypeAlias = "ByteTokenizer | PreTrainedTokenizerBase"
+"""What every `tokenizer` argument of dflash is (annotations only: never evaluated)."""
+
+
+def encode_texts(tokenizer: Tokenizer, texts: list[str]) -> list[np.ndarray]:
     """Token ids (int32) of each text, without special tokens."""
     if isinstance(tokenizer, ByteTokenizer):
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8).astype(np.int32) for t in texts]
@@ -45,14 +52,14 @@ def encode_texts(tokenizer: Any, texts: list[str]) -> list[np.ndarray]:
     return [np.asarray(ids, dtype=np.int32) for ids in out]
 
 
-def decode_text(tokenizer: Any, ids: list[int]) -> str:
+def decode_text(tokenizer: Tokenizer, ids: list[int]) -> str:
     """Text of token ids, special tokens left out."""
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.decode(ids)
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     """Stable id of a tokenizer's vocabulary, for cache keys."""
     if isinstance(tokenizer, ByteTokenizer):
         return f"byte-{tokenizer.vocab_size}"
@@ -60,6 +67,6 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(vocab.encode("utf-8")).hexdigest()[:16]
 
 
-def special_ids(tokenizer: Any) -> tuple[int | None, int | None]:
+def special_ids(tokenizer: Tokenizer) -> tuple[int | None, int | None]:
     """(EOS, BOS) ids; chat documents rendered by a template already carry their own BOS."""
     return getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "bos_token_id", None)

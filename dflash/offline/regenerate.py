@@ -40,7 +40,7 @@ from dflash.data.corpus import (
 )
 from dflash.data.packing import content_key, frame
 from dflash.data.sources import CUT_KEY, DataReport, iter_jsonl, read_jsonl
-from dflash.data.tokenizer import decode_text, encode_texts, special_ids
+from dflash.data.tokenizer import Tokenizer, decode_text, encode_texts, special_ids
 from dflash.files import cache_dir, free_space_note, write_json_atomic
 from dflash.offline.settings import RegenerateError, RegenerateSettings
 from dflash.target.generation import generate_batch, generate_padded
@@ -83,7 +83,7 @@ def window_starts(num_tokens: int, settings: RegenerateSettings) -> list[int]:
     return starts
 
 
-def _text_windows(tokenizer: Any, text: str, settings: RegenerateSettings) -> list[list[int]]:
+def _text_windows(tokenizer: Tokenizer, text: str, settings: RegenerateSettings) -> list[list[int]]:
     """Prefixes (token ids) of the windows of one document."""
     (ids,) = encode_texts(tokenizer, [text])
     return [ids[s : s + settings.prefix_tokens].tolist() for s in window_starts(len(ids), settings)]
@@ -113,7 +113,9 @@ def read_items(source: str, report: DataReport, heldout_fraction: float) -> list
     return items
 
 
-def expand_items(tokenizer: Any, items: list[dict], settings: RegenerateSettings) -> list[dict]:
+def expand_items(
+    tokenizer: Tokenizer, items: list[dict], settings: RegenerateSettings
+) -> list[dict]:
     """Conversations stay one item each; a text becomes one item per window."""
     out: list[dict] = []
     for obj in items:
@@ -136,7 +138,7 @@ class Reply:
     text: str | None
     cut: bool  # ended at --max-new-tokens, not at a stop token
 
-    def decoded(self, tokenizer: Any, prefix: list[int] | None = None) -> str:
+    def decoded(self, tokenizer: Tokenizer, prefix: list[int] | None = None) -> str:
         """The reply's text (`prefix`: the window's kept tokens, before it)."""
         if self.tokens is not None:
             return decode_text(tokenizer, (prefix or []) + self.tokens)
@@ -485,7 +487,7 @@ def _regenerate_embedded(
 
 
 def regenerated_corpus(
-    path: Path, tokenizer: Any, heldout_fraction: float = DataConfig.heldout_fraction
+    path: Path, tokenizer: Tokenizer, heldout_fraction: float = DataConfig.heldout_fraction
 ) -> Corpus:
     """Training documents of a regenerated JSONL file (all of it: it holds held-in text
     only), held-out documents of the embedded corpus (the prompts evaluation uses)."""

@@ -18,6 +18,7 @@ from dflash.config.settings import TrainConfig
 from dflash.data.chat import use_template_kwargs
 from dflash.data.corpus import EMBEDDED, EMBEDDED_CORPUS
 from dflash.data.datasets import PackedDataset, datasets_from_corpus, load_corpus
+from dflash.data.tokenizer import Tokenizer
 from dflash.files import write_text_atomic
 from dflash.target import load as target_load
 
@@ -68,7 +69,7 @@ def inspect_data(
     return counts
 
 
-def render_row(tokenizer: Any, data: PackedDataset, index: int) -> str:
+def render_row(tokenizer: Tokenizer, data: PackedDataset, index: int) -> str:
     """Row `index` as text: learned runs inside ⟦ ⟧, a rule where a document begins."""
     ids, mask = data.ids[index], data.mask[index]
     docs = data.doc_ids[index] if data.doc_ids is not None else np.zeros_like(ids)
@@ -85,7 +86,7 @@ def render_row(tokenizer: Any, data: PackedDataset, index: int) -> str:
     return "".join(out).lstrip("\n")
 
 
-def _decode(tokenizer: Any, ids: list[int]) -> str:
+def _decode(tokenizer: Tokenizer, ids: list[int]) -> str:
     """The tokens' text with special tokens shown: the template's markers matter here."""
     try:
         return tokenizer.decode(ids, skip_special_tokens=False)

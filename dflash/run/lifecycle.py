@@ -3,9 +3,9 @@
 `start_run` is the one place a process decides its rank and devices, locks the output
 folder and joins the process group (config.json is written by `Start.begin_training`,
 once every check has passed); `build_run` assembles target, data, drafter and trainer
-on that `Placement`, its features from the one `FeatureSource` of dflash.run.features; `complete_run` saves and evaluates at the
-end; `build_summary` is the one place the summary (summary.json) is made, for a
-finished run and for an interrupted one alike.
+on that `Placement`, the features from the one `FeatureSource` (dflash.run.features);
+`complete_run` saves and evaluates at the end; `build_summary` is the one place the
+summary (summary.json) is made, for a finished run and for an interrupted one alike.
 """
 
 from __future__ import annotations
