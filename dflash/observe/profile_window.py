@@ -19,9 +19,12 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dflash.config.checks import parse_steps
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 logger = logging.getLogger("tracing")
 
@@ -46,7 +49,7 @@ class ProfileWindow:
             raise ValueError(f"profile directory {str(self.out_dir)!r} is not writable")
         name = f"steps-{self.start}-{self.stop - 1}.rank{rank}.pt.trace.json"
         self.path = self.out_dir / name
-        self._profiler: Any = None
+        self._profiler: profile | None = None
         self.done = False
 
     def path_for(self, step: int) -> str | None:
