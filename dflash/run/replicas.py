@@ -18,7 +18,7 @@ from torch import nn
 from dflash.data.datasets import Batch
 from dflash.drafter.model import DFlashDrafter
 from dflash.offline.hidden_cache import open_hidden_cache
-from dflash.offline.sample_cache import SampleCacheReader
+from dflash.offline.sample_reader import SampleCacheReader
 from dflash.pipeline.distributed import sync_initial_weights
 from dflash.run.lifecycle import Run
 from dflash.target import load as target_load  # by module: tests swap load_target
