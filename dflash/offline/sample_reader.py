@@ -32,7 +32,7 @@ class SampleCacheReader:
         self.k = len(cache.layer_ids)
         first = next(iter(cache.samples.values()))  # open_sample_cache: all alike
         self.dtype, self.width = DTYPES[first.dtype], first.width
-        self.bytes_read = 0  # of the hidden states read
+        self.bytes_read = 0  # of every tensor read: hidden states and verifier states
         self._lock = threading.Lock()
 
     def _fill(self, sample: SampleFile, hidden: Tensor, final: Tensor | None) -> int:
@@ -50,7 +50,7 @@ class SampleCacheReader:
         hidden.copy_(tensors[0][:t])
         if final is not None:
             final.copy_(tensors[1][:t])
-        return sample.nbytes(HIDDEN)
+        return sample.nbytes(*names)
 
     def read(self, batch: Batch) -> TargetOutput:
         rows = self.dataset.row_indices(batch.batch_id)

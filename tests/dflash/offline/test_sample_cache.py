@@ -18,8 +18,14 @@ from safetensors.torch import load_file, save_file
 
 from dflash import names
 from dflash.cli import cli
-from dflash.offline.sample_cache import SampleCacheError, cache_format, open_sample_cache
+from dflash.offline.sample_cache import (
+    SampleCacheError,
+    cache_format,
+    open_sample_cache,
+    sample_datasets,
+)
 from dflash.offline.sample_file import SampleFile
+from dflash.offline.sample_reader import SampleCacheReader
 from dflash.run import pipelined as pipeline
 from dflash.target.load import wrap_tiny
 from dflash.target.model import TargetModel
@@ -220,6 +226,31 @@ def _flat_samples(where: Path, lengths: list[int]) -> list[dict[str, torch.Tenso
 def _small_target() -> TargetModel:
     torch.manual_seed(123)
     return wrap_tiny(TinyLM(SMALL_LM))
+
+
+def test_the_reader_gives_the_files_states_and_counts_every_byte_it_reads(tmp_path: Path) -> None:
+    """With soft labels a flat file's verifier states are read too: the reader's byte
+    count (the interval table's cache-read MiB/s) holds them beside the hidden states."""
+    samples = _flat_samples(tmp_path / "flat", [5, 7, 3])
+    target = _small_target()
+    cache = open_sample_cache(tmp_path / "flat", target=target, layer_ids=[3], soft_labels=True)
+    train, _, rows = sample_datasets(
+        cache, seq_len=16, batch_size=1, seed=0, heldout_fraction=0.0, pad_id=0
+    )
+    norm = target.final_norm()
+    reader = SampleCacheReader(cache, train, rows, norm)
+    out = reader.read(train.batch(0))
+    (row,) = train.row_indices(0)
+    segments = rows.segments[int(row)]
+    assert sorted(index for index, _, _ in segments) == [0, 1, 2]  # all in one row of 16
+    for index, start, length in segments:
+        span = slice(start, start + length)
+        torch.testing.assert_close(out.hidden[0, span], samples[index]["hidden_states"])
+        with torch.no_grad():
+            final = norm(samples[index]["verifier_last_hidden_states"])
+        torch.testing.assert_close(out.final_hidden[0, span], final)
+    # Both tensors of every sample, float32: 15 positions x 2 x 32 x 4 bytes.
+    assert reader.bytes_read == 15 * 2 * 32 * 4
 
 
 def _rewrite_header(path: Path, change: Callable[[dict], None]) -> None:
