@@ -27,12 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import parse_overrides  # noqa: E402
 
 from dflash.config.settings import config_from_options  # noqa: E402
-from dflash.offline.sample_cache import (  # noqa: E402
-    open_sample_cache,
-    sample_datasets,
-    write_sample_cache,
-)
+from dflash.offline.sample_cache import open_sample_cache, sample_datasets  # noqa: E402
 from dflash.offline.sample_reader import SampleCacheReader  # noqa: E402
+from dflash.offline.sample_writer import write_sample_cache  # noqa: E402
 from dflash.run.lifecycle import resolve_layer_ids, run_datasets  # noqa: E402
 from dflash.target import load as target_load  # noqa: E402
 

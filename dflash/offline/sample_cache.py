@@ -25,7 +25,8 @@ Without that manifest (files from speculators) samples are split by name into tr
 and held-out ones and packed whole into rows of --seq-len, each a document of its own.
 
 Here: the directory, checked once at start (each file's header parsed once, in
-sample_file.SampleFile), and its rows; sample_reader reads batches while training.
+sample_file.SampleFile), and its rows; sample_reader reads batches while training,
+sample_writer writes the layout.
 """
 
 from __future__ import annotations
@@ -35,18 +36,16 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from dflash.data.corpus import is_heldout
 from dflash.data.datasets import PackedDataset
 from dflash.data.packing import PackReport, RowBuilder
 from dflash.data.sources import DataReport
 from dflash.data.tokenizer import tokenizer_fingerprint
-from dflash.files import replacing, write_json_atomic, write_text_atomic
 from dflash.offline.hidden_cache import INDEX_NAME
 from dflash.offline.sample_file import LOSS_MASK, SampleCacheError, SampleFile, dtype_name
 from dflash.target.model import TargetModel
@@ -475,152 +474,3 @@ def _named_rows(
         return _pack(samples, seq_len, pad_id, cache.skipped)
 
     return pack(train_ids), (pack(held_ids) if held_ids else None)
-
-
-# --------------------------------------------------------------------------- writing
-
-
-SAMPLES_JSONL = "samples.jsonl"  # write_sample_plan: the samples, for an engine to extract
-
-
-def _plan(train: PackedDataset, heldout: PackedDataset) -> dict[str, list[list[list[int]]]]:
-    """The manifest's rows: per row, [sample index, start, length] of each document that
-    has a position to learn (padding and pieces without one get no file); train rows
-    first, then held-out ones, numbered in that order."""
-    if train.doc_ids is None or train.positions is None:
-        raise SampleCacheError(
-            "cache-hidden --format speculators writes one file per document: use --packing docs"
-        )
-    plan: dict[str, list[list[list[int]]]] = {"rows": [], "heldout_rows": []}
-    index = 0
-    for key, dataset in (("rows", train), ("heldout_rows", heldout)):
-        if key == "heldout_rows" and dataset is train:
-            continue
-        assert dataset.doc_ids is not None
-        for row in range(len(dataset)):
-            segments = []
-            docs, mask = dataset.doc_ids[row], dataset.mask[row]
-            for doc in np.unique(docs):
-                where = np.nonzero(docs == doc)[0]
-                start, length = int(where[0]), len(where)
-                if mask[start : start + length].any():
-                    segments.append([index, start, length])
-                    index += 1
-            plan[key].append(segments)
-    return plan
-
-
-def _manifest_head(
-    target: TargetModel, seq_len: int, layer_ids: list[int], with_last_layer: bool
-) -> dict[str, Any]:
-    return {
-        "format": "speculators",
-        "target": target.spec,
-        "layer_ids": list(layer_ids),
-        "aux_hidden_state_layer_ids": [i + 1 for i in layer_ids],
-        "last_layer": with_last_layer,
-        "tokenizer": tokenizer_fingerprint(target.tokenizer),
-        "seq_len": seq_len,
-        "dtype": str(target.embed_tokens.weight.dtype).removeprefix("torch."),
-    }
-
-
-def write_sample_cache(
-    target: TargetModel,
-    train: PackedDataset,
-    heldout: PackedDataset,
-    output_dir: Path | str,
-    *,
-    layer_ids: list[int],
-    with_last_layer: bool,
-    batch_rows: int = 8,
-    progress: Callable[[int, int], None] | None = None,
-) -> Path:
-    """Every document of the train (and held-out) rows as one hs_{i} file, the features
-    taken from the row's forward (document masks keep each document to itself, so a
-    document's states are what it alone gives), and the manifest of rows. Written in
-    speculators' layout; `datasets`, when installed, adds speculators' Arrow dataset."""
-    plan = _plan(train, heldout)
-    out = Path(output_dir)
-    files = out / SAMPLES_DIR
-    files.mkdir(parents=True, exist_ok=True)
-    last = target.num_layers - 1
-    capture_ids = list(layer_ids) + ([last] if with_last_layer else [])
-    manifest = _manifest_head(target, train.seq_len, layer_ids, with_last_layer) | plan
-    arrow: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    total = sum(len(rows) for rows in plan.values())
-    done = 0
-    for dataset, planned in ((train, plan["rows"]), (heldout, plan["heldout_rows"])):
-        for begin in range(0, len(planned), batch_rows):
-            rows = np.arange(begin, min(begin + batch_rows, len(planned)))
-            ids = torch.from_numpy(dataset.ids[rows].astype(np.int64))
-            docs = torch.from_numpy(dataset.doc_ids[rows].astype(np.int64))
-            on = target.device
-            out_ = target.capture(ids.to(on), capture_ids, with_logits=False, doc_ids=docs.to(on))
-            d = target.hidden_size
-            stacked = out_.hidden.view(len(rows), dataset.seq_len, len(capture_ids), d).cpu()
-            for r, row in enumerate(rows):
-                mask_row = dataset.mask[row]
-                for index, start, length in planned[row]:
-                    tensors = {
-                        "token_ids": ids[r, start : start + length].clone(),
-                        "hidden_states": stacked[r, start : start + length].contiguous(),
-                        "loss_mask": torch.from_numpy(mask_row[start : start + length].copy()),
-                    }
-                    with replacing(files / f"hs_{index}.safetensors") as tmp:
-                        save_file(tensors, str(tmp))
-                    arrow["input_ids"].append(tensors["token_ids"].tolist())
-                    arrow["loss_mask"].append(tensors["loss_mask"].int().tolist())
-                    arrow["seq_len"].append(length)
-            done += len(rows)
-            if progress is not None:
-                progress(done, total)
-    write_json_atomic(out / MANIFEST, manifest)
-    _write_arrow(out, arrow)
-    return out
-
-
-def write_sample_plan(
-    target: TargetModel,
-    train: PackedDataset,
-    heldout: PackedDataset,
-    output_dir: Path | str,
-    *,
-    layer_ids: list[int],
-) -> Path:
-    """What write_sample_cache writes, but the states: the manifest (the last layer
-    included, as engines extract it) and every sample as one line of samples.jsonl,
-    {"index", "token_ids", "loss_mask"}, for an engine to fill OUT/hidden_states with
-    (tools/vllm/extract_hidden_states.py: vLLM's own forward). The target's decoder never
-    runs. -> the path of samples.jsonl."""
-    plan = _plan(train, heldout)
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    arrow: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    lines = []
-    for dataset, planned in ((train, plan["rows"]), (heldout, plan["heldout_rows"])):
-        for row, segments in enumerate(planned):
-            for index, start, length in segments:
-                ids = dataset.ids[row, start : start + length].astype(np.int64).tolist()
-                mask = dataset.mask[row, start : start + length].astype(int).tolist()
-                lines.append(json.dumps({"index": index, "token_ids": ids, "loss_mask": mask}))
-                arrow["input_ids"].append(ids)
-                arrow["loss_mask"].append(mask)
-                arrow["seq_len"].append(length)
-    path = out / SAMPLES_JSONL
-    write_text_atomic(path, "".join(line + "\n" for line in lines))
-    manifest = _manifest_head(target, train.seq_len, layer_ids, True) | plan
-    write_json_atomic(out / MANIFEST, manifest)
-    _write_arrow(out, arrow)
-    return path
-
-
-def _write_arrow(out: Path, columns: dict[str, list[Any]]) -> None:
-    """speculators' preprocessed dataset (its trainer reads input_ids, loss_mask and
-    seq_len there), when `datasets` is installed; the files stand on their own without."""
-    try:
-        from datasets import Dataset  # deferred: an optional dependency
-    except ImportError:
-        return
-    # Its preprocessing saves the dataset in torch format; its trainer compares tensors.
-    Dataset.from_dict(columns).with_format("torch").save_to_disk(str(out))
