@@ -27,12 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_throughput import parse_overrides  # noqa: E402
 
 from dflash.config.settings import config_from_options  # noqa: E402
-from dflash.offline.sample_cache import (  # noqa: E402
-    SampleCacheReader,
-    open_sample_cache,
-    sample_datasets,
-    write_sample_cache,
-)
+from dflash.offline.sample_cache import open_sample_cache, sample_datasets  # noqa: E402
+from dflash.offline.sample_reader import SampleCacheReader  # noqa: E402
+from dflash.offline.sample_writer import write_sample_cache  # noqa: E402
 from dflash.run.features import resolve_layer_ids  # noqa: E402
 from dflash.run.lifecycle import run_datasets  # noqa: E402
 from dflash.target import load as target_load  # noqa: E402
@@ -68,14 +65,15 @@ def throughput(overrides: dict[str, object], batches: int, workdir: Path) -> dic
         tokens += batch.num_tokens if i else 0
     online, read = tokens / seconds["online"], tokens / seconds["reader"]
     return {"online_tokens_per_s": round(online), "reader_tokens_per_s": round(read),
-            "ratio": round(read / online, 2), "batches": batches, "samples": len(cache.headers),
+            "ratio": round(read / online, 2), "batches": batches, "samples": len(cache.samples),
             "read_mib_per_s": round(reader.bytes_read / 2**20 / seconds["reader"], 1)}  # fmt: skip
 
 
 CHILD = r"""
 import json, resource, sys, time
 import torch
-from dflash.offline.sample_cache import SampleCacheReader, open_sample_cache, sample_datasets
+from dflash.offline.sample_cache import open_sample_cache, sample_datasets
+from dflash.offline.sample_reader import SampleCacheReader
 from dflash.target.load import wrap_tiny
 from dflash.target.tiny import TinyLM, TinyLMConfig
 cache_dir, cap_mib = sys.argv[1], int(sys.argv[2])

@@ -23,42 +23,36 @@ plus `dflash_samples.json`: which target layers the files hold, and which sample
 each training row, so the rows trained from the files are the rows the online run packs.
 Without that manifest (files from speculators) samples are split by name into training
 and held-out ones and packed whole into rows of --seq-len, each a document of its own.
+
+Here: the directory, checked once at start (each file's header parsed once, in
+sample_file.SampleFile), and its rows; sample_reader reads batches while training,
+sample_writer writes the layout.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import struct
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
-from torch import Tensor
 
 from dflash.data.corpus import is_heldout
-from dflash.data.datasets import Batch, PackedDataset
+from dflash.data.datasets import PackedDataset
 from dflash.data.packing import PackReport, RowBuilder
-from dflash.data.sources import DataError, DataReport
+from dflash.data.sources import DataReport
 from dflash.data.tokenizer import tokenizer_fingerprint
-from dflash.files import replacing, write_json_atomic, write_text_atomic
 from dflash.offline.hidden_cache import INDEX_NAME
-from dflash.target.model import TargetModel, TargetOutput
+from dflash.offline.sample_file import LOSS_MASK, SampleCacheError, SampleFile, dtype_name
+from dflash.target.model import TargetModel
 
 SAMPLES_DIR = "hidden_states"
 MANIFEST = "dflash_samples.json"
 _FILE = re.compile(r"^hs_(\d+)\.safetensors$")
-
-
-class SampleCacheError(DataError):
-    """Sample files that cannot train this run; one line naming both values."""
 
 
 # --------------------------------------------------------------------------- formats
@@ -103,80 +97,6 @@ def cache_format(directory: Path | str) -> str:
     return "dflash" if batches else "speculators"
 
 
-@dataclass(frozen=True)
-class SampleHeader:
-    """What one file holds, from its header alone (no tensor is read)."""
-
-    length: int
-    layers: int  # L of a [t, L, D] file; K of a flat [t, K*D] one (its last layer apart)
-    width: int  # D
-    dtype: str
-    stacked: bool  # [t, L, D] with token_ids; else flat, with input_ids
-    has_last: bool  # flat files: verifier_last_hidden_states present
-    spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (offset, bytes)
-
-
-def _tensor_table(path: Path) -> dict[str, dict[str, Any]]:
-    """The tensors of a safetensors file from its header alone, each with its absolute
-    byte span; a file shorter than its header says is an OSError (truncated). Parsed
-    here, not by safe_open, so the reader can `pread` one tensor's bytes: opening 100K
-    small files through safe_open costs more than reading them."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise OSError(f"{path.name}: {size} bytes, not a safetensors file")
-        n = struct.unpack("<Q", head)[0]
-        if n > min(size, 100 * 2**20):
-            raise OSError(f"{path.name}: header of {n} bytes in a file of {size}")
-        try:
-            table = json.loads(f.read(n))
-        except ValueError as err:
-            raise OSError(f"{path.name}: header is not JSON ({err})") from None
-    table.pop("__metadata__", None)
-    end = 8 + n
-    for entry in table.values():
-        begin, stop = entry["data_offsets"]
-        entry["span"] = (end + begin, stop - begin)
-        if end + stop > size:
-            raise OSError(f"{path.name}: truncated ({size} bytes, its tensors need {end + stop})")
-    return table
-
-
-def read_header(path: Path, flat_width: int) -> SampleHeader:
-    """`flat_width`: D, to tell K of a flat [t, K*D] file."""
-    table = _tensor_table(path)
-    keys = set(table)
-    if "hidden_states" not in keys or not keys & {"token_ids", "input_ids"}:
-        raise SampleCacheError(
-            f"{path} is not a hidden-state sample: it has {sorted(keys)}, not hidden_states "
-            "and token_ids"
-        )
-    shape, dtype = table["hidden_states"]["shape"], table["hidden_states"]["dtype"]
-    ids = table["token_ids" if "token_ids" in keys else "input_ids"]["shape"]
-    mask = table["loss_mask"]["shape"] if "loss_mask" in keys else None
-    spans = {name: entry["span"] for name, entry in table.items()}
-    if len(shape) == 3:
-        header = SampleHeader(shape[0], shape[1], shape[2], dtype, True, False, spans)
-    elif len(shape) == 2 and flat_width and shape[1] % flat_width == 0:
-        header = SampleHeader(shape[0], shape[1] // flat_width, flat_width, dtype, False,
-                              "verifier_last_hidden_states" in keys, spans)  # fmt: skip
-    else:
-        raise SampleCacheError(
-            f"{path}: hidden_states of shape {list(shape)} is neither [t, layers, D] nor "
-            f"[t, K*D] with the target's D={flat_width}"
-        )
-    if ids[0] != header.length:
-        raise SampleCacheError(
-            f"{path}: {ids[0]} token ids but hidden states for {header.length} positions"
-        )
-    if mask is not None and mask[0] != header.length:
-        raise SampleCacheError(
-            f"{path}: loss_mask has {mask[0]} entries, input_ids {header.length}"
-        )
-    return header
-
-
 def _arrow_loss_masks(directory: Path) -> dict[int, np.ndarray] | None:
     """Loss masks of speculators' preprocessed dataset beside the files, by sample index."""
     arrows = sorted(directory.glob("data-*.arrow"))
@@ -198,7 +118,24 @@ def _arrow_loss_masks(directory: Path) -> dict[int, np.ndarray] | None:
     return masks
 
 
-# --------------------------------------------------------------------------- reading
+# --------------------------------------------------------------------------- opening
+
+
+class Manifest(TypedDict):
+    """dflash_samples.json, as cache-hidden --format speculators writes it."""
+
+    format: str
+    target: str
+    layer_ids: list[int]  # ours; speculators' aux ids are these + 1
+    aux_hidden_state_layer_ids: list[int]
+    last_layer: bool
+    tokenizer: str
+    seq_len: int
+    dtype: str
+    # Per training row, then per held-out row: [sample index, start, length] of each of
+    # its samples.
+    rows: list[list[list[int]]]
+    heldout_rows: list[list[list[int]]]
 
 
 @dataclass
@@ -214,13 +151,12 @@ class SampleCache:
     """The sample files of one directory, checked against a run's target and layers."""
 
     directory: Path
-    files: dict[int, Path]
-    headers: dict[int, SampleHeader]
+    files: dict[int, Path]  # every hs_{i} found
+    samples: dict[int, SampleFile]  # the readable ones, each header parsed once
     layer_ids: list[int]
     has_last: bool
-    manifest: dict[str, Any] | None
+    manifest: Manifest | None
     skipped: SkipCounts = field(default_factory=SkipCounts)
-    train_rows: SampleRows | None = None  # set when the run's datasets are built
     _arrow_masks: dict[int, np.ndarray] | None = None
     _arrow_read: bool = False
 
@@ -234,7 +170,7 @@ class SampleCache:
         kind = "written by cache-hidden" if self.manifest else "speculators' layout"
         aux = [i + 1 for i in self.layer_ids]
         return (
-            f"hidden cache: {len(self.headers):,} samples in {sample_dir(self.directory)} "
+            f"hidden cache: {len(self.samples):,} samples in {sample_dir(self.directory)} "
             f"({kind}): target layers {self.layer_ids} (speculators' aux ids {aux})"
             + (", and the last layer for soft labels" if self.has_last else "")
             + "; the target's decoder layers never run while training"
@@ -255,53 +191,10 @@ def open_sample_cache(
     left out (`strict`: one line instead)."""
     path = Path(directory)
     files = sample_files(path)
-    manifest = None
-    if (path / MANIFEST).is_file():
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except (OSError, ValueError) as err:
-            raise SampleCacheError(f"{path / MANIFEST} is unreadable: {err}") from None
-        if manifest.get("tokenizer") != tokenizer_fingerprint(target.tokenizer):
-            raise SampleCacheError(
-                f"--hidden-cache {path} was written with tokenizer {manifest.get('tokenizer')!r}, "
-                f"target {target.spec} has {tokenizer_fingerprint(target.tokenizer)!r}"
-            )
+    manifest = _read_manifest(path, target)
     skipped = SkipCounts()
-    headers: dict[int, SampleHeader] = {}
-    d = target.hidden_size
-    for index, file in files.items():
-        try:
-            headers[index] = read_header(file, d)
-        except (OSError, SafetensorError) as err:
-            if strict:
-                raise SampleCacheError(
-                    f"hidden-state sample {file} is unreadable (truncated?): {err}"
-                ) from None
-            skipped.unreadable += 1
-    if not headers:
-        raise SampleCacheError(f"--hidden-cache {path}: no readable hs_*.safetensors file")
-    first_index = next(iter(headers))
-    first = headers[first_index]
-    for index, header in headers.items():
-        shape, ref = (header.layers, header.width, header.stacked), (first.layers, first.width,
-                                                                     first.stacked)  # fmt: skip
-        if shape != ref or header.dtype != first.dtype:
-            raise SampleCacheError(
-                f"hidden-state samples of different shapes: {files[first_index].name} holds "
-                f"{first.layers} layers of width {first.width} ({first.dtype}), "
-                f"{files[index].name} {header.layers} of {header.width} ({header.dtype})"
-            )
-    if first.width != d:
-        raise SampleCacheError(
-            f"--hidden-cache {path}: hidden width {first.width}, target {target.spec} has "
-            f"hidden size {d}"
-        )
-    want_dtype = str(target.embed_tokens.weight.dtype).removeprefix("torch.")
-    if _short(first.dtype) != want_dtype:
-        raise SampleCacheError(
-            f"--hidden-cache {path}: hidden states in {_short(first.dtype)}, target "
-            f"{target.spec} runs in {want_dtype} (load it with that dtype)"
-        )
+    samples = _open_files(path, files, target.hidden_size, strict, skipped)
+    first = _check_alike(path, samples, target)
     ids, has_last = _layers(path, first, manifest, layer_ids, target.num_layers)
     if soft_labels and not has_last:
         raise SampleCacheError(
@@ -310,27 +203,84 @@ def open_sample_cache(
         )
     if manifest is not None:
         named = {i for row in manifest["rows"] + manifest.get("heldout_rows", []) for i, *_ in row}
-        lost = named - set(headers)
+        lost = named - set(samples)
         if lost and strict:
             raise SampleCacheError(
                 f"--hidden-cache {path}: {len(lost)} samples named in {MANIFEST} are missing or "
                 f"unreadable (e.g. hs_{min(lost)}.safetensors)"
             )
         skipped.missing = len(lost - set(files))
-    return SampleCache(path, files, headers, ids, has_last, manifest, skipped)
+    return SampleCache(path, files, samples, ids, has_last, manifest, skipped)
 
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def _read_manifest(path: Path, target: TargetModel) -> Manifest | None:
+    """cache-hidden's manifest beside the files (None: files from speculators), refused
+    when it was written with another tokenizer."""
+    if not (path / MANIFEST).is_file():
+        return None
+    try:
+        manifest: Manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as err:
+        raise SampleCacheError(f"{path / MANIFEST} is unreadable: {err}") from None
+    ours = tokenizer_fingerprint(target.tokenizer)
+    if manifest.get("tokenizer") != ours:
+        raise SampleCacheError(
+            f"--hidden-cache {path} was written with tokenizer {manifest.get('tokenizer')!r}, "
+            f"target {target.spec} has {ours!r}"
+        )
+    return manifest
 
 
-def _short(dtype: str) -> str:
-    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}.get(dtype, dtype.lower())
+def _open_files(
+    path: Path, files: dict[int, Path], width: int, strict: bool, skipped: SkipCounts
+) -> dict[int, SampleFile]:
+    """Each file's header, parsed once; one that is not whole is counted and left out
+    (`strict`: one line naming it)."""
+    samples: dict[int, SampleFile] = {}
+    for index, file in files.items():
+        try:
+            samples[index] = SampleFile(file, width)
+        except OSError as err:
+            if strict:
+                raise SampleCacheError(
+                    f"hidden-state sample {file} is unreadable (truncated?): {err}"
+                ) from None
+            skipped.unreadable += 1
+    if not samples:
+        raise SampleCacheError(f"--hidden-cache {path}: no readable hs_*.safetensors file")
+    return samples
+
+
+def _check_alike(path: Path, samples: dict[int, SampleFile], target: TargetModel) -> SampleFile:
+    """The first sample, once every other holds as many layers of its width and dtype, and
+    those are the target's hidden size and dtype."""
+    first = next(iter(samples.values()))
+    kind = (first.layers, first.width, first.stacked, first.dtype)
+    for sample in samples.values():
+        if (sample.layers, sample.width, sample.stacked, sample.dtype) != kind:
+            raise SampleCacheError(
+                f"hidden-state samples of different shapes: {first.path.name} holds "
+                f"{first.layers} layers of width {first.width} ({first.dtype}), "
+                f"{sample.path.name} {sample.layers} of {sample.width} ({sample.dtype})"
+            )
+    if first.width != target.hidden_size:
+        raise SampleCacheError(
+            f"--hidden-cache {path}: hidden width {first.width}, target {target.spec} has "
+            f"hidden size {target.hidden_size}"
+        )
+    want_dtype = str(target.embed_tokens.weight.dtype).removeprefix("torch.")
+    if dtype_name(first.dtype) != want_dtype:
+        raise SampleCacheError(
+            f"--hidden-cache {path}: hidden states in {dtype_name(first.dtype)}, target "
+            f"{target.spec} runs in {want_dtype} (load it with that dtype)"
+        )
+    return first
 
 
 def _layers(
     path: Path,
-    header: SampleHeader,
-    manifest: dict[str, Any] | None,
+    header: SampleFile,
+    manifest: Manifest | None,
     wanted: list[int] | None,
     num_layers: int,
 ) -> tuple[list[int], bool]:
@@ -346,7 +296,7 @@ def _layers(
         ids = list(wanted)
         # speculators' trainer always takes a [t, L, D] file's last slice for the
         # verifier's last layer (vLLM runs with it included): so do we.
-        has_last = header.stacked or header.has_last
+        has_last = header.stacked or header.has_verifier
         count = header.layers - 1 if header.stacked else header.layers
         if count != len(ids):
             then = " (then the last layer)" if header.stacked else ""
@@ -382,9 +332,11 @@ class SampleRows:
 
 
 def _pack(
-    samples: list[tuple[int, np.ndarray, np.ndarray]], seq_len: int, pad_id: int,
+    samples: list[tuple[int, np.ndarray, np.ndarray]],
+    seq_len: int,
+    pad_id: int,
     skipped: SkipCounts,
-) -> SampleRows:  # fmt: skip
+) -> SampleRows:
     """Samples placed whole (cut to seq_len) into rows, each a document of its own."""
     rows: list[list[tuple[int, np.ndarray, np.ndarray]]] = [[]]
     used = 0
@@ -418,23 +370,23 @@ def _assemble(
 
 
 def _read_sample(cache: SampleCache, index: int) -> tuple[np.ndarray, np.ndarray]:
-    with safe_open(str(cache.files[index]), framework="np") as f:
-        keys = set(f.keys())
-        ids = f.get_tensor("token_ids" if "token_ids" in keys else "input_ids").astype(np.int32)
-        mask = f.get_tensor("loss_mask").astype(bool) if "loss_mask" in keys else None
-    if mask is None:
-        mask = cache.arrow_mask(index)
-        if mask is None:
-            raise SampleCacheError(
-                f"{cache.files[index]} has no loss_mask, and no speculators dataset beside "
-                f"{cache.directory} holds it"
-            )
-        if len(mask) < len(ids):
-            raise SampleCacheError(
-                f"sample {index}: loss_mask has {len(mask)} entries, input_ids {len(ids)}"
-            )
-        mask = mask[: len(ids)]
-    return ids, mask
+    """A sample's token ids and loss mask: the file's, else speculators' Arrow dataset's."""
+    sample = cache.samples[index]
+    if sample.has_loss_mask:
+        ids, mask = sample.read(sample.ids_name, LOSS_MASK)
+        return ids.to(torch.int32).numpy(), (mask != 0).numpy()
+    (ids,) = sample.read(sample.ids_name)
+    arrow = cache.arrow_mask(index)
+    if arrow is None:
+        raise SampleCacheError(
+            f"{sample.path} has no loss_mask, and no speculators dataset beside "
+            f"{cache.directory} holds it"
+        )
+    if len(arrow) < len(ids):
+        raise SampleCacheError(
+            f"sample {index}: loss_mask has {len(arrow)} entries, input_ids {len(ids)}"
+        )
+    return ids.to(torch.int32).numpy(), arrow[: len(ids)]
 
 
 def sample_datasets(
@@ -449,280 +401,75 @@ def sample_datasets(
 ) -> tuple[PackedDataset, PackedDataset, SampleRows]:
     """(train, held-out) rows of the samples, and the train rows' segments: the rows the
     manifest records, else the samples split by name and packed whole."""
-    report = DataReport()
     if cache.manifest is not None:
-        if int(cache.manifest["seq_len"]) != seq_len:
-            raise SampleCacheError(
-                f"--hidden-cache {cache.directory} was packed for --seq-len "
-                f"{cache.manifest['seq_len']}, this run {seq_len}"
-            )
-        built = []
-        for key in ("rows", "heldout_rows"):
-            rows = []
-            for row in cache.manifest.get(key, []):
-                pieces = []
-                for index, *_ in row:
-                    if index in cache.headers:
-                        pieces.append((index, *_read_sample(cache, index)))
-                rows.append(pieces)
-            built.append(_assemble([r for r in rows if r], seq_len, pad_id) if any(rows) else None)
-        train_rows, held_rows = built
+        train_rows, held_rows = _manifest_rows(cache, cache.manifest, seq_len, pad_id)
     else:
-        names = {i: cache.files[i].name for i in cache.headers}
-        train_ids = [i for i in cache.headers if not is_heldout(names[i], heldout_fraction)]
-        held_ids = [i for i in cache.headers if is_heldout(names[i], heldout_fraction)]
-        if not train_ids:
-            train_ids, held_ids = list(cache.headers), []
-        train_rows = _pack([(i, *_read_sample(cache, i)) for i in train_ids], seq_len, pad_id,
-                           cache.skipped)  # fmt: skip
-        held_rows = (_pack([(i, *_read_sample(cache, i)) for i in held_ids], seq_len, pad_id,
-                           cache.skipped) if held_ids else None)  # fmt: skip
+        train_rows, held_rows = _named_rows(cache, seq_len, heldout_fraction, pad_id)
     if train_rows is None:
         raise SampleCacheError(f"--hidden-cache {cache.directory}: no training sample is readable")
+    report = DataReport()
     report.pack = PackReport(documents=sum(len(s) for s in train_rows.segments))
     if cache.skipped.truncated:
-        log(f"hidden cache: {cache.skipped.truncated} samples longer than --seq-len {seq_len} "
-            "were cut to it")  # fmt: skip
+        log(
+            f"hidden cache: {cache.skipped.truncated} samples longer than --seq-len {seq_len} "
+            "were cut to it"
+        )
     lost = cache.skipped.missing + cache.skipped.unreadable
     if lost:
-        log(f"hidden cache: {lost} sample files missing or unreadable, left out "
-            "(--strict-cache stops instead)")  # fmt: skip
-    datasets = []
-    for rows in (train_rows, held_rows if held_rows is not None else train_rows):
-        datasets.append(PackedDataset(rows.ids, rows.mask, batch_size, seed,
-                                      doc_ids=rows.doc_ids, positions=rows.positions,
-                                      report=report))  # fmt: skip
-    return datasets[0], datasets[1], train_rows
-
-
-class SampleCacheReader:
-    """The target stage of a run trained from sample files: batch i's features, built
-    from the files of its rows' samples (each tensor pread alone: only this batch's
-    bytes are read).
-
-    Thread contract: `read` may be called from several threads; counters are locked.
-    """
-
-    def __init__(self, cache: SampleCache, dataset: PackedDataset, rows: SampleRows,
-                 norm: torch.nn.Module | None) -> None:  # fmt: skip
-        self.cache, self.dataset, self.rows, self.norm = cache, dataset, rows, norm
-        self.k = len(cache.layer_ids)
-        first = next(iter(cache.headers.values()))  # open_sample_cache: all alike
-        self.dtype, self.width = _TORCH_DTYPES[_short(first.dtype)], first.width
-        self.bytes_read = 0
-        self._lock = threading.Lock()
-
-    def _tensor(self, fd: int, header: SampleHeader, name: str, dtype: torch.dtype) -> Tensor:
-        offset, size = header.spans[name]
-        buf = bytearray(size)
-        if os.preadv(fd, [buf], offset) != size:
-            raise SampleCacheError(f"a hidden-state sample shrank while training ({name})")
-        return torch.frombuffer(buf, dtype=dtype) if size else torch.zeros(0, dtype=dtype)
-
-    def _fill(self, index: int, hidden: Tensor, final: Tensor | None) -> int:
-        """Copies one sample's features into hidden[t, K*D] (and final[t, D]) of its place
-        in the row; -> bytes read. The tensor's bytes alone are read (pread at the
-        header's offsets), and copied once."""
-        header, k = self.cache.headers[index], self.k
-        t, dtype = hidden.shape[0], hidden.dtype
-        fd = os.open(self.cache.files[index], os.O_RDONLY)
-        try:
-            hs = self._tensor(fd, header, "hidden_states", dtype)
-            if header.stacked:
-                hs = hs.view(header.length, header.layers, header.width)
-                hidden.view(t, k, -1).copy_(hs[:t, :k])
-                if final is not None:
-                    final.copy_(hs[:t, k])
-            else:
-                hidden.copy_(hs.view(header.length, -1)[:t])
-                if final is not None:
-                    last = self._tensor(fd, header, "verifier_last_hidden_states", dtype)
-                    final.copy_(last.view(header.length, -1)[:t])
-        finally:
-            os.close(fd)
-        return hs.numel() * hs.element_size()
-
-    def read(self, batch: Batch) -> TargetOutput:
-        rows = self.dataset.row_indices(batch.batch_id)
-        b, t = batch.input_ids.shape
-        dtype, d = self.dtype, self.width
-        hidden = torch.zeros(b, t, self.k * d, dtype=dtype)
-        soft = self.norm is not None and self.cache.has_last
-        final = torch.zeros(b, t, d, dtype=dtype) if soft else None
-        read = 0
-        places = []
-        for r, row in enumerate(rows):
-            for index, start, length in self.rows.segments[int(row)]:
-                span = slice(start, start + length)
-                read += self._fill(
-                    index, hidden[r, span], None if final is None else final[r, span]
-                )
-                places.append((r, span))
-        # One check of the whole batch; only a batch with a bad sample looks for it.
-        if not (torch.isfinite(hidden).all() and (final is None or torch.isfinite(final).all())):
-            for r, span in places:
-                bad = not torch.isfinite(hidden[r, span]).all() or (
-                    final is not None and not torch.isfinite(final[r, span]).all()
-                )
-                if bad:
-                    hidden[r, span] = 0
-                    if final is not None:
-                        final[r, span] = 0
-                    batch.loss_mask[r, span] = False  # learned from: nothing
-                    with self._lock:
-                        self.cache.skipped.nonfinite += 1
-        with self._lock:
-            self.bytes_read += read
-        if final is not None and self.norm is not None:
-            with torch.no_grad():
-                final = self.norm(final.to(next(self.norm.parameters()).device)).to(final.dtype)
-        return TargetOutput(hidden=hidden, logits=None, final_hidden=final)
-
-
-# --------------------------------------------------------------------------- writing
-
-
-SAMPLES_JSONL = "samples.jsonl"  # write_sample_plan: the samples, for an engine to extract
-
-
-def _plan(train: PackedDataset, heldout: PackedDataset) -> dict[str, list[list[list[int]]]]:
-    """The manifest's rows: per row, [sample index, start, length] of each document that
-    has a position to learn (padding and pieces without one get no file); train rows
-    first, then held-out ones, numbered in that order."""
-    if train.doc_ids is None or train.positions is None:
-        raise SampleCacheError(
-            "cache-hidden --format speculators writes one file per document: use --packing docs"
+        log(
+            f"hidden cache: {lost} sample files missing or unreadable, left out "
+            "(--strict-cache stops instead)"
         )
-    plan: dict[str, list[list[list[int]]]] = {"rows": [], "heldout_rows": []}
-    index = 0
-    for key, dataset in (("rows", train), ("heldout_rows", heldout)):
-        if key == "heldout_rows" and dataset is train:
-            continue
-        assert dataset.doc_ids is not None
-        for row in range(len(dataset)):
-            segments = []
-            docs, mask = dataset.doc_ids[row], dataset.mask[row]
-            for doc in np.unique(docs):
-                where = np.nonzero(docs == doc)[0]
-                start, length = int(where[0]), len(where)
-                if mask[start : start + length].any():
-                    segments.append([index, start, length])
-                    index += 1
-            plan[key].append(segments)
-    return plan
+
+    def dataset(rows: SampleRows) -> PackedDataset:
+        return PackedDataset(
+            rows.ids,
+            rows.mask,
+            batch_size,
+            seed,
+            doc_ids=rows.doc_ids,
+            positions=rows.positions,
+            report=report,
+        )
+
+    train = dataset(train_rows)
+    return train, dataset(train_rows if held_rows is None else held_rows), train_rows
 
 
-def _manifest_head(
-    target: TargetModel, seq_len: int, layer_ids: list[int], with_last_layer: bool
-) -> dict[str, Any]:
-    return {
-        "format": "speculators",
-        "target": target.spec,
-        "layer_ids": list(layer_ids),
-        "aux_hidden_state_layer_ids": [i + 1 for i in layer_ids],
-        "last_layer": with_last_layer,
-        "tokenizer": tokenizer_fingerprint(target.tokenizer),
-        "seq_len": seq_len,
-        "dtype": str(target.embed_tokens.weight.dtype).removeprefix("torch."),
-    }
+def _manifest_rows(
+    cache: SampleCache, manifest: Manifest, seq_len: int, pad_id: int
+) -> tuple[SampleRows | None, SampleRows | None]:
+    """(train, held-out) rows as the manifest records them, of the samples still readable;
+    None where none is."""
+    if int(manifest["seq_len"]) != seq_len:
+        raise SampleCacheError(
+            f"--hidden-cache {cache.directory} was packed for --seq-len {manifest['seq_len']}, "
+            f"this run {seq_len}"
+        )
+    built: list[SampleRows | None] = []
+    for key in ("rows", "heldout_rows"):
+        rows = [
+            [(index, *_read_sample(cache, index)) for index, *_ in row if index in cache.samples]
+            for row in manifest.get(key, [])
+        ]
+        kept = [row for row in rows if row]
+        built.append(_assemble(kept, seq_len, pad_id) if kept else None)
+    return built[0], built[1]
 
 
-def write_sample_cache(
-    target: TargetModel,
-    train: PackedDataset,
-    heldout: PackedDataset,
-    output_dir: Path | str,
-    *,
-    layer_ids: list[int],
-    with_last_layer: bool,
-    batch_rows: int = 8,
-    progress: Callable[[int, int], None] | None = None,
-) -> Path:
-    """Every document of the train (and held-out) rows as one hs_{i} file, the features
-    taken from the row's forward (document masks keep each document to itself, so a
-    document's states are what it alone gives), and the manifest of rows. Written in
-    speculators' layout; `datasets`, when installed, adds speculators' Arrow dataset."""
-    plan = _plan(train, heldout)
-    out = Path(output_dir)
-    files = out / SAMPLES_DIR
-    files.mkdir(parents=True, exist_ok=True)
-    last = target.num_layers - 1
-    capture_ids = list(layer_ids) + ([last] if with_last_layer else [])
-    manifest = _manifest_head(target, train.seq_len, layer_ids, with_last_layer) | plan
-    arrow: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    total = sum(len(rows) for rows in plan.values())
-    done = 0
-    for dataset, planned in ((train, plan["rows"]), (heldout, plan["heldout_rows"])):
-        for begin in range(0, len(planned), batch_rows):
-            rows = np.arange(begin, min(begin + batch_rows, len(planned)))
-            ids = torch.from_numpy(dataset.ids[rows].astype(np.int64))
-            docs = torch.from_numpy(dataset.doc_ids[rows].astype(np.int64))
-            on = target.device
-            out_ = target.capture(ids.to(on), capture_ids, with_logits=False, doc_ids=docs.to(on))
-            d = target.hidden_size
-            stacked = out_.hidden.view(len(rows), dataset.seq_len, len(capture_ids), d).cpu()
-            for r, row in enumerate(rows):
-                mask_row = dataset.mask[row]
-                for index, start, length in planned[row]:
-                    tensors = {
-                        "token_ids": ids[r, start : start + length].clone(),
-                        "hidden_states": stacked[r, start : start + length].contiguous(),
-                        "loss_mask": torch.from_numpy(mask_row[start : start + length].copy()),
-                    }
-                    with replacing(files / f"hs_{index}.safetensors") as tmp:
-                        save_file(tensors, str(tmp))
-                    arrow["input_ids"].append(tensors["token_ids"].tolist())
-                    arrow["loss_mask"].append(tensors["loss_mask"].int().tolist())
-                    arrow["seq_len"].append(length)
-            done += len(rows)
-            if progress is not None:
-                progress(done, total)
-    write_json_atomic(out / MANIFEST, manifest)
-    _write_arrow(out, arrow)
-    return out
+def _named_rows(
+    cache: SampleCache, seq_len: int, heldout_fraction: float, pad_id: int
+) -> tuple[SampleRows, SampleRows | None]:
+    """Files without a manifest: split into (train, held-out) by name, packed whole; all
+    train where the split leaves none to train."""
+    held = {i for i, s in cache.samples.items() if is_heldout(s.path.name, heldout_fraction)}
+    train_ids = [i for i in cache.samples if i not in held]
+    held_ids = [i for i in cache.samples if i in held]
+    if not train_ids:
+        train_ids, held_ids = held_ids, []
 
+    def pack(indices: list[int]) -> SampleRows:
+        samples = [(i, *_read_sample(cache, i)) for i in indices]
+        return _pack(samples, seq_len, pad_id, cache.skipped)
 
-def write_sample_plan(
-    target: TargetModel,
-    train: PackedDataset,
-    heldout: PackedDataset,
-    output_dir: Path | str,
-    *,
-    layer_ids: list[int],
-) -> Path:
-    """What write_sample_cache writes, but the states: the manifest (the last layer
-    included, as engines extract it) and every sample as one line of samples.jsonl,
-    {"index", "token_ids", "loss_mask"}, for an engine to fill OUT/hidden_states with
-    (tools/vllm/extract_hidden_states.py: vLLM's own forward). The target's decoder never
-    runs. -> the path of samples.jsonl."""
-    plan = _plan(train, heldout)
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    arrow: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    lines = []
-    for dataset, planned in ((train, plan["rows"]), (heldout, plan["heldout_rows"])):
-        for row, segments in enumerate(planned):
-            for index, start, length in segments:
-                ids = dataset.ids[row, start : start + length].astype(np.int64).tolist()
-                mask = dataset.mask[row, start : start + length].astype(int).tolist()
-                lines.append(json.dumps({"index": index, "token_ids": ids, "loss_mask": mask}))
-                arrow["input_ids"].append(ids)
-                arrow["loss_mask"].append(mask)
-                arrow["seq_len"].append(length)
-    path = out / SAMPLES_JSONL
-    write_text_atomic(path, "".join(line + "\n" for line in lines))
-    manifest = _manifest_head(target, train.seq_len, layer_ids, True) | plan
-    write_json_atomic(out / MANIFEST, manifest)
-    _write_arrow(out, arrow)
-    return path
-
-
-def _write_arrow(out: Path, columns: dict[str, list[Any]]) -> None:
-    """speculators' preprocessed dataset (its trainer reads input_ids, loss_mask and
-    seq_len there), when `datasets` is installed; the files stand on their own without."""
-    try:
-        from datasets import Dataset  # deferred: an optional dependency
-    except ImportError:
-        return
-    # Its preprocessing saves the dataset in torch format; its trainer compares tensors.
-    Dataset.from_dict(columns).with_format("torch").save_to_disk(str(out))
+    return pack(train_ids), (pack(held_ids) if held_ids else None)

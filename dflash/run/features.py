@@ -26,12 +26,12 @@ from dflash.offline.hidden_cache import HiddenCacheReader, open_hidden_cache
 from dflash.offline.sample_cache import (
     SampleCache,
     SampleCacheError,
-    SampleCacheReader,
     SampleRows,
     cache_format,
     open_sample_cache,
     sample_datasets,
 )
+from dflash.offline.sample_reader import SampleCacheReader
 from dflash.run.progress import HeldLog
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.model import TargetModel, TargetOutput, choose_target_layers

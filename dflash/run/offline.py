@@ -21,12 +21,8 @@ from dflash.data.chat import use_template_kwargs as use_chat_kwargs
 from dflash.data.corpus import EMBEDDED
 from dflash.offline.hidden_cache import open_hidden_cache, write_hidden_cache
 from dflash.offline.regenerate import RegenProgress, RegenReport, regenerate
-from dflash.offline.sample_cache import (
-    SAMPLES_DIR,
-    sample_files,
-    write_sample_cache,
-    write_sample_plan,
-)
+from dflash.offline.sample_cache import SAMPLES_DIR, sample_files
+from dflash.offline.sample_writer import write_sample_cache, write_sample_plan
 from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateError, RegenerateSettings
 from dflash.run.features import resolve_layer_ids
 from dflash.run.lifecycle import (

@@ -3,9 +3,12 @@ speculators` writes them, `train --hidden-cache` trains from them (and from file
 speculators' vLLM data generation writes them), and what bad files get."""
 
 import json
+import re
 import shutil
+import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,9 +18,20 @@ from safetensors.torch import load_file, save_file
 
 from dflash import names
 from dflash.cli import cli
-from dflash.offline.sample_cache import SampleCacheError, cache_format
+from dflash.offline.sample_cache import (
+    SampleCacheError,
+    cache_format,
+    open_sample_cache,
+    sample_datasets,
+)
+from dflash.offline.sample_file import SampleFile
+from dflash.offline.sample_reader import SampleCacheReader
 from dflash.run import pipelined as pipeline
+from dflash.target.load import wrap_tiny
+from dflash.target.model import TargetModel
+from dflash.target.tiny import TinyLM
 from tests.dflash.app_fixtures import (  # noqa: F401 - fixture
+    SMALL_LM,
     record_losses,
     script_env,
     small_cfg,
@@ -39,17 +53,18 @@ def _flags(opts: dict) -> list[str]:
 
 
 def _write(tmp_path, out, **extra) -> Path:
-    args = ["cache-hidden", "--format", "speculators", "--output", str(out),
-            "--data", str(write_corpus(tmp_path)), *_flags({**OPTS, **extra})]  # fmt: skip
+    data = ["--data", str(write_corpus(tmp_path))]
+    args = ["cache-hidden", "--format", "speculators", "--output", str(out), *data]
+    args += _flags({**OPTS, **extra})
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return out
 
 
 def _train(tmp_path, cache, out="o", **extra):
-    args = ["train", "--hidden-cache", str(cache), "--data", str(write_corpus(tmp_path)),
-            "--block-size", "4", "--eval-prompts", "0", "--output-dir", str(tmp_path / out),
-            "--overwrite", *_flags({**OPTS, **extra})]  # fmt: skip
+    args = ["train", "--hidden-cache", str(cache), "--data", str(write_corpus(tmp_path))]
+    args += ["--block-size", "4", "--eval-prompts", "0", "--output-dir", str(tmp_path / out)]
+    args += ["--overwrite", *_flags({**OPTS, **extra})]
     return CliRunner().invoke(cli, args, catch_exceptions=False)
 
 
@@ -151,8 +166,9 @@ def test_bad_sample_files_are_one_line_or_a_counted_skip(tmp_path):
     assert "neither a hidden-state cache" in _one_error(_train(tmp_path, tmp_path / "empty"))
     flat = tmp_path / "flat"  # older speculators files: [t, K*D], no verifier states
     flat.mkdir()
-    save_file({"input_ids": torch.zeros(4, dtype=torch.long), "loss_mask": torch.ones(4),
-               "hidden_states": torch.zeros(4, 32)}, str(flat / "hs_0.safetensors"))  # fmt: skip
+    ids, hidden = torch.zeros(4, dtype=torch.long), torch.zeros(4, 32)
+    tensors = {"input_ids": ids, "loss_mask": torch.ones(4), "hidden_states": hidden}
+    save_file(tensors, str(flat / "hs_0.safetensors"))
     assert "--use-soft-labels: the samples" in _one_error(
         _train(tmp_path, flat, use_soft_labels=True, target_layers="3")
     )
@@ -168,8 +184,8 @@ def test_bad_sample_files_are_one_line_or_a_counted_skip(tmp_path):
     (files / "hs_3.safetensors").write_bytes(raw)
     # Samples of another width, and a loss mask shorter than the tokens.
     good = load_file(str(files / "hs_5.safetensors"))
-    save_file({**good, "hidden_states": torch.cat([good["hidden_states"]] * 2, 1)},
-              str(files / "hs_5.safetensors"))  # fmt: skip
+    wider = torch.cat([good["hidden_states"]] * 2, 1)
+    save_file({**good, "hidden_states": wider}, str(files / "hs_5.safetensors"))
     assert "samples of different shapes" in _one_error(_train(tmp_path, cache))
     save_file({**good, "loss_mask": good["loss_mask"][:-1]}, str(files / "hs_5.safetensors"))
     assert "loss_mask has" in _one_error(_train(tmp_path, cache))
@@ -189,6 +205,115 @@ def test_a_directory_of_neither_format_is_named(tmp_path):
         cache_format(tmp_path)
 
 
+def _flat_samples(where: Path, lengths: list[int]) -> list[dict[str, torch.Tensor]]:
+    """Older speculators files, [t, K*D] with the verifier's last layer apart: K=1, D=32
+    (the small target's width), random states."""
+    where.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    samples = []
+    for i, t in enumerate(lengths):
+        sample = {
+            "input_ids": torch.randint(0, 200, (t,), generator=gen),
+            "loss_mask": torch.ones(t, dtype=torch.bool),
+            "hidden_states": torch.randn(t, 32, generator=gen),
+            "verifier_last_hidden_states": torch.randn(t, 32, generator=gen),
+        }
+        save_file(sample, str(where / f"hs_{i}.safetensors"))
+        samples.append(sample)
+    return samples
+
+
+def _small_target() -> TargetModel:
+    torch.manual_seed(123)
+    return wrap_tiny(TinyLM(SMALL_LM))
+
+
+def test_the_reader_gives_the_files_states_and_counts_every_byte_it_reads(tmp_path: Path) -> None:
+    """With soft labels a flat file's verifier states are read too: the reader's byte
+    count (the interval table's cache-read MiB/s) holds them beside the hidden states."""
+    samples = _flat_samples(tmp_path / "flat", [5, 7, 3])
+    target = _small_target()
+    cache = open_sample_cache(tmp_path / "flat", target=target, layer_ids=[3], soft_labels=True)
+    train, _, rows = sample_datasets(
+        cache, seq_len=16, batch_size=1, seed=0, heldout_fraction=0.0, pad_id=0
+    )
+    norm = target.final_norm()
+    reader = SampleCacheReader(cache, train, rows, norm)
+    out = reader.read(train.batch(0))
+    (row,) = train.row_indices(0)
+    segments = rows.segments[int(row)]
+    assert sorted(index for index, _, _ in segments) == [0, 1, 2]  # all in one row of 16
+    for index, start, length in segments:
+        span = slice(start, start + length)
+        torch.testing.assert_close(out.hidden[0, span], samples[index]["hidden_states"])
+        with torch.no_grad():
+            final = norm(samples[index]["verifier_last_hidden_states"])
+        torch.testing.assert_close(out.final_hidden[0, span], final)
+    # Both tensors of every sample, float32: 15 positions x 2 x 32 x 4 bytes.
+    assert reader.bytes_read == 15 * 2 * 32 * 4
+
+
+def _rewrite_header(path: Path, change: Callable[[dict], None]) -> None:
+    """The file with its JSON header changed by `change` (the data left as it was)."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    change(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
+
+
+def _past_the_end(header: dict) -> None:
+    header["loss_mask"]["data_offsets"] = [10**6, 10**6 + 5]
+    header["loss_mask"]["shape"] = [5]
+
+
+def _shorter_than_its_shape(header: dict) -> None:
+    header["hidden_states"]["shape"] = [5, 64]
+
+
+def _no_offsets(header: dict) -> None:
+    del header["input_ids"]["data_offsets"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_past_the_end, "truncated, or its header is wrong"),
+        (_shorter_than_its_shape, "but offsets"),
+        (_no_offsets, "is not a tensor's"),
+    ],
+    ids=["offsets past the end", "offsets short of the shape", "no offsets"],
+)
+def test_a_header_that_lies_is_one_line_naming_the_file_or_a_counted_skip(
+    tmp_path: Path, change: Callable[[dict], None], message: str
+) -> None:
+    _flat_samples(tmp_path / "flat", [5, 5])
+    bad = tmp_path / "flat" / "hs_1.safetensors"
+    _rewrite_header(bad, change)
+    with pytest.raises(OSError, match=f"hs_1.safetensors: .*{message}"):
+        SampleFile(bad, 32)
+    target = _small_target()
+    with pytest.raises(
+        SampleCacheError, match=f"sample {re.escape(str(bad))} is unreadable .*{message}"
+    ):
+        open_sample_cache(
+            tmp_path / "flat", target=target, layer_ids=[3], soft_labels=False, strict=True
+        )
+    cache = open_sample_cache(tmp_path / "flat", target=target, layer_ids=[3], soft_labels=False)
+    assert list(cache.samples) == [0] and cache.skipped.unreadable == 1
+
+
+def test_a_header_longer_than_its_file_or_not_json_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "hs_0.safetensors"
+    path.write_bytes(struct.pack("<Q", 100) + b"{}")
+    with pytest.raises(OSError, match="hs_0.safetensors: header of 100 bytes in a file of 10"):
+        SampleFile(path, 32)
+    path.write_bytes(struct.pack("<Q", 2) + b"{x")
+    with pytest.raises(OSError, match="hs_0.safetensors: header is not JSON"):
+        SampleFile(path, 32)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 @pytest.mark.usefixtures("tiny_target")
@@ -197,10 +322,10 @@ def test_two_gloo_ranks_train_from_speculators_files(tmp_path):
     files `cache-hidden --format speculators` wrote and train one drafter."""
     cache = _write(tmp_path, tmp_path / "cache")
     out = tmp_path / "run"
-    args = ["train", "--hidden-cache", str(cache), "--block-size", "4", "--eval-prompts", "0",
-            "--output-dir", str(out), *_flags({**OPTS, "steps": 4})]  # fmt: skip
-    proc = subprocess.run([*torchrun_command(2), __file__, *args], env=script_env(),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    args = ["train", "--hidden-cache", str(cache), "--block-size", "4", "--eval-prompts", "0"]
+    args += ["--output-dir", str(out), *_flags({**OPTS, "steps": 4})]
+    command = [*torchrun_command(2), __file__, *args]
+    proc = subprocess.run(command, env=script_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["pipeline"]["world_size"] == 2 and summary["steps"] == 4
