@@ -55,8 +55,9 @@ class DataConfig(Section):
         "standard library source, generated once and cached), `embedded-corpus` (that source "
         "as it is), a text file, a folder, or JSONL with a `text` field or chat `messages` "
         "(loss on assistant turns only).",
-        option="data", check=checks.not_blank,
-    )  # fmt: skip
+        option="data",
+        check=checks.not_blank,
+    )
     seq_len: int = setting(128, "Tokens per packed row.", min=8)
     batch_size: int = setting(4, "Packed rows per training batch.", min=1)
     heldout_fraction: float = setting(
@@ -96,7 +97,7 @@ class DataConfig(Section):
         "or per-sample hs_*.safetensors files in speculators' layout (from vLLM through "
         "speculators, or `cache-hidden --format speculators`), whose samples are the rows.",
         check=checks.not_blank,
-    )  # fmt: skip
+    )
     strict_cache: bool = setting(
         False,
         "Stop at a missing, truncated or non-finite hidden-state sample instead of leaving "
@@ -111,15 +112,17 @@ class TargetConfig(Section):
     spec: str = setting(
         "builtin:tiny",
         "Target model: `builtin:tiny`, a local Hugging Face directory or a hub id.",
-        option="target", check=checks.not_blank,
-    )  # fmt: skip
+        option="target",
+        check=checks.not_blank,
+    )
     layer_ids: tuple[int, ...] | None = setting(
         None,
         "Comma-separated 0-based target layer ids to capture, ascending and each once (the "
         "order vLLM and SGLang concatenate them in); unset spreads as many as "
         "--drafter-layers evenly from layer 1 to L-3 (wider on a shallow target).",
-        option="target_layers", check=checks.layer_ids,
-    )  # fmt: skip
+        option="target_layers",
+        check=checks.layer_ids,
+    )
     chat_template_kwargs: str | None = setting(
         None,
         "JSON object of chat-template arguments (e.g. '{\"enable_thinking\": false}' for a "
@@ -147,8 +150,9 @@ class DrafterSettings(Section):
     intermediate_size: int | None = setting(
         None,
         "Width of the drafter's MLP; unset uses the target's intermediate size.",
-        option="drafter_intermediate_size", min=1,
-    )  # fmt: skip
+        option="drafter_intermediate_size",
+        min=1,
+    )
     mask_token_id: int | None = setting(
         None,
         "Embedding row of the target used for masked block positions; unset takes the "
@@ -174,8 +178,9 @@ class LossConfig(Section):
         None,
         "γ of the position weight exp(-(k-1)/γ); unset picks it from the block size "
         "(4 for 8, 5 for 10, 7 for 16), or turns the decay off when --streak-alpha is set.",
-        option="loss_decay_gamma", gt=0.0,
-    )  # fmt: skip
+        option="loss_decay_gamma",
+        gt=0.0,
+    )
     use_soft_labels: bool = setting(
         False,
         "Also distill from the target's distribution (KL), not only hard labels; the "
@@ -385,8 +390,9 @@ class TelemetryConfig(Section):
         None,
         "Share of batch traces exported; interval tables always count every phase. "
         "Unset uses OTEL_TRACES_SAMPLER[_ARG], else 1.0.",
-        min=0.0, max=1.0,
-    )  # fmt: skip
+        min=0.0,
+        max=1.0,
+    )
     trace_file: str | None = setting(
         None, "Also write spans to this file as OTLP JSON, one request per line (Jaeger loads it)."
     )
