@@ -23,7 +23,7 @@ from dflash.config.settings import (
     config_from_options,
     option_map,
     options,
-    values_from_mapping,
+    read_values,
 )
 from dflash.errors import DFlashError, first_line
 from dflash.files import cache_dir, write_text_atomic
@@ -147,11 +147,20 @@ def _load_yaml(text: str) -> Any:
 
 
 def build_config(config_file: str | None, given: dict[str, Any]) -> TrainConfig:
-    """The run's config: file values, then the flags and variables that were set."""
+    """The run's config: file values, then the flags and variables that were set. The
+    invocation flags a file holds (an older run's config.json) are left out, with one
+    line saying so."""
     values: dict[str, Any] = {}
     if config_file is not None:
-        raw = read_config_file(Path(config_file))
-        values = values_from_mapping(raw, f"config file {config_file}")
+        source = f"config file {config_file}"
+        found = read_values(read_config_file(Path(config_file)), source)
+        if found.left_out:
+            flags = ", ".join(option_map()[name].flag for name in found.left_out)
+            echo_err(
+                f"{source}: left out {flags}: flags of one invocation are not read from a "
+                "file (give them on the command line)"
+            )
+        values = found.values
     values.update({k: v for k, v in given.items() if v is not None})
     return config_from_options(values)
 

@@ -3,7 +3,8 @@
 A field is declared with `setting(default, help, **range)`; `field_options(cls)`
 reads its type from the annotation (`Literal` for choices, `| None` when unset is
 allowed, `tuple[T, ...]` for lists) and gives the `Option` that the CLI, the
-environment, config files and validation all use.
+environment, config files and validation all use. A `Schema` is named sections of
+settings: their option names, and what a config file's mapping sets.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import dataclasses
 import math
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Literal
@@ -35,6 +36,7 @@ class Spec:
     gt: float | None = None
     lt: float | None = None
     check: Callable[[Any], str | None] | None = None
+    invocation: bool = False
 
 
 def setting(default: Any, help: str, *, option: str | None = None, **spec: Any) -> Any:
@@ -42,7 +44,9 @@ def setting(default: Any, help: str, *, option: str | None = None, **spec: Any) 
 
     `option` is the flat option name when it differs from the field name; `min`/`max`
     are inclusive bounds, `gt`/`lt` exclusive ones, `check(value)` returns the reason a
-    value is bad (or None).
+    value is bad (or None). `invocation=True` marks a flag of one invocation
+    (`--overwrite`, `--debug`): it is not saved with a run and never read from a config
+    file, where the flag of the run that wrote the file would act again unasked.
     """
     return field(default=default, metadata={"dflash": Spec(help, option, **spec)})
 
@@ -180,3 +184,76 @@ class Section:
     def __post_init__(self) -> None:
         for opt in field_options(type(self)):
             opt.validate(getattr(self, opt.field))
+
+
+@dataclass(frozen=True)
+class FileValues:
+    """What a config file sets: option values, the key that set each (as written), and
+    the invocation flags it held, left out (see `setting`)."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+    left_out: tuple[str, ...] = ()
+
+
+def _key_name(key: Any) -> str:
+    return str(key).replace("-", "_")
+
+
+class Schema:
+    """Named sections of settings: their options by flat name, and what a config file's
+    mapping (flat names in snake or kebab case, or `section: {field: ...}`) sets."""
+
+    def __init__(self, sections: Mapping[str, type[Section]]) -> None:
+        self.sections = dict(sections)
+        self.options = tuple(
+            dataclasses.replace(opt, section=name)
+            for name, cls in self.sections.items()
+            for opt in field_options(cls)
+        )
+        self.by_name: dict[str, Option] = {}
+        for opt in self.options:
+            assert opt.name not in self.by_name, f"option name {opt.name} is declared twice"
+            self.by_name[opt.name] = opt
+
+    def section_options(self, section: str) -> tuple[Option, ...]:
+        return tuple(opt for opt in self.options if opt.section == section)
+
+    def _items(self, raw: Mapping[str, Any], source: str) -> Iterator[tuple[str, Option, Any]]:
+        """(key as written, option, value) of a flat or sectioned mapping."""
+        for key, value in raw.items():
+            name = _key_name(key)
+            if name in self.sections and isinstance(value, Mapping):
+                by_field = {o.field: o for o in self.section_options(name)}
+                for sub, item in value.items():
+                    opt = by_field.get(_key_name(sub))
+                    if opt is None:
+                        raise ConfigError(
+                            f"{source}: unknown key {name}.{sub!s} in section {name!r}"
+                        )
+                    yield f"{name}.{sub}", opt, item
+            elif name in self.by_name:
+                yield str(key), self.by_name[name], value
+            else:
+                what = "section" if isinstance(value, Mapping) else "key"
+                raise ConfigError(f"{source}: unknown {what} {key!s}")
+
+    def read(self, raw: Mapping[str, Any], source: str) -> FileValues:
+        """The values of a config file's mapping; an unknown section or key, a wrong type
+        or an option set twice is one ConfigError naming the key and `source`."""
+        keys: dict[str, str] = {}  # option -> the key that set it
+        for key, opt, _ in self._items(raw, source):
+            if opt.name in keys:  # flat and in its section, or snake and kebab case
+                raise ConfigError(
+                    f"{source}: {opt.flag} is set twice, as {keys[opt.name]!r} and as {key!r}: "
+                    "keep one"
+                )
+            keys[opt.name] = key
+        values = {
+            opt.name: opt.from_file(value, source)
+            for _, opt, value in self._items(raw, source)
+            if not opt.spec.invocation
+        }
+        left_out = tuple(name for name in keys if self.by_name[name].spec.invocation)
+        kept = {name: key for name, key in keys.items() if name in values}
+        return FileValues(values, kept, left_out)

@@ -10,19 +10,21 @@ help line are all that the command line (`--seq-len`), the environment
 `data: {seq_len: ...}`) and the saved OUTPUT_DIR/config.json need: `options()` derives
 them. Each section validates itself in `__post_init__` and names the flag to change,
 so the Python API and the command line reject the same values with the same line.
+config.json records the run, not one invocation: the fields declared with
+`invocation=True` (`--overwrite`, `--resume`, ...) are not saved, and a config file's
+value of one is left out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any, Literal
 
 from dflash.config import checks
-from dflash.config.schema import ConfigError, Option, Section, field_options, setting
+from dflash.config.schema import ConfigError, FileValues, Option, Schema, Section, setting
 
 # Bump when a saved config.json can no longer be read as it was written.
 SCHEMA_VERSION = 1
@@ -271,18 +273,21 @@ class RunConfig(Section):
         None,
         "Continue from a checkpoint directory, or `latest` for the newest one under "
         "OUTPUT_DIR/checkpoints.",
+        invocation=True,
     )
     allow_data_change: bool = setting(
         False,
         "With --resume, continue on other data (another --data, --seq-len, --batch-size, "
         "--heldout-fraction or --packing, or changed file contents): batches from the resumed "
         "step on come from the new data. Without it such a resume is refused.",
+        invocation=True,
     )
     overwrite: bool = setting(
         False,
         "Replace the earlier run that OUTPUT_DIR holds (its config, metrics, checkpoints, "
         "drafter, summary and report are deleted once this run has passed its checks); "
         "without it such a folder is refused unless --resume continues the run.",
+        invocation=True,
     )
     init_from: str | None = setting(
         None,
@@ -326,17 +331,21 @@ class RunConfig(Section):
         "`PYTHON -m vllm.entrypoints.openai.api_server`; add flags such as "
         "--gpu-memory-utilization here).",
     )
-    debug: bool = setting(False, "Show full tracebacks instead of one-line errors.")
+    debug: bool = setting(
+        False, "Show full tracebacks instead of one-line errors.", invocation=True
+    )
     allow_over_memory: bool = setting(
         False,
         "Start even when the estimated peak memory of a step (see --dry-run) exceeds the "
         "drafter device's memory (the host's RAM on a CPU); without it such a run is refused "
         "before any model loads.",
+        invocation=True,
     )
     dry_run: bool = setting(
         False,
         "Print the estimated peak memory and FLOPs of one optimizer step and exit, "
         "without loading any weights (a hub target's config.json may be fetched).",
+        invocation=True,
     )
 
     def checkpoint_due(self, step: int) -> bool:
@@ -452,9 +461,13 @@ class TrainConfig:
         return self.loss.decay_gamma(self.drafter.block_size)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict (tuples become lists); `from_dict` reads it back."""
+        """Plain JSON-able dict (tuples become lists); `from_dict` reads it back. It records
+        the run, not one invocation: the invocation flags (`--overwrite`, `--resume`, ...)
+        are not in it."""
         out: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
         for opt in options():
+            if opt.spec.invocation:
+                continue
             value = getattr(getattr(self, opt.section), opt.field)
             out.setdefault(opt.section, {})[opt.field] = (
                 list(value) if isinstance(value, tuple) else value
@@ -463,35 +476,25 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config") -> TrainConfig:
-        """Inverse of `to_dict`; also reads flat option names (see `values_from_mapping`)."""
-        return config_from_options(values_from_mapping(raw, source))
+        """Inverse of `to_dict`; also reads flat option names (see `read_values`), and
+        leaves out the invocation flags an older config.json holds."""
+        return config_from_options(read_values(raw, source).values)
 
 
 SECTIONS: dict[str, type[Section]] = {
     f.name: f.default_factory  # type: ignore[misc]
     for f in dataclasses.fields(TrainConfig)
 }
+TRAIN = Schema(SECTIONS)
 
 
-@cache
-def section_options(cls: type[Section]) -> tuple[Option, ...]:
-    section = next(name for name, c in SECTIONS.items() if c is cls)
-    return tuple(dataclasses.replace(o, section=section) for o in field_options(cls))
-
-
-@cache
 def options() -> tuple[Option, ...]:
-    """Every setting, section by section, in declaration order."""
-    return tuple(opt for cls in SECTIONS.values() for opt in section_options(cls))
+    """Every setting of a training run, section by section, in declaration order."""
+    return TRAIN.options
 
 
-@cache
 def option_map() -> dict[str, Option]:
-    found: dict[str, Option] = {}
-    for opt in options():
-        assert opt.name not in found, f"option name {opt.name} is declared twice"
-        found[opt.name] = opt
-    return found
+    return TRAIN.by_name
 
 
 def option_default(name: str) -> Any:
@@ -522,44 +525,19 @@ def config_from_options(
     return dataclasses.replace(base, **updates)
 
 
-def _items(raw: Mapping[str, Any], source: str) -> Iterator[tuple[str, Option, Any]]:
-    """(key as written, option, value) of a flat or sectioned mapping."""
-    known = option_map()
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name == "schema_version":
-            continue
-        if name in SECTIONS and isinstance(value, Mapping):
-            by_field = {o.field: o for o in section_options(SECTIONS[name])}
-            for sub, item in value.items():
-                opt = by_field.get(str(sub).replace("-", "_"))
-                if opt is None:
-                    raise ConfigError(f"{source}: unknown key {name}.{sub!s} in section {name!r}")
-                yield f"{name}.{sub}", opt, item
-        elif name in known:
-            yield str(key), known[name], value
-        else:
-            what = "section" if isinstance(value, Mapping) else "key"
-            raise ConfigError(f"{source}: unknown {what} {key!s}")
-
-
-def values_from_mapping(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Flat option values of a config file's mapping; unknown sections or keys, a wrong
-    type or an incompatible `schema_version` are one ConfigError naming key and file."""
+def read_values(raw: Mapping[str, Any], source: str) -> FileValues:
+    """What a config file's mapping sets (flat option names, or sections as in
+    config.json); unknown sections or keys, a wrong type or an incompatible
+    `schema_version` are one ConfigError naming key and file."""
     version = raw.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
         raise ConfigError(
             f"{source}: key 'schema_version' is {version!r}; this dflash-train reads "
             f"version {SCHEMA_VERSION}"
         )
-    values: dict[str, Any] = {}
-    written: dict[str, str] = {}  # option -> the key that set it
-    for key, opt, value in _items(raw, source):
-        if opt.name in written:  # flat and in its section, or snake and kebab case
-            raise ConfigError(
-                f"{source}: {opt.flag} is set twice, as {written[opt.name]!r} and as {key!r}: "
-                "keep one"
-            )
-        written[opt.name] = key
-        values[opt.name] = opt.from_file(value, source)
-    return values
+    return TRAIN.read({k: v for k, v in raw.items() if k != "schema_version"}, source)
+
+
+def values_from_mapping(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The option values of `read_values` (invocation flags left out)."""
+    return read_values(raw, source).values
