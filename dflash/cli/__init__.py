@@ -1,10 +1,10 @@
 """`dflash-train`: the command line (click).
 
 app      the command group and `main`
-options  option types, options derived from the config tree, one-line errors
+options  option types, every command's options from the declarations, one-line errors
 train    `train` and `prepare-target`
 results  `eval`, `report` and `export`
-data     `regenerate` and `cache-hidden`
+data     `regenerate`, `cache-hidden` and `inspect-data`
 startup  the signal handlers of the first milliseconds
 
 This module imports nothing heavy: `main` puts the signal handlers in place before the

@@ -62,9 +62,17 @@ def cli() -> None:
     """
 
 
-for command in (train.train, results.eval_command, results.export_command,
-                train.prepare_target, results.report_command, data.regenerate_command,
-                data.cache_hidden_command, data.inspect_data_command):  # fmt: skip
+COMMANDS = (
+    train.train,
+    results.eval_command,
+    results.export_command,
+    train.prepare_target,
+    results.report_command,
+    data.regenerate_command,
+    data.cache_hidden_command,
+    data.inspect_data_command,
+)
+for command in COMMANDS:
     cli.add_command(command)
 
 

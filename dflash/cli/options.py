@@ -1,34 +1,36 @@
-"""Option types, options derived from the config tree, and the one-line errors.
+"""Option types, the options of every command, and the one-line errors.
 
-Every train option comes from the config tree (dflash.config.settings): flag, type,
-range, default, help and environment variable. Precedence: command-line flag >
-environment variable `DFLASH_<OPTION>` > `--config` file > built-in default. Every bad
-value ends as one `Error:` line and exit code 2; `--debug` shows the traceback instead.
+Every option of every command is declared with `setting` (dflash.config.schema): the
+training run's in dflash.config.settings, the other commands' with the components that
+read them. `Command` gives a command its options from those declarations: flag, type,
+range, default, help and environment variable `DFLASH_<OPTION>` (an option two commands
+share reads the same variable). Precedence: command-line flag > environment variable >
+`--config` file > built-in default. Every bad value ends as one `Error:` line naming it
+(the flag, the variable or the file's key) and exit code 2, before any model loads;
+`--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import click
+from click.core import ParameterSource
 
-from dflash.config.schema import Option
-from dflash.config.settings import (
-    TrainConfig,
-    config_from_options,
-    option_map,
-    options,
-    values_from_mapping,
-)
+from dflash.config.commands import ServerConfig
+from dflash.config.schema import FileValues, Option, Schema, Section
+from dflash.config.settings import TrainConfig, config_from_options, option_map, read_values
 from dflash.errors import DFlashError, first_line
 from dflash.files import cache_dir, write_text_atomic
 from dflash.run.folder import FolderLock
 from dflash.run.outputs import Output, output_problem, write_problem
+from dflash.target.served import ServerSettings
 
 
 class InputError(click.ClickException):
@@ -77,22 +79,140 @@ def _click_type(opt: Option) -> Any:
     return {int: click.INT, float: FiniteFloat(), str: click.STRING}[opt.kind]
 
 
-def schema_option(name: str, help_: str | None = None) -> Callable:
-    """The click option of config option `name`, with its DFLASH_* variable.
+def _shown_default(opt: Option) -> str:
+    if opt.required:
+        return "required"
+    if opt.default is None or opt.default == ():
+        return "default: unset"
+    value = opt.default
+    return "default: " + (",".join(map(str, value)) if isinstance(value, tuple) else str(value))
+
+
+def schema_option(opt: Option, help_: str | None = None, shown: str | None = None) -> Callable:
+    """The click option of a declared option, with its DFLASH_* variable.
 
     Its click default is None ("not given"), so a --config file's value is only
-    overridden by a flag or variable that was really set; help shows the schema default.
+    overridden by a flag or variable that was really set; help shows the declared
+    default (or `shown`, where a command reads the option's absence otherwise).
     """
-    opt = option_map()[name]
-    default = opt.default
-    shown = "unset" if default is None else (
-        ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
-    )  # fmt: skip
-    text = f"{help_ or opt.spec.help} (default: {shown})"
+    default = f"default: {shown}" if shown is not None else _shown_default(opt)
+    text = f"{help_ or opt.spec.help} ({default})"
     common: dict[str, Any] = dict(envvar=opt.envvar, show_envvar=True, help=text, default=None)
     if opt.kind is bool:
-        return click.option(f"{opt.flag}/--no-{opt.flag[2:]}", name, **common)
-    return click.option(opt.flag, name, type=_click_type(opt), **common)
+        return click.option(f"{opt.flag}/--no-{opt.flag[2:]}", opt.name, **common)
+    return click.option(opt.flag, opt.name, type=_click_type(opt), **common)
+
+
+CONFIG_HELP = (
+    "YAML, TOML or JSON file of option values: flat option names (snake_case or kebab-case) "
+    "or sections; a train config or a run's config.json may be given (the options this "
+    "command lacks are not used). Flags and DFLASH_* variables override it."
+)
+
+S = TypeVar("S", bound=Section)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one command was given: the training run's options it shares (`run`, built
+    whole as `train` would build it), its own sections, and every value that a flag, a
+    variable or the config file set (`given`: absent where the default applies)."""
+
+    run: TrainConfig
+    sections: dict[str, Section]
+    given: dict[str, Any]
+
+    def get(self, cls: type[S]) -> S:
+        (found,) = (s for s in self.sections.values() if type(s) is cls)
+        return cast(S, found)
+
+
+class Command:
+    """The options of one command, all declared with `setting`: its own `sections` and
+    the training run's options it reads, in `order` (as --help lists them). `help` and
+    `shown` give a run option the help line and shown default it has in this command.
+    Used as a decorator, it adds `--config` and every option to the click command."""
+
+    def __init__(
+        self,
+        sections: Mapping[str, type[Section]],
+        order: Iterable[str],
+        *,
+        help: Mapping[str, str] | None = None,
+        shown: Mapping[str, str] | None = None,
+        config_help: str = CONFIG_HELP,
+    ) -> None:
+        self.own = Schema(sections)
+        self.order = tuple(order)
+        self.help, self.shown = dict(help or {}), dict(shown or {})
+        self.config_help = config_help
+        missing = set(self.own.by_name) - set(self.order)
+        assert not missing, f"options left out of the order: {sorted(missing)}"
+
+    def option(self, name: str) -> Option:
+        return self.own.by_name.get(name) or option_map()[name]
+
+    def __call__(self, func: Callable) -> Callable:
+        for name in reversed(self.order):
+            func = schema_option(self.option(name), self.help.get(name), self.shown.get(name))(func)
+        config = click.option(
+            "--config", "config_file", type=click.Path(dir_okay=False), help=self.config_help
+        )
+        return config(func)
+
+    def resolve(self, config_file: str | None, given: Mapping[str, Any]) -> Settings:
+        """The command's settings: the config file's values, then the flags and variables
+        that were set, each checked where it came from (one line naming the flag, the
+        variable or the file's key), before any model loads."""
+        own, run = self._file_values(config_file) if config_file is not None else ({}, {})
+        ctx = click.get_current_context()
+        for name, value in given.items():
+            if value is None:
+                continue
+            from_env = ctx.get_parameter_source(name) is ParameterSource.ENVIRONMENT
+            origin = self.option(name).envvar if from_env else None
+            (own if name in self.own.by_name else run)[name] = (value, origin)
+        for values, declared in ((own, self.own.by_name), (run, option_map())):
+            for name, (value, origin) in values.items():
+                declared[name].validate(value, origin)
+        for opt in self.own.options:
+            if opt.required and opt.name not in own:
+                raise click.UsageError(f"Missing option '{opt.flag}'.")
+        own_values = {name: value for name, (value, _) in own.items()}
+        run_values = {name: value for name, (value, _) in run.items()}
+        return Settings(
+            config_from_options(run_values),
+            self.own.build(own_values),
+            {**run_values, **own_values},
+        )
+
+    def _file_values(self, config_file: str) -> tuple[_Found, _Found]:
+        """(value, where it was written) of every option a config file sets, this
+        command's own (flat or in their sections) and then a run's. The invocation flags
+        it holds are left out, with one line saying so."""
+        raw = read_config_file(Path(config_file))
+        source = f"config file {config_file}"
+        mine = {k: v for k, v in raw.items() if self.own.holds(k, v)}
+        own = self.own.read(mine, source)
+        run = read_values({k: v for k, v in raw.items() if k not in mine}, source)
+        left_out = [self.own.by_name[n] for n in own.left_out]
+        left_out += [option_map()[n] for n in run.left_out]
+        if left_out:
+            echo_err(
+                f"{source}: left out {', '.join(opt.flag for opt in left_out)}: flags of one "
+                "invocation are not read from a file (give them on the command line)"
+            )
+        return _found(own, source), _found(run, source)
+
+
+_Found = dict[str, tuple[Any, str | None]]  # option -> (value, where it came from)
+
+
+def _found(values: FileValues, source: str) -> _Found:
+    return {
+        name: (value, f"{source}, key {values.keys[name]!r}")
+        for name, value in values.values.items()
+    }
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -144,16 +264,6 @@ def _load_yaml(text: str) -> Any:
             return super().construct_mapping(node, deep=deep)
 
     return yaml.load(text, Loader=UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
-
-
-def build_config(config_file: str | None, given: dict[str, Any]) -> TrainConfig:
-    """The run's config: file values, then the flags and variables that were set."""
-    values: dict[str, Any] = {}
-    if config_file is not None:
-        raw = read_config_file(Path(config_file))
-        values = values_from_mapping(raw, f"config file {config_file}")
-    values.update({k: v for k, v in given.items() if v is not None})
-    return config_from_options(values)
 
 
 def report_errors(debug: bool, run: Callable[[], Any]) -> Any:
@@ -210,32 +320,19 @@ def locked_output(value: str, flag: str, debug: bool) -> Iterator[None]:
         lock.release()
 
 
-def schema_options(names: tuple[str, ...]) -> Callable[[Callable], Callable]:
-    """The click options of config options `names`, in that order."""
-
-    def add(func: Callable) -> Callable:
-        for name in reversed(names):
-            func = schema_option(name)(func)
-        return func
-
-    return add
+debug_option = schema_option(option_map()["debug"])
 
 
-def train_options(func: Callable) -> Callable:
-    """Every option of the config tree, in declaration order."""
-    return schema_options(tuple(opt.name for opt in options()))(func)
-
-
-DEBUG_HELP = "Show full tracebacks instead of one-line errors."
-debug_option = click.option("--debug/--no-debug", default=False, show_default=True, help=DEBUG_HELP)
-
-
-def device_option(what: str) -> Callable:
-    """`--device` of the commands that run one model on one device (not `train`)."""
-    return click.option(
-        "--device", default="auto", show_default=True, envvar="DFLASH_DEVICE", show_envvar=True,
-        help=f"Device for {what} (cpu, cuda:0, ...); auto picks cuda:0 when present.",
-    )  # fmt: skip
+def server_settings(server: ServerConfig, concurrency: int) -> ServerSettings:
+    """The client settings of `--server` and the command's own `--concurrency`."""
+    assert server.server is not None
+    return ServerSettings(
+        server.server,
+        concurrency=concurrency,
+        timeout_s=server.request_timeout,
+        retries=server.retries,
+        model=server.server_model,
+    )
 
 
 def echo_err(line: str) -> None:

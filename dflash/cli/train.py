@@ -6,36 +6,29 @@ from typing import Any
 
 import click
 
-from dflash.cli.options import (
-    build_config,
-    check_cache_dir,
-    debug_option,
-    echo_err,
-    report_errors,
-    schema_option,
-    train_options,
-)
+from dflash.cli.options import Command, check_cache_dir, echo_err, report_errors
 from dflash.cli.startup import exiting_at_once
-from dflash.config.settings import config_from_options
+from dflash.config.settings import options
 from dflash.errors import first_line
 from dflash.pipeline.queues import PipelineError
 from dflash.run.outputs import check_run_outputs
 
+TRAIN = Command(
+    {},
+    (opt.name for opt in options()),
+    config_help="YAML, TOML or JSON file of option values: flat option names (snake_case or "
+    "kebab-case) or sections as in OUTPUT_DIR/config.json, which reproduces that run (its "
+    "invocation flags, such as --overwrite, are left out: give them here). Flags and "
+    "DFLASH_* variables override it.",
+)
+
 
 @click.command()
-@click.option(
-    "--config",
-    "config_file",
-    type=click.Path(dir_okay=False),
-    help="YAML, TOML or JSON file of option values: flat option names (snake_case or "
-    "kebab-case) or sections as in OUTPUT_DIR/config.json, which reproduces that run. "
-    "Flags and DFLASH_* variables override it.",
-)
-@train_options
+@TRAIN
 def train(config_file: str | None, **given: Any) -> None:
     """Train a drafter: final drafter in OUTPUT_DIR/drafter/, figures in summary.json."""
     debug = bool(given.get("debug"))
-    cfg = report_errors(debug, lambda: build_config(config_file, given))
+    cfg = report_errors(debug, lambda: TRAIN.resolve(config_file, given).run)
     if cfg.run.dry_run:
         with exiting_at_once():
             from dflash.run.estimate import dry_run_lines  # deferred: torch
@@ -56,22 +49,26 @@ def train(config_file: str | None, **given: Any) -> None:
         raise click.ClickException(first_line(exc)) from None
 
 
-@click.command("prepare-target")
-@schema_option(
-    "target",
-    "Target to prepare: builtin:tiny trains and caches the tiny LM (always with seed 0, so "
-    "every run finds the same one) under $DFLASH_CACHE_DIR, else ~/.cache/dflash-train; a "
-    "Hugging Face id or directory is loaded once (downloaded where the machine has internet).",
+PREPARE_TARGET = Command(
+    {},
+    ("target", "debug"),
+    help={
+        "target": "Target to prepare: builtin:tiny trains and caches the tiny LM (always with "
+        "seed 0, so every run finds the same one) under $DFLASH_CACHE_DIR, else "
+        "~/.cache/dflash-train; a Hugging Face id or directory is loaded once (downloaded "
+        "where the machine has internet).",
+    },
 )
-@debug_option
-def prepare_target(target: str | None, debug: bool) -> None:
+
+
+@click.command("prepare-target")
+@PREPARE_TARGET
+def prepare_target(config_file: str | None, **given: Any) -> None:
     """Prepare (train or download) and cache a target so that `train` starts at once."""
+    debug = bool(given["debug"])
+    spec = report_errors(debug, lambda: PREPARE_TARGET.resolve(config_file, given)).run.target.spec
     check_cache_dir()
     with exiting_at_once():
         from dflash.target.load import prepare_target_spec  # deferred: torch
 
-    def go() -> None:
-        spec = config_from_options({"target": target}).target.spec
-        click.echo(str(prepare_target_spec(spec, log=echo_err)))
-
-    report_errors(debug, go)
+    click.echo(str(report_errors(debug, lambda: prepare_target_spec(spec, log=echo_err))))

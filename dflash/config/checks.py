@@ -9,20 +9,27 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 from tracing.config import TracingConfigError, parse_endpoint
 
 __all__ = [
     "device_list",
     "endpoint",
+    "existing_file",
+    "existing_folder",
+    "http_url",
+    "json_object",
     "layer_ids",
     "layer_order",
     "noise_ratios",
     "noise_spec",
     "not_blank",
+    "one_device",
     "parse_steps",
     "split_device_name",
     "step_range",
+    "token_ids",
 ]
 
 
@@ -118,6 +125,37 @@ def device_list(names: tuple[str, ...]) -> str | None:
         if split_device_name(name) is None:
             return f"{name!r} is not a device: expected auto, cpu, mps, cuda or cuda:N"
     return None
+
+
+def one_device(name: str) -> str | None:
+    """The device of a command that runs its models on one (`eval`, `regenerate`)."""
+    if name == "auto" or split_device_name(name) is not None:
+        return None
+    return "expected auto, cpu, mps, cuda or cuda:N"
+
+
+def existing_folder(path: str | None) -> str | None:
+    """An input folder (a drafter): checked when the options are read, before any work."""
+    if path is None or Path(path).is_dir():
+        return None
+    return "it is a file, not a folder" if Path(path).exists() else "no such folder"
+
+
+def existing_file(path: str | None) -> str | None:
+    """An input file (prompts): checked when the options are read, before any work."""
+    if path is None or Path(path).is_file():
+        return None
+    return "it is a folder, not a file" if Path(path).exists() else "no such file"
+
+
+def http_url(url: str | None) -> str | None:
+    if url is None or url.startswith(("http://", "https://")):
+        return None
+    return "expected an http:// or https:// URL"
+
+
+def token_ids(ids: tuple[int, ...]) -> str | None:
+    return "ids must be >= 0" if any(i < 0 for i in ids) else None
 
 
 def json_object(text: str | None) -> str | None:

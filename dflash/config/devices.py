@@ -138,9 +138,8 @@ class Placement:
         return self.drafters[0]
 
     def describe(self) -> str:
-        names = {side: ",".join(map(str, devs)) for side, devs in
-                 (("t", self.targets), ("d", self.drafters))}  # fmt: skip
-        return f"targets {names['t']}, drafters {names['d']}"
+        targets, drafters = (",".join(map(str, devs)) for devs in (self.targets, self.drafters))
+        return f"targets {targets}, drafters {drafters}"
 
 
 def decide_placement(

@@ -3,7 +3,9 @@
 A field is declared with `setting(default, help, **range)`; `field_options(cls)`
 reads its type from the annotation (`Literal` for choices, `| None` when unset is
 allowed, `tuple[T, ...]` for lists) and gives the `Option` that the CLI, the
-environment, config files and validation all use.
+environment, config files and validation all use. A `Schema` is the named sections of
+one command (the training run's, `eval`'s, ...): its option names, and what a config
+file's mapping sets.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import dataclasses
 import math
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Literal
@@ -35,6 +37,7 @@ class Spec:
     gt: float | None = None
     lt: float | None = None
     check: Callable[[Any], str | None] | None = None
+    invocation: bool = False
 
 
 def setting(default: Any, help: str, *, option: str | None = None, **spec: Any) -> Any:
@@ -42,7 +45,10 @@ def setting(default: Any, help: str, *, option: str | None = None, **spec: Any) 
 
     `option` is the flat option name when it differs from the field name; `min`/`max`
     are inclusive bounds, `gt`/`lt` exclusive ones, `check(value)` returns the reason a
-    value is bad (or None).
+    value is bad (or None). `invocation=True` marks a flag of one invocation
+    (`--overwrite`, `--debug`): it is not saved with a run and never read from a config
+    file, where the flag of the run that wrote the file would act again unasked. A
+    default of None on a type without `| None` makes the option required.
     """
     return field(default=default, metadata={"dflash": Spec(help, option, **spec)})
 
@@ -69,21 +75,28 @@ class Option:
     def envvar(self) -> str:
         return "DFLASH_" + self.name.upper()
 
-    def fail(self, value: Any, reason: str) -> ConfigError:
-        shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
-        return ConfigError(f"{self.flag} {shown!r} is invalid: {reason}")
+    @property
+    def required(self) -> bool:
+        return self.default is None and not self.optional
 
-    def validate(self, value: Any) -> None:
+    def fail(self, value: Any, reason: str, origin: str | None = None) -> ConfigError:
+        """The one line of a bad value; `origin` names where it came from when that was
+        not the flag (an environment variable, a config file's key)."""
+        shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
+        where = f" (from {origin})" if origin else ""
+        return ConfigError(f"{self.flag} {shown!r}{where} is invalid: {reason}")
+
+    def validate(self, value: Any, origin: str | None = None) -> None:
         """Type, finiteness, range, choices and the field's own check; ConfigError."""
         if value is None:
             if not self.optional:
-                raise self.fail(value, "must be set")
+                raise self.fail(value, "must be set", origin)
             return
         reason = self._type_reason(value) or self._range_reason(value)
         if reason is None and self.spec.check is not None:
             reason = self.spec.check(value)
         if reason is not None:
-            raise self.fail(value, reason)
+            raise self.fail(value, reason, origin)
 
     def _type_reason(self, value: Any) -> str | None:
         if self.kind is tuple:
@@ -169,9 +182,14 @@ def _option(f: dataclasses.Field, hint: Any) -> Option:
 
 @cache
 def field_options(cls: type) -> tuple[Option, ...]:
-    """The options of a section dataclass, in declaration order (section left empty)."""
+    """The options of a section dataclass, in declaration order (section left empty).
+
+    Fields not declared with `setting` are no options: values a command hands over from
+    options declared elsewhere (`eval`'s prompts come from the run's `--data`)."""
     hints = typing.get_type_hints(cls)
-    return tuple(_option(f, hints[f.name]) for f in dataclasses.fields(cls))
+    return tuple(
+        _option(f, hints[f.name]) for f in dataclasses.fields(cls) if "dflash" in f.metadata
+    )
 
 
 class Section:
@@ -180,3 +198,91 @@ class Section:
     def __post_init__(self) -> None:
         for opt in field_options(type(self)):
             opt.validate(getattr(self, opt.field))
+
+
+@dataclass(frozen=True)
+class FileValues:
+    """What a config file sets: option values, the key that set each (as written), and
+    the invocation flags it held, left out (see `setting`)."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    keys: dict[str, str] = field(default_factory=dict)
+    left_out: tuple[str, ...] = ()
+
+
+def _key_name(key: Any) -> str:
+    return str(key).replace("-", "_")
+
+
+class Schema:
+    """The named sections of one command: its options by flat name, and what a config
+    file's mapping (flat names in snake or kebab case, or `section: {field: ...}`) sets."""
+
+    def __init__(self, sections: Mapping[str, type[Section]]) -> None:
+        self.sections = dict(sections)
+        self.options = tuple(
+            dataclasses.replace(opt, section=name)
+            for name, cls in self.sections.items()
+            for opt in field_options(cls)
+        )
+        self.by_name: dict[str, Option] = {}
+        for opt in self.options:
+            assert opt.name not in self.by_name, f"option name {opt.name} is declared twice"
+            self.by_name[opt.name] = opt
+
+    def section_options(self, section: str) -> tuple[Option, ...]:
+        return tuple(opt for opt in self.options if opt.section == section)
+
+    def holds(self, key: Any, value: Any) -> bool:
+        """Whether a top-level key of a config file is one of these sections (a mapping)
+        or options (anything else): `drafter: {...}` of a run's config.json is its section,
+        not `eval --drafter`."""
+        name = _key_name(key)
+        return name in self.sections if isinstance(value, Mapping) else name in self.by_name
+
+    def _items(self, raw: Mapping[str, Any], source: str) -> Iterator[tuple[str, Option, Any]]:
+        """(key as written, option, value) of a flat or sectioned mapping."""
+        for key, value in raw.items():
+            name = _key_name(key)
+            if name in self.sections and isinstance(value, Mapping):
+                by_field = {o.field: o for o in self.section_options(name)}
+                for sub, item in value.items():
+                    opt = by_field.get(_key_name(sub))
+                    if opt is None:
+                        raise ConfigError(
+                            f"{source}: unknown key {name}.{sub!s} in section {name!r}"
+                        )
+                    yield f"{name}.{sub}", opt, item
+            elif name in self.by_name:
+                yield str(key), self.by_name[name], value
+            else:
+                what = "section" if isinstance(value, Mapping) else "key"
+                raise ConfigError(f"{source}: unknown {what} {key!s}")
+
+    def read(self, raw: Mapping[str, Any], source: str) -> FileValues:
+        """The values of a config file's mapping; an unknown section or key, a wrong type
+        or an option set twice is one ConfigError naming the key and `source`."""
+        keys: dict[str, str] = {}  # option -> the key that set it
+        for key, opt, _ in self._items(raw, source):
+            if opt.name in keys:  # flat and in its section, or snake and kebab case
+                raise ConfigError(
+                    f"{source}: {opt.flag} is set twice, as {keys[opt.name]!r} and as {key!r}: "
+                    "keep one"
+                )
+            keys[opt.name] = key
+        values = {
+            opt.name: opt.from_file(value, source)
+            for _, opt, value in self._items(raw, source)
+            if not opt.spec.invocation
+        }
+        left_out = tuple(name for name in keys if self.by_name[name].spec.invocation)
+        kept = {name: key for name, key in keys.items() if name in values}
+        return FileValues(values, kept, left_out)
+
+    def build(self, values: Mapping[str, Any]) -> dict[str, Section]:
+        """Every section, validated, with `values` (flat option names) over its defaults."""
+        fields: dict[str, dict[str, Any]] = {name: {} for name in self.sections}
+        for name, value in values.items():
+            opt = self.by_name[name]
+            fields[opt.section][opt.field] = tuple(value) if isinstance(value, list) else value
+        return {name: cls(**fields[name]) for name, cls in self.sections.items()}

@@ -10,19 +10,21 @@ help line are all that the command line (`--seq-len`), the environment
 `data: {seq_len: ...}`) and the saved OUTPUT_DIR/config.json need: `options()` derives
 them. Each section validates itself in `__post_init__` and names the flag to change,
 so the Python API and the command line reject the same values with the same line.
+config.json records the run, not one invocation: the fields declared with
+`invocation=True` (`--overwrite`, `--resume`, ...) are not saved, and a config file's
+value of one is left out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any, Literal
 
 from dflash.config import checks
-from dflash.config.schema import ConfigError, Option, Section, field_options, setting
+from dflash.config.schema import ConfigError, FileValues, Option, Schema, Section, setting
 
 # Bump when a saved config.json can no longer be read as it was written.
 SCHEMA_VERSION = 1
@@ -55,8 +57,9 @@ class DataConfig(Section):
         "standard library source, generated once and cached), `embedded-corpus` (that source "
         "as it is), a text file, a folder, or JSONL with a `text` field or chat `messages` "
         "(loss on assistant turns only).",
-        option="data", check=checks.not_blank,
-    )  # fmt: skip
+        option="data",
+        check=checks.not_blank,
+    )
     seq_len: int = setting(128, "Tokens per packed row.", min=8)
     batch_size: int = setting(4, "Packed rows per training batch.", min=1)
     heldout_fraction: float = setting(
@@ -96,7 +99,7 @@ class DataConfig(Section):
         "or per-sample hs_*.safetensors files in speculators' layout (from vLLM through "
         "speculators, or `cache-hidden --format speculators`), whose samples are the rows.",
         check=checks.not_blank,
-    )  # fmt: skip
+    )
     strict_cache: bool = setting(
         False,
         "Stop at a missing, truncated or non-finite hidden-state sample instead of leaving "
@@ -111,15 +114,17 @@ class TargetConfig(Section):
     spec: str = setting(
         "builtin:tiny",
         "Target model: `builtin:tiny`, a local Hugging Face directory or a hub id.",
-        option="target", check=checks.not_blank,
-    )  # fmt: skip
+        option="target",
+        check=checks.not_blank,
+    )
     layer_ids: tuple[int, ...] | None = setting(
         None,
         "Comma-separated 0-based target layer ids to capture, ascending and each once (the "
         "order vLLM and SGLang concatenate them in); unset spreads as many as "
         "--drafter-layers evenly from layer 1 to L-3 (wider on a shallow target).",
-        option="target_layers", check=checks.layer_ids,
-    )  # fmt: skip
+        option="target_layers",
+        check=checks.layer_ids,
+    )
     chat_template_kwargs: str | None = setting(
         None,
         "JSON object of chat-template arguments (e.g. '{\"enable_thinking\": false}' for a "
@@ -147,8 +152,9 @@ class DrafterSettings(Section):
     intermediate_size: int | None = setting(
         None,
         "Width of the drafter's MLP; unset uses the target's intermediate size.",
-        option="drafter_intermediate_size", min=1,
-    )  # fmt: skip
+        option="drafter_intermediate_size",
+        min=1,
+    )
     mask_token_id: int | None = setting(
         None,
         "Embedding row of the target used for masked block positions; unset takes the "
@@ -174,8 +180,9 @@ class LossConfig(Section):
         None,
         "γ of the position weight exp(-(k-1)/γ); unset picks it from the block size "
         "(4 for 8, 5 for 10, 7 for 16), or turns the decay off when --streak-alpha is set.",
-        option="loss_decay_gamma", gt=0.0,
-    )  # fmt: skip
+        option="loss_decay_gamma",
+        gt=0.0,
+    )
     use_soft_labels: bool = setting(
         False,
         "Also distill from the target's distribution (KL), not only hard labels; the "
@@ -266,18 +273,21 @@ class RunConfig(Section):
         None,
         "Continue from a checkpoint directory, or `latest` for the newest one under "
         "OUTPUT_DIR/checkpoints.",
+        invocation=True,
     )
     allow_data_change: bool = setting(
         False,
         "With --resume, continue on other data (another --data, --seq-len, --batch-size, "
         "--heldout-fraction or --packing, or changed file contents): batches from the resumed "
         "step on come from the new data. Without it such a resume is refused.",
+        invocation=True,
     )
     overwrite: bool = setting(
         False,
         "Replace the earlier run that OUTPUT_DIR holds (its config, metrics, checkpoints, "
         "drafter, summary and report are deleted once this run has passed its checks); "
         "without it such a folder is refused unless --resume continues the run.",
+        invocation=True,
     )
     init_from: str | None = setting(
         None,
@@ -321,17 +331,21 @@ class RunConfig(Section):
         "`PYTHON -m vllm.entrypoints.openai.api_server`; add flags such as "
         "--gpu-memory-utilization here).",
     )
-    debug: bool = setting(False, "Show full tracebacks instead of one-line errors.")
+    debug: bool = setting(
+        False, "Show full tracebacks instead of one-line errors.", invocation=True
+    )
     allow_over_memory: bool = setting(
         False,
         "Start even when the estimated peak memory of a step (see --dry-run) exceeds the "
         "drafter device's memory (the host's RAM on a CPU); without it such a run is refused "
         "before any model loads.",
+        invocation=True,
     )
     dry_run: bool = setting(
         False,
         "Print the estimated peak memory and FLOPs of one optimizer step and exit, "
         "without loading any weights (a hub target's config.json may be fetched).",
+        invocation=True,
     )
 
     def checkpoint_due(self, step: int) -> bool:
@@ -385,8 +399,9 @@ class TelemetryConfig(Section):
         None,
         "Share of batch traces exported; interval tables always count every phase. "
         "Unset uses OTEL_TRACES_SAMPLER[_ARG], else 1.0.",
-        min=0.0, max=1.0,
-    )  # fmt: skip
+        min=0.0,
+        max=1.0,
+    )
     trace_file: str | None = setting(
         None, "Also write spans to this file as OTLP JSON, one request per line (Jaeger loads it)."
     )
@@ -446,9 +461,13 @@ class TrainConfig:
         return self.loss.decay_gamma(self.drafter.block_size)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able dict (tuples become lists); `from_dict` reads it back."""
+        """Plain JSON-able dict (tuples become lists); `from_dict` reads it back. It records
+        the run, not one invocation: the invocation flags (`--overwrite`, `--resume`, ...)
+        are not in it."""
         out: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
         for opt in options():
+            if opt.spec.invocation:
+                continue
             value = getattr(getattr(self, opt.section), opt.field)
             out.setdefault(opt.section, {})[opt.field] = (
                 list(value) if isinstance(value, tuple) else value
@@ -457,35 +476,25 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], source: str = "config") -> TrainConfig:
-        """Inverse of `to_dict`; also reads flat option names (see `values_from_mapping`)."""
-        return config_from_options(values_from_mapping(raw, source))
+        """Inverse of `to_dict`; also reads flat option names (see `read_values`), and
+        leaves out the invocation flags an older config.json holds."""
+        return config_from_options(read_values(raw, source).values)
 
 
 SECTIONS: dict[str, type[Section]] = {
     f.name: f.default_factory  # type: ignore[misc]
     for f in dataclasses.fields(TrainConfig)
 }
+TRAIN = Schema(SECTIONS)
 
 
-@cache
-def section_options(cls: type[Section]) -> tuple[Option, ...]:
-    section = next(name for name, c in SECTIONS.items() if c is cls)
-    return tuple(dataclasses.replace(o, section=section) for o in field_options(cls))
-
-
-@cache
 def options() -> tuple[Option, ...]:
-    """Every setting, section by section, in declaration order."""
-    return tuple(opt for cls in SECTIONS.values() for opt in section_options(cls))
+    """Every setting of a training run, section by section, in declaration order."""
+    return TRAIN.options
 
 
-@cache
 def option_map() -> dict[str, Option]:
-    found: dict[str, Option] = {}
-    for opt in options():
-        assert opt.name not in found, f"option name {opt.name} is declared twice"
-        found[opt.name] = opt
-    return found
+    return TRAIN.by_name
 
 
 def option_default(name: str) -> Any:
@@ -516,44 +525,19 @@ def config_from_options(
     return dataclasses.replace(base, **updates)
 
 
-def _items(raw: Mapping[str, Any], source: str) -> Iterator[tuple[str, Option, Any]]:
-    """(key as written, option, value) of a flat or sectioned mapping."""
-    known = option_map()
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name == "schema_version":
-            continue
-        if name in SECTIONS and isinstance(value, Mapping):
-            by_field = {o.field: o for o in section_options(SECTIONS[name])}
-            for sub, item in value.items():
-                opt = by_field.get(str(sub).replace("-", "_"))
-                if opt is None:
-                    raise ConfigError(f"{source}: unknown key {name}.{sub!s} in section {name!r}")
-                yield f"{name}.{sub}", opt, item
-        elif name in known:
-            yield str(key), known[name], value
-        else:
-            what = "section" if isinstance(value, Mapping) else "key"
-            raise ConfigError(f"{source}: unknown {what} {key!s}")
-
-
-def values_from_mapping(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Flat option values of a config file's mapping; unknown sections or keys, a wrong
-    type or an incompatible `schema_version` are one ConfigError naming key and file."""
+def read_values(raw: Mapping[str, Any], source: str) -> FileValues:
+    """What a config file's mapping sets (flat option names, or sections as in
+    config.json); unknown sections or keys, a wrong type or an incompatible
+    `schema_version` are one ConfigError naming key and file."""
     version = raw.get("schema_version", SCHEMA_VERSION)
     if version != SCHEMA_VERSION:
         raise ConfigError(
             f"{source}: key 'schema_version' is {version!r}; this dflash-train reads "
             f"version {SCHEMA_VERSION}"
         )
-    values: dict[str, Any] = {}
-    written: dict[str, str] = {}  # option -> the key that set it
-    for key, opt, value in _items(raw, source):
-        if opt.name in written:  # flat and in its section, or snake and kebab case
-            raise ConfigError(
-                f"{source}: {opt.flag} is set twice, as {written[opt.name]!r} and as {key!r}: "
-                "keep one"
-            )
-        written[opt.name] = key
-        values[opt.name] = opt.from_file(value, source)
-    return values
+    return TRAIN.read({k: v for k, v in raw.items() if k != "schema_version"}, source)
+
+
+def values_from_mapping(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The option values of `read_values` (invocation flags left out)."""
+    return read_values(raw, source).values

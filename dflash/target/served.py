@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+from dflash.config.commands import ServerConfig
 from dflash.data.tokenizer import encode_texts, tokenizer_fingerprint
 from dflash.errors import DFlashError, first_line
 
@@ -46,8 +47,8 @@ class ServerError(DFlashError):
 class ServerSettings:
     url: str  # the server's base URL, with or without /v1
     concurrency: int = 8
-    timeout_s: float = 600.0  # per request
-    retries: int = 5
+    timeout_s: float = ServerConfig.request_timeout  # per request
+    retries: int = ServerConfig.retries
     model: str | None = None  # the served model to use; None: the server's only one
     backoff_s: float = 1.0  # first wait; doubles each retry
 

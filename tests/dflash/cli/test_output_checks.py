@@ -161,3 +161,55 @@ def test_figures_that_cannot_be_written_after_all_go_to_standard_output(tmp_path
     assert failed.value.message.startswith(f"--json {str(blocker / 'figures.json')!r} could not")
     write_json(str(tmp_path / "ok.json"), {"tau": 3.5})
     assert json.loads((tmp_path / "ok.json").read_text()) == {"tau": 3.5}
+
+
+@pytest.fixture
+def overwritten_run(tmp_path: Path) -> tuple[Path, Path]:
+    """(A, B): A a run started with --overwrite, B another finished run."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder, *extra in ((first, "--overwrite"), (second,)):
+        result = invoke(train_args(tmp_path, folder, *extra))
+        assert result.exit_code == 0, result.output
+    return first, second
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_the_config_of_an_overwriting_run_does_not_overwrite_another(overwritten_run) -> None:
+    """config.json records the run, not the invocation: reusing it for another folder
+    is refused there as a run without --overwrite is, and that folder stays as it was."""
+    first, second = overwritten_run
+    saved = json.loads((first / "config.json").read_text())
+    assert "overwrite" not in saved["run"] and "resume" not in saved["run"]
+    before = state(second)
+    line = refused(invoke(["train", "--config", first / "config.json", "--output-dir", second]))
+    assert line.startswith(f"Error: --output-dir {str(second)!r} holds an earlier run (")
+    assert state(second) == before
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_an_older_config_with_invocation_flags_leaves_them_out_in_one_line(
+    tmp_path, overwritten_run
+) -> None:
+    first, second = overwritten_run
+    older = json.loads((first / "config.json").read_text())
+    older["run"].update(overwrite=True, resume="latest", debug=True)  # as configs were saved
+    config = tmp_path / "older.json"
+    config.write_text(json.dumps(older))
+    before = state(second)
+    result = invoke(["train", "--config", config, "--output-dir", second])
+    assert result.exit_code == 2, result.output
+    note, error = result.output.strip().splitlines()
+    assert note == (
+        f"config file {config}: left out --overwrite, --resume, --debug: flags of one "
+        "invocation are not read from a file (give them on the command line)"
+    )
+    assert error.startswith(f"Error: --output-dir {str(second)!r} holds an earlier run (")
+    assert state(second) == before
+    flat = tmp_path / "flat.yaml"
+    flat.write_text(f"overwrite: true\noutput_dir: {second}\n")
+    result = invoke(["train", *train_args(tmp_path, second)[1:], "--config", flat])
+    assert result.output.splitlines()[0] == (
+        f"config file {flat}: left out --overwrite: flags of one invocation are not read "
+        "from a file (give them on the command line)"
+    )
+    assert result.exit_code == 2 and state(second) == before

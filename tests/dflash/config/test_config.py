@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -16,6 +17,7 @@ from dflash.config.settings import (
     config_from_options,
     option_map,
     options,
+    read_values,
     values_from_mapping,
 )
 from dflash.errors import DFlashError
@@ -77,7 +79,35 @@ def test_every_option_has_a_round_trip_value() -> None:
         assert value != option_map()[name].default, name
 
 
-@pytest.mark.parametrize("name", sorted(NON_DEFAULT))
+INVOCATION = sorted(o.name for o in options() if o.spec.invocation)
+
+
+def without_invocation_flags(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with every flag of one invocation at its default: what config.json records."""
+    sections = {}
+    for opt in options():
+        if opt.spec.invocation:
+            sections.setdefault(opt.section, {})[opt.field] = opt.default
+    return dataclasses.replace(
+        cfg, **{s: dataclasses.replace(getattr(cfg, s), **f) for s, f in sections.items()}
+    )
+
+
+def test_the_invocation_flags_are_these() -> None:
+    """config.json records the run, not one invocation: a flag that says what this
+    invocation does (replace or continue the run in its folder, allow what would be
+    refused, show tracebacks, only estimate) is not in it."""
+    assert INVOCATION == [
+        "allow_data_change",
+        "allow_over_memory",
+        "debug",
+        "dry_run",
+        "overwrite",
+        "resume",
+    ]
+
+
+@pytest.mark.parametrize("name", sorted(set(NON_DEFAULT) - set(INVOCATION)))
 def test_every_field_round_trips_through_config_json(name) -> None:
     cfg = config_from_options({name: NON_DEFAULT[name]})
     text = json.dumps(cfg.to_dict())  # what OUTPUT_DIR/config.json holds
@@ -87,9 +117,21 @@ def test_every_field_round_trips_through_config_json(name) -> None:
     assert getattr(getattr(back, opt.section), opt.field) == NON_DEFAULT[name]
 
 
+@pytest.mark.parametrize("name", INVOCATION)
+def test_invocation_flags_are_not_saved_nor_read_back(name) -> None:
+    opt = option_map()[name]
+    saved = config_from_options({name: NON_DEFAULT[name]}).to_dict()
+    assert opt.field not in saved[opt.section]
+    older = {"schema_version": SCHEMA_VERSION, opt.section: {opt.field: NON_DEFAULT[name]}}
+    assert TrainConfig.from_dict(older) == TrainConfig()  # an older config.json holds them
+    found = read_values({name: NON_DEFAULT[name], "seed": 3}, "f.yaml")
+    assert (found.values, found.left_out) == ({"seed": 3}, (name,))
+
+
 def test_all_fields_at_once_round_trip() -> None:
     cfg = config_from_options(NON_DEFAULT)
-    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    back = TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert back == without_invocation_flags(cfg) != TrainConfig()
     assert cfg.to_dict()["schema_version"] == SCHEMA_VERSION
 
 

@@ -99,8 +99,8 @@ def _simulate_torchrun_node(monkeypatch: pytest.MonkeyPatch, rank: int, gpus: in
     """A node with `gpus` GPUs under `torchrun --nproc-per-node 2`, seen from `rank`."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2,
-                        "LOCAL_WORLD_SIZE": 2}.items():  # fmt: skip
+    node = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2}
+    for name, value in node.items():
         monkeypatch.setenv(name, str(value))
 
 
