@@ -379,7 +379,8 @@ class PipelineConfig(Section):
 
 @dataclass(frozen=True)
 class TelemetryConfig(Section):
-    """Tracing and interval tables (docs/design.md §5–§8); dflash.observe reads it."""
+    """Tracing and interval tables (docs/design.md §5, docs/observability.md); dflash.observe
+    reads it."""
 
     otlp_endpoint: str | None = setting(
         None,
