@@ -281,9 +281,10 @@ class Phase(SpanHandle):
     marks the span ERROR, then propagates. `device` (e.g. "cuda:0"): `sync` timing
     synchronizes it at both ends; `events` resolves device events off the hot path."""
 
-    __slots__ = ("_level", "_parent", "_given_attributes", "_device", "_token", "_rt",
-                 "_mode", "_start_event", "_given_start_ns", "_propagate", "_otel_token",
-                 "_entries")  # fmt: skip
+    __slots__ = (
+        *("_level", "_parent", "_given_attributes", "_device", "_token", "_rt", "_mode"),
+        *("_start_event", "_given_start_ns", "_propagate", "_otel_token", "_entries"),
+    )
 
     def __init__(
         self,
