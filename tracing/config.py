@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 EXPORTERS = ("none", "otlp", "console", "file")
@@ -133,6 +134,7 @@ def parse_endpoint(value: object) -> str:
     return text
 
 
+logger = logging.getLogger("tracing")
 _warned: set[str] = set()
 
 
@@ -141,4 +143,14 @@ def warn_once(key: str, message: str) -> None:
     it cannot use, and never raises into the host program."""
     if key not in _warned:
         _warned.add(key)
-        logging.getLogger("tracing").warning("tracing: %s", message)
+        logger.warning("tracing: %s", message)
+
+
+def call_logged(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`, or None when it raised (logged): telemetry never crashes the
+    host program."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        logger.exception("tracing: %s raised", getattr(fn, "__qualname__", repr(fn)))
+        return None

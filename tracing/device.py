@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tracing.config import call_logged
+
 logger = logging.getLogger("tracing")
 
 
@@ -216,7 +218,7 @@ class EventResolver:
                     device_s = None
                 queue.popleft()
                 self.resolved += device_s is not None
-                _call(callback, device_s)
+                call_logged(callback, device_s)
                 progressed = True
         return progressed
 
@@ -235,14 +237,7 @@ class EventResolver:
         for queue in list(self._queues.values()):
             while queue:
                 _, _, callback = queue.popleft()
-                _call(callback, None)
+                call_logged(callback, None)
                 left += 1
         self.unresolved += left
         return left
-
-
-def _call(callback: Callable[[float | None], None], device_s: float | None) -> None:
-    try:
-        callback(device_s)
-    except Exception:
-        logger.exception("tracing: device timing callback raised")

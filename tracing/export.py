@@ -37,7 +37,14 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 
-from tracing.config import PROTOCOLS, TracingConfig, TracingConfigError, parse_exporters, warn_once
+from tracing.config import (
+    PROTOCOLS,
+    TracingConfig,
+    TracingConfigError,
+    call_logged,
+    parse_exporters,
+    warn_once,
+)
 
 logger = logging.getLogger("tracing")
 Signal = Literal["traces", "metrics"]
@@ -226,14 +233,17 @@ class DeliveryCounts:
         return max(0, self.handed - self.exported - self.failed)
 
 
-def lower_thread_priority(done: set[int]) -> None:
-    """Lets an export thread yield the CPU to the program it observes, once per thread
-    (`done` holds those lowered): encoding spans is real work, which on busy cores should
-    fill the training threads' idle moments. On Linux a thread is a task, so setpriority
-    on its native id affects it alone."""
-    if threading.get_ident() in done:
+_lowered = threading.local()
+
+
+def lower_thread_priority() -> None:
+    """Lets an export thread yield the CPU to the program it observes, once per thread:
+    encoding spans is real work, which on busy cores should fill the training threads'
+    idle moments. On Linux a thread is a task, so setpriority on its native id affects
+    it alone."""
+    if getattr(_lowered, "done", False):
         return
-    done.add(threading.get_ident())
+    _lowered.done = True
     try:
         tid = threading.get_native_id()
         niceness = os.getpriority(os.PRIO_PROCESS, tid) + EXPORT_THREAD_NICENESS
@@ -253,20 +263,14 @@ class CountingExporter(SpanExporter):
         self.inner = inner
         self.exported = self.failed = 0
         self._closed = False
-        self._niced: set[int] = set()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lower_thread_priority(self._niced)
-        result = SpanExportResult.FAILURE
-        if not self._closed:
-            try:
-                result = self.inner.export(spans)
-            except Exception:  # telemetry never crashes the host program
-                logger.exception("tracing: exporter %s raised", type(self.inner).__name__)
-        if result == SpanExportResult.SUCCESS:
-            self.exported += len(spans)
-        else:
+        lower_thread_priority()
+        result = None if self._closed else call_logged(self.inner.export, spans)
+        if result != SpanExportResult.SUCCESS:
             self.failed += len(spans)
+            return SpanExportResult.FAILURE
+        self.exported += len(spans)
         return result
 
     def close(self) -> None:
@@ -328,10 +332,7 @@ def call_bounded(fn: Any, timeout_s: float, *args: Any) -> Any:
     result: list[Any] = [None]
 
     def target() -> None:
-        try:
-            result[0] = fn(*args)
-        except Exception:
-            logger.exception("tracing: %s raised", type(fn).__qualname__)
+        result[0] = call_logged(fn, *args)
 
     thread = threading.Thread(target=target, name="tracing-bounded-call", daemon=True)
     thread.start()

@@ -17,7 +17,6 @@ thread one bounded export per interval, counted in the report.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import threading
@@ -52,6 +51,7 @@ from tracing.clock import now_ns
 from tracing.config import (
     TracingConfig,
     TracingConfigError,
+    call_logged,
     check_choice,
     parse_exporters,
     warn_once,
@@ -67,7 +67,6 @@ from tracing.snapshot import BUCKETS_PER_OCTAVE
 from tracing.stats import ProfileStats
 from tracing.telemetry import build_resource
 
-logger = logging.getLogger("tracing")
 SCOPE = InstrumentationScope("tracing.metrics")
 # The histograms built from ProfileStats get a scope of their own: the OTLP encoder
 # keys scopes by name, and would let one replace the SDK instruments' scope.
@@ -146,27 +145,20 @@ class _StatsExporter(MetricExporter):
         super().__init__(preferred_temporality=temporality)
         self.inner, self.owner = inner, owner
         self.ok = self.failed = self.points_failed = 0
-        self._niced: set[int] = set()
 
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> MetricExportResult:
-        lower_thread_priority(self._niced)  # the reader's thread, as the spans' export
+        lower_thread_priority()  # the reader's thread, as the spans' export
         data = self.owner._with_stats(metrics_data)
-        try:
-            result = self.inner.export(data, timeout_millis=timeout_millis)
-        except Exception:
-            logger.exception("tracing: metric exporter %s raised", type(self.inner).__name__)
-            result = MetricExportResult.FAILURE
+        result = call_logged(self.inner.export, data, timeout_millis=timeout_millis)
         if result == MetricExportResult.SUCCESS:
             self.ok += 1
-        else:
-            self.failed += 1
-            metrics = [
-                m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-            ]
-            self.points_failed += sum(len(metric.data.data_points) for metric in metrics)
-        return result
+            return result
+        self.failed += 1
+        metrics = [m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
+        self.points_failed += sum(len(metric.data.data_points) for metric in metrics)
+        return MetricExportResult.FAILURE
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return self.inner.force_flush(timeout_millis)
