@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tracing.snapshot import PhaseStats, StatsSnapshot
+from tracing.snapshot import StatsSnapshot
 
 DEVICE_SUFFIX = "@device"
 """Names ending in this hold device time measured by the `events`/`sync` timing modes."""
@@ -39,34 +39,20 @@ def format_compact(snapshot: StatsSnapshot) -> str:
     return "\n".join(lines)
 
 
-def _share_text(snapshot: StatsSnapshot, name: str) -> str:
-    share = snapshot.share(name)
-    return "-" if share is None else f"{share * 100:.1f}%"
+def _row(snapshot: StatsSnapshot, name: str) -> list[str]:
+    s, share = snapshot.phases[name], snapshot.share(name)
+    durations = (s.total_s, s.mean_s, s.min_s if s.count else 0.0, s.p50_s, s.p95_s, s.max_s)
+    share_text = "-" if share is None else f"{share * 100:.1f}%"
+    return [name, str(s.count), *map(format_duration, durations), share_text]
 
 
-def _row(name: str, s: PhaseStats, share: str) -> list[str]:
+def _render(table: Sequence[Sequence[str]]) -> list[str]:
+    """The first column left-aligned, the others right-aligned."""
+    widths = [max(map(len, column)) for column in zip(*table, strict=True)]
     return [
-        name,
-        str(s.count),
-        format_duration(s.total_s),
-        format_duration(s.mean_s),
-        format_duration(s.min_s if s.count else 0.0),
-        format_duration(s.p50_s),
-        format_duration(s.p95_s),
-        format_duration(s.max_s),
-        share,
+        "  ".join([row[0].ljust(widths[0]), *map(str.rjust, row[1:], widths[1:])]).rstrip()
+        for row in table
     ]
-
-
-def _render(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    out = []
-    for row in [header, *rows]:
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        out.append("  ".join(cells).rstrip())
-    return out
 
 
 def sorted_names(snapshot: StatsSnapshot) -> list[str]:
@@ -85,20 +71,13 @@ def format_table(
     With `rank_snapshots` (one per rank, e.g. gathered under torchrun) two columns give
     the lowest and highest per-rank total of each phase, with the rank that had it.
     """
-    header = ["phase", *_COLUMNS]
-    rows = []
-    for name in sorted_names(snapshot):
-        row = _row(name, snapshot.phases[name], _share_text(snapshot, name))
-        if rank_snapshots:
-            row += _rank_spread(name, rank_snapshots)
-        rows.append(row)
-    if rank_snapshots:
-        header += ["rank min total", "rank max total"]
+    spread = ["rank min total", "rank max total"] if rank_snapshots else []
+    rows = [
+        _row(snapshot, name) + (_rank_spread(name, rank_snapshots) if rank_snapshots else [])
+        for name in sorted_names(snapshot)
+    ]
     lines = [title] if title else []
-    if not rows:
-        lines.append("(no phases recorded)")
-        return "\n".join(lines)
-    lines += _render(header, rows)
+    lines += _render([["phase", *_COLUMNS, *spread], *rows]) if rows else ["(no phases recorded)"]
     return "\n".join(lines)
 
 

@@ -7,22 +7,11 @@ across ranks. `tracing.stats.ProfileStats` fills them.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from math import floor, log2
+from math import floor, inf, log2
 from typing import Any
-
-__all__ = [
-    "BUCKETS_PER_OCTAVE",
-    "MIN_BUCKET",
-    "TINY_S",
-    "PhaseStats",
-    "StatsSnapshot",
-    "bucket_edge_s",
-    "bucket_of",
-]
 
 # 8 buckets per doubling: bucket b covers [2**(b/8), 2**((b+1)/8)) seconds.
 BUCKETS_PER_OCTAVE = 8
@@ -56,7 +45,7 @@ class PhaseStats:
 
     count: int = 0
     total_s: float = 0.0
-    min_s: float = math.inf
+    min_s: float = inf
     max_s: float = 0.0
     buckets: dict[int, int] = field(default_factory=dict)
     threads: dict[str, int] = field(default_factory=dict)
@@ -88,7 +77,9 @@ class PhaseStats:
                 return min(self.max_s, max(self.min_s, _bucket_mid_s(bucket)))
         return self.max_s
 
-    def merge(self, other: PhaseStats, thread_prefix: str = "") -> None:
+    def merge(self, other: PhaseStats, thread_prefix: str = "") -> PhaseStats:
+        """Adds `other` in (its threads' keys prefixed); returns self (`PhaseStats().merge(s)`
+        is a copy of `s`)."""
         self.count += other.count
         self.total_s += other.total_s
         self.min_s = min(self.min_s, other.min_s)
@@ -100,6 +91,7 @@ class PhaseStats:
         for key, seconds in other.thread_total_s.items():
             key = thread_prefix + key
             self.thread_total_s[key] = self.thread_total_s.get(key, 0.0) + seconds
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,7 +110,7 @@ class PhaseStats:
         return cls(
             count=int(data["count"]),
             total_s=float(data["total_s"]),
-            min_s=math.inf if min_s is None else float(min_s),
+            min_s=inf if min_s is None else float(min_s),
             max_s=float(data["max_s"]),
             buckets={int(b): int(n) for b, n in data.get("buckets", {}).items()},
             threads={str(k): int(n) for k, n in data.get("threads", {}).items()},

@@ -15,10 +15,11 @@ import threading
 import time
 import weakref
 from bisect import bisect_left, bisect_right
+from dataclasses import dataclass, field
 from threading import get_ident
 from typing import Any
 
-from tracing.format import format_compact, format_table
+from tracing.format import format_compact
 from tracing.snapshot import MIN_BUCKET, TINY_S, PhaseStats, StatsSnapshot, bucket_edge_s, bucket_of
 
 _FOLD_AT = 1024
@@ -29,19 +30,17 @@ _CURRENT_THREAD = object()
 _thread_serials = itertools.count()  # next() is atomic under the GIL
 
 
+@dataclass(slots=True)
 class _Live:
     """Figures of one name in the current interval, updated under the lock."""
 
-    __slots__ = ("count", "total_s", "min_s", "max_s", "buckets", "threads", "thread_total_s")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.total_s = 0.0
-        self.min_s = math.inf
-        self.max_s = 0.0
-        self.buckets: dict[int, int] = {}
-        self.threads: dict[Any, int] = {}
-        self.thread_total_s: dict[Any, float] = {}
+    count: int = 0
+    total_s: float = 0.0
+    min_s: float = math.inf
+    max_s: float = 0.0
+    buckets: dict[int, int] = field(default_factory=dict)
+    threads: dict[Any, int] = field(default_factory=dict)
+    thread_total_s: dict[Any, float] = field(default_factory=dict)
 
     def fold(self, values: list[float], thread: object) -> None:
         """Adds a chunk of durations of one thread. Sorting (C) then bisecting bucket
@@ -75,18 +74,6 @@ class _Live:
         return PhaseStats(
             self.count, self.total_s, self.min_s, self.max_s, dict(self.buckets), threads, totals
         )
-
-
-def _copy(stats: PhaseStats) -> PhaseStats:
-    return PhaseStats(
-        stats.count,
-        stats.total_s,
-        stats.min_s,
-        stats.max_s,
-        dict(stats.buckets),
-        dict(stats.threads),
-        dict(stats.thread_total_s),
-    )
 
 
 class ProfileStats:
@@ -193,7 +180,7 @@ class ProfileStats:
         """Cumulative figures since creation (or `reset`)."""
         with self._lock:
             self._fold_all()
-            phases = {name: _copy(stats) for name, stats in self._done.items()}
+            phases = {name: PhaseStats().merge(stats) for name, stats in self._done.items()}
             for name, live in self._live.items():
                 phases.setdefault(name, PhaseStats()).merge(live.frozen())
             now_s = time.monotonic()
@@ -253,9 +240,6 @@ class ProfileStats:
 
     def format_compact(self) -> str:
         return format_compact(self.snapshot())
-
-    def format_table(self) -> str:
-        return format_table(self.snapshot())
 
     def __str__(self) -> str:
         return self.format_compact()
