@@ -23,12 +23,11 @@ logger = logging.getLogger("tracing")
 
 
 class DeviceClock(Protocol):
-    """Thread contract: `record`/`synchronize` run on the phase's thread, `query`,
+    """`applies_to(device)`: whether phases on it get device timing (not on a CPU device).
+    Thread contract: `record`/`synchronize` run on the phase's thread, `query`,
     `elapsed_s` and `release` (the events may be recorded again) on the resolver thread."""
 
-    def applies_to(self, device: object) -> bool:
-        """Whether phases on `device` get device timing (False for e.g. a CPU device)."""
-        ...
+    def applies_to(self, device: object) -> bool: ...
 
     def record(self, device: object) -> Any: ...
 
@@ -145,8 +144,8 @@ def cuda_clock_or_none(mode: str) -> CudaClock | None:
     return CudaClock()
 
 
-# (start event, end event, on_resolved(device_s or None))
-_Pending = tuple[Any, Any, Callable[[float | None], None]]
+OnResolved = Callable[[float | None], None]  # called with the device seconds, or None
+_Pending = tuple[Any, Any, OnResolved]  # (start event, end event, on_resolved)
 
 
 class EventResolver:
@@ -166,20 +165,12 @@ class EventResolver:
         self._queues_lock = threading.Lock()  # adding a device's queue (rare)
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self.resolved = 0
-        self.unresolved = 0
         self._thread = threading.Thread(
             target=self._run, name="tracing-device-resolver", daemon=True
         )
         self._thread.start()
 
-    def submit(
-        self,
-        start: Any,
-        end: Any,
-        on_resolved: Callable[[float | None], None],
-        device: object = None,
-    ) -> None:
+    def submit(self, start: Any, end: Any, on_resolved: OnResolved, device: object = None) -> None:
         queue = self._queues.get(device)
         if queue is None:
             with self._queues_lock:
@@ -217,16 +208,13 @@ class EventResolver:
                     logger.exception("tracing: device event could not be resolved")
                     device_s = None
                 queue.popleft()
-                self.resolved += device_s is not None
                 call_logged(callback, device_s)
                 progressed = True
         return progressed
 
     def stop(self, timeout_s: float) -> int:
-        """Resolves what completes within `timeout_s`; ends the rest without device time.
-
-        Returns how many pairs stayed unresolved.
-        """
+        """Resolves what completes within `timeout_s`, ends the rest without device time;
+        returns how many those were."""
         deadline = time.monotonic() + timeout_s
         while self.pending and time.monotonic() < deadline:
             time.sleep(self._poll_interval_s)
@@ -239,5 +227,4 @@ class EventResolver:
                 _, _, callback = queue.popleft()
                 call_logged(callback, None)
                 left += 1
-        self.unresolved += left
         return left
