@@ -141,11 +141,8 @@ class _HashOnceResource(Resource):
         super().__init__(resource.attributes, resource.schema_url)
         self._hash = super().__hash__()
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # Resource's __eq__ stays: only defining __eq__ drops a hash
         return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return super().__eq__(other)
 
 
 _instance_id = str(uuid.uuid4())
@@ -380,11 +377,8 @@ def _choose_tracer(
     if isinstance(sdk_tracer, trace.NoOpTracer):  # OTEL_SDK_DISABLED=true: no spans at all
         return
     if (exporters or processors) and not isinstance(provider, TracerProvider):
-        warn_once(
-            "provider",
-            f"{type(provider).__name__} takes no span processors: tracing's "
-            "exporters and span processors are not used",
-        )
+        message = f"{type(provider).__name__} takes no span processors: tracing's are not used"
+        warn_once("provider", message)
         exporters, processors = [], ()
     ours: list[SpanProcessor] = []
     if exporters:
