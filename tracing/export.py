@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from opentelemetry.environment_variables import OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
-from opentelemetry.sdk.environment_variables import OTEL_EXPORTER_OTLP_ENDPOINT
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
@@ -52,10 +51,8 @@ EXPORT_THREAD_NICENESS = 10
 
 
 class OtlpJsonFileExporter(SpanExporter):
-    """Appends one OTLP/JSON `ExportTraceServiceRequest` object per line (ids in hex).
-
-    The format of the collector's file exporter; Jaeger's UI can load such a file.
-    """
+    """Appends one OTLP/JSON `ExportTraceServiceRequest` per line (ids in hex): the
+    format of the collector's file exporter, which Jaeger's UI can load."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -127,29 +124,30 @@ def wanted_exporters(
             return parse_exporters(named, ("none", "otlp", "console"))
         except TracingConfigError as exc:
             warn_once(variable, f"ignoring {variable}={named!r} ({exc})")
-    endpoints = (OTEL_EXPORTER_OTLP_ENDPOINT, f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
-    set_ = endpoint_given or any(os.environ.get(name, "").strip() for name in endpoints)
-    return ("otlp",) if set_ else ()
+    return ("otlp",) if endpoint_given or _otlp_variable("ENDPOINT", signal)[1] else ()
+
+
+def _otlp_variable(setting: str, signal: Signal) -> tuple[str, str]:
+    """(name, value) of OTEL_EXPORTER_OTLP_<SIGNAL>_<SETTING> if set, else of
+    OTEL_EXPORTER_OTLP_<SETTING> if set, else ("", "")."""
+    for name in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_{setting}", f"OTEL_EXPORTER_OTLP_{setting}"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            return name, value
+    return "", ""
 
 
 def otlp_protocol(explicit: str | None, signal: Signal) -> str:
-    """`explicit`, else OTEL_EXPORTER_OTLP_<SIGNAL>_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL,
-    else http/protobuf (the specification's default). The Python exporters encode
-    protobuf only: http/json is sent as http/protobuf, to the same port."""
+    """`explicit`, else OTEL_EXPORTER_OTLP_[<SIGNAL>_]PROTOCOL, else http/protobuf (the
+    specification's default). The Python exporters encode protobuf only: http/json is
+    sent as http/protobuf, to the same port."""
     if explicit is not None:
         return explicit
-    for variable in (
-        f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL",
-        "OTEL_EXPORTER_OTLP_PROTOCOL",
-    ):
-        text = os.environ.get(variable, "").strip().lower()
-        if text in PROTOCOLS:
-            return text
-        if text:
-            warn_once(
-                variable, f"{variable}={text!r} is not grpc or http/protobuf; sending http/protobuf"
-            )
-            return "http/protobuf"
+    variable, text = _otlp_variable("PROTOCOL", signal)
+    if text.lower() in PROTOCOLS:
+        return text.lower()
+    if text:
+        warn_once(variable, f"ignoring {variable}={text!r}: not grpc or http/protobuf")
     return "http/protobuf"
 
 
@@ -199,7 +197,8 @@ def build_exporters(cfg: TracingConfig) -> tuple[list[SpanExporter], list[str]]:
             exporter = otlp_exporter("traces", protocol, cfg.otlp_endpoint)
             if exporter is not None:
                 exporters.append(exporter)
-                sinks.append(f"OTLP/{protocol} {cfg.otlp_endpoint or _endpoint_variable()}")
+                endpoint = cfg.otlp_endpoint or _otlp_variable("ENDPOINT", "traces")[1]
+                sinks.append(f"OTLP/{protocol} {endpoint or '(the SDK default endpoint)'}")
         elif name == "console":
             exporters.append(ConsoleSpanExporter())
             sinks.append("console")
@@ -209,13 +208,6 @@ def build_exporters(cfg: TracingConfig) -> tuple[list[SpanExporter], list[str]]:
             exporters.append(OtlpJsonFileExporter(path))
             sinks.append(f"file {path}")
     return exporters, sinks
-
-
-def _endpoint_variable() -> str:
-    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", OTEL_EXPORTER_OTLP_ENDPOINT):
-        if os.environ.get(name, "").strip():
-            return os.environ[name].strip()
-    return "(the SDK's default endpoint)"
 
 
 @dataclass
