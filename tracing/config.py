@@ -83,10 +83,8 @@ class TracingConfig:
             raise TracingConfigError(f"sample_ratio must be in [0, 1], got {ratio!r}")
         if not isinstance(self.rank, int) or self.rank < 0:
             raise TracingConfigError(f"rank must be an integer >= 0, got {self.rank!r}")
-        for name in ("shutdown_timeout_s", "report_interval_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise TracingConfigError(f"{name} must be a positive number, got {value!r}")
+        check_positive("shutdown_timeout_s", self.shutdown_timeout_s)
+        check_positive("report_interval_s", self.report_interval_s)
         if "file" in (self.exporter or ()) and not self.trace_file:
             raise TracingConfigError("exporter 'file' needs trace_file (a path), got None")
         if not self.run_id:
@@ -97,6 +95,12 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     """Raises TracingConfigError naming `name` unless `value` is one of `choices`."""
     if value not in choices:
         raise TracingConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_positive(name: str, value: object) -> None:
+    """Raises TracingConfigError naming `name` unless `value` is a number above 0."""
+    if not isinstance(value, (int, float)) or not value > 0:
+        raise TracingConfigError(f"{name} must be a positive number, got {value!r}")
 
 
 def parse_exporters(value: object, choices: tuple[str, ...] = EXPORTERS) -> tuple[str, ...]:

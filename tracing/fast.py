@@ -189,11 +189,8 @@ class FastTracer:
     ) -> trace.Span:
         parent = trace.get_current_span(context).get_span_context()
         if parent.is_valid:  # a parent-based sampler follows the parent's decision
-            trace_id, sampled, state = (
-                parent.trace_id,
-                parent.trace_flags.sampled,
-                parent.trace_state,
-            )
+            trace_id, state = parent.trace_id, parent.trace_state
+            sampled = parent.trace_flags.sampled
         else:
             parent, trace_id = None, self.ids.generate_trace_id()
             result = self.sampler.should_sample(

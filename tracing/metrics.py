@@ -53,6 +53,7 @@ from tracing.config import (
     TracingConfigError,
     call_logged,
     check_choice,
+    check_positive,
     parse_exporters,
     warn_once,
 )
@@ -100,9 +101,8 @@ class MetricsConfig:
         if self.temporality is not None:
             check_choice("metrics temporality", self.temporality, TEMPORALITIES)
         for name in ("export_interval_s", "shutdown_timeout_s"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, (int, float)) or not value > 0):
-                raise TracingConfigError(f"metrics {name} must be a positive number, got {value!r}")
+            if getattr(self, name) is not None:
+                check_positive(f"metrics {name}", getattr(self, name))
         if not isinstance(self.namespace, str):
             raise TracingConfigError(f"metrics namespace must be a string, got {self.namespace!r}")
 
@@ -171,14 +171,8 @@ class _StatsHistogram:
     """Cumulative histogram of one ProfileStats, one point per phase name."""
 
     def __init__(self, stats: ProfileStats, name: str, description: str, phase_key: str) -> None:
-        self.stats, self.name, self.description, self.phase_key = (
-            stats,
-            name,
-            description,
-            phase_key,
-        )
-        self.start_ns = now_ns()
-        self._last_total = 0
+        self.stats, self.name, self.description = stats, name, description
+        self.phase_key, self.start_ns, self._last_total = phase_key, now_ns(), 0
 
     def metric(self) -> Metric:
         snap = self.stats.snapshot()

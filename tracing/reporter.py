@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from tracing.config import TracingConfigError
+from tracing.config import check_positive
 from tracing.format import format_table
 from tracing.snapshot import StatsSnapshot
 from tracing.stats import ProfileStats
@@ -28,10 +28,8 @@ class _Rate:
     not dilute it)."""
 
     def __init__(self, counter: Callable[[], float], unit: str) -> None:
-        self.counter = counter
-        self.unit = unit
-        # Baseline at registration: the counter's value when the reporter starts watching.
-        self.first = self.last = float(counter())
+        self.counter, self.unit = counter, unit
+        self.first = self.last = float(counter())  # the baseline: its value at registration
         self.first_s = self.last_s = time.monotonic()
 
     def sample(self, cumulative: bool) -> str:
@@ -61,16 +59,9 @@ class Reporter:
         verdict: Verdict | None = None,
         title: str = "tracing",
     ) -> None:
-        if not isinstance(interval_s, (int, float)) or not interval_s > 0:
-            raise TracingConfigError(
-                f"report interval must be a positive number of seconds, got {interval_s!r}"
-            )
-        self.stats = stats
-        self.interval_s = float(interval_s)
-        self._stream = stream
-        self._log = log
-        self._verdict = verdict
-        self._title = title
+        check_positive("report interval_s", interval_s)
+        self.stats, self.interval_s = stats, float(interval_s)
+        self._stream, self._log, self._verdict, self._title = stream, log, verdict, title
         self._rates: dict[str, _Rate] = {}
         self._gauges: dict[str, tuple[Callable[[], Any], str]] = {}
         self._stop = threading.Event()

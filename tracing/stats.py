@@ -1,9 +1,8 @@
 """ProfileStats: a thread-safe accumulator of named durations with bounded memory.
 
-Classic use keeps working: `stats.add("fwd", dt)` then `print(stats)`. Each name keeps
-count, total, min, max and a histogram of log-spaced buckets (tracing.snapshot). Two
-views exist: cumulative (`snapshot()`) and the last interval (`take_interval()`, which
-starts the next one), both plain-data `StatsSnapshot`s.
+Classic use keeps working: `stats.add("fwd", dt)` then `print(stats)`. Two views, both
+`StatsSnapshot`s (tracing.snapshot): cumulative (`snapshot()`) and the last interval
+(`take_interval()`, which starts the next one).
 """
 
 from __future__ import annotations
@@ -154,10 +153,7 @@ class ProfileStats:
         if n:
             chunk = values[:n]
             del values[:n]
-            live = self._live.get(name)
-            if live is None:
-                live = self._live[name] = _Live()
-            live.fold(chunk, thread)
+            self._live.setdefault(name, _Live()).fold(chunk, thread)
 
     def _fold_all(self) -> None:
         # list(...) copies in one step: adders may insert new threads and names meanwhile.
@@ -186,9 +182,7 @@ class ProfileStats:
             now_s = time.monotonic()
             wall_s = now_s - self._start_s
             thread_wall_s = self._thread_walls(self._start_s, now_s)
-        return StatsSnapshot(
-            phases=phases, wall_s=wall_s, rank=self.rank, thread_wall_s=thread_wall_s
-        )
+        return StatsSnapshot(phases, wall_s, rank=self.rank, thread_wall_s=thread_wall_s)
 
     def _thread_walls(self, window_start_s: float, now_s: float) -> dict[str, float]:
         walls = {}
@@ -210,9 +204,7 @@ class ProfileStats:
             phases = {name: entry.frozen() for name, entry in live.items()}
             for name, stats in phases.items():
                 self._done.setdefault(name, PhaseStats()).merge(stats)
-        return StatsSnapshot(
-            phases=phases, wall_s=wall_s, rank=self.rank, thread_wall_s=thread_wall_s
-        )
+        return StatsSnapshot(phases, wall_s, rank=self.rank, thread_wall_s=thread_wall_s)
 
     def reset(self) -> None:
         with self._lock:
