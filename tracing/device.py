@@ -131,17 +131,13 @@ def cuda_clock_or_none(mode: str) -> CudaClock | None:
     try:
         import torch
 
-        available = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            return CudaClock()
     except ImportError:
-        available = False
-    if not available:
-        warnings.warn(
-            f"tracing: cuda_timing={mode!r} needs CUDA, which is not available; using 'off'",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
-    return CudaClock()
+        pass
+    message = f"tracing: cuda_timing={mode!r} needs CUDA, which is not available; using 'off'"
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return None
 
 
 OnResolved = Callable[[float | None], None]  # called with the device seconds, or None
@@ -149,14 +145,11 @@ _Pending = tuple[Any, Any, OnResolved]  # (start event, end event, on_resolved)
 
 
 class EventResolver:
-    """One daemon thread that waits for event pairs to complete, then calls back.
-
-    `submit` never blocks. Callbacks run on the resolver thread, with the device
-    duration in seconds, or None when the pair could not be resolved before `stop`.
-    Pairs wait in one queue per device: a device's events complete in the order they
-    were recorded (one stream), so each queue is polled at its head, and a busy device
-    never holds up the timings of another.
-    """
+    """One daemon thread that waits for event pairs to complete, then calls back (with
+    None for a pair not resolved before `stop`). `submit` never blocks; callbacks run on
+    the resolver thread. Pairs wait in one queue per device: a device's events complete
+    in the order they were recorded (one stream), so each queue is polled at its head,
+    and a busy device never holds up the timings of another."""
 
     def __init__(self, clock: DeviceClock, poll_interval_s: float = 0.001) -> None:
         self.clock = clock

@@ -245,11 +245,10 @@ def lower_thread_priority() -> None:
 
 
 class CountingExporter(SpanExporter):
-    """An exporter that counts what it exported and what failed.
-
-    Thread contract: `export` on the processor's worker (whose priority it lowers once);
-    `close` from any thread: it shuts the inner exporter down, which aborts an export
-    waiting to retry, and every later export fails at once without sending."""
+    """An exporter that counts what it exported and what failed. Thread contract: `export`
+    on the processor's worker (whose priority it lowers once); `close` from any thread:
+    it shuts the inner exporter down, which aborts an export waiting to retry, and every
+    later export fails at once without sending."""
 
     def __init__(self, inner: SpanExporter) -> None:
         self.inner = inner

@@ -66,11 +66,9 @@ def format_table(
     title: str | None = None,
     rank_snapshots: Sequence[StatsSnapshot] | None = None,
 ) -> str:
-    """Table: phase, count, total, mean, min, p50, p95, max, share of its thread's wall time.
-
-    With `rank_snapshots` (one per rank, e.g. gathered under torchrun) two columns give
-    the lowest and highest per-rank total of each phase, with the rank that had it.
-    """
+    """Table: phase, count, total, mean, min, p50, p95, max, share of its thread's wall
+    time; with `rank_snapshots` (one per rank, e.g. gathered under torchrun), the lowest
+    and highest per-rank total of each phase, with the rank that had it."""
     spread = ["rank min total", "rank max total"] if rank_snapshots else []
     rows = [
         _row(snapshot, name) + (_rank_spread(name, rank_snapshots) if rank_snapshots else [])

@@ -214,21 +214,18 @@ def _bucket_counts(buckets: Mapping[int, int]) -> list[int]:
 
 class Metrics:
     """The metrics of one process: a meter provider with one periodic reader per exporter.
-
     Thread contract: registration (`observe_*`, `gauge`) from any thread, best before
     training; `record` from any thread, off the hot path (once per logged step);
-    callbacks run on the reader thread and an exception in one only loses its value.
-    """
+    callbacks run on the reader thread and an exception in one only loses its value."""
 
     def __init__(
         self, cfg: MetricsConfig, resource: Resource, exporters: Sequence[MetricExporter] = ()
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.resource = cfg, resource
         temporality = preferred_temporality(cfg.temporality)
         self._wrapped = [_StatsExporter(e, self, temporality) for e in exporters]
         interval_ms = None if cfg.export_interval_s is None else cfg.export_interval_s * 1e3
         readers = [PeriodicExportingMetricReader(w, interval_ms) for w in self._wrapped]
-        self.resource = resource
         self.provider = MeterProvider(readers, resource=resource, shutdown_on_exit=False)
         self._meter = self.provider.get_meter(SCOPE.name)
         self._observed: dict[str, list[tuple[Callable[[], float], dict[str, Any]]]] = {}

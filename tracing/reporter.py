@@ -43,11 +43,9 @@ class _Rate:
 
 
 class Reporter:
-    """Every `interval_s` prints the last interval's table to `stream` (or `log`).
-
-    Thread contract: callbacks (`add_rate`, `add_gauge`, `verdict`) run on the reporter
-    thread and at `stop`; an exception in one shows as "n/a" and never stops the report.
-    """
+    """Every `interval_s` prints the last interval's table to `stream` (or `log`). Thread
+    contract: callbacks (`add_rate`, `add_gauge`, `verdict`) run on the reporter thread
+    and at `stop`; an exception in one shows as "n/a" and never stops the report."""
 
     def __init__(
         self,

@@ -77,13 +77,11 @@ class _Live:
 
 class ProfileStats:
     """Thread-safe named-duration accumulator; `add(name, seconds)` from any thread.
-
     `add` only appends the duration to a pending list of its (thread, name); the lists
     are folded into the figures in chunks (when one grows long, and before every read),
-    with C-level loops. A lock around per-call figure updates cost more than the rest
-    of a level-off phase together. Appends are atomic and only folding removes from a
-    list (under the lock), so no duration is lost or counted twice.
-    """
+    with C-level loops: a lock around per-call updates cost more than the rest of a
+    level-off phase. Appends are atomic and only folding removes from a list (under the
+    lock), so no duration is lost or counted twice."""
 
     def __init__(self, rank: int | None = None) -> None:
         self.rank = rank
@@ -128,10 +126,9 @@ class ProfileStats:
         values.append(seconds)
 
     def _thread_pending(self, seconds: float = 0.0) -> dict[str, list[float]]:
-        """This thread's pending lists, registered on first use under `thread_key()`.
-
-        The thread's wall time starts with the interval that ended in its first record
-        (`seconds` before now): a thread started late is not idle before it existed."""
+        """This thread's pending lists, registered on first use under `thread_key()`. Its
+        wall time starts with the interval that ended in its first record (`seconds`
+        before now): a thread started late is not idle before it existed."""
         local = self._local
         if not hasattr(local, "pending"):
             key = f"{get_ident()}.{next(_thread_serials)}"

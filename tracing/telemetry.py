@@ -14,6 +14,7 @@ per exporter. After os.fork a child's tables start empty and it flushes at its e
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -54,10 +55,8 @@ _active: Telemetry | None = None
 def _scope() -> InstrumentationScope:
     """`tracing` with the version of the installed distribution that ships it."""
     for dist in metadata.packages_distributions().get("tracing", []):
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             return InstrumentationScope("tracing", metadata.version(dist))
-        except metadata.PackageNotFoundError:
-            continue
     return InstrumentationScope("tracing", "0+unknown")
 
 
@@ -150,10 +149,9 @@ _instance_id = str(uuid.uuid4())
 
 
 def build_resource(cfg: TracingConfig) -> Resource:
-    """The resource of every signal of this process (traces and metrics share it):
-    `Resource.create` with its detectors and OTEL_* variables, this process's rank, run
-    id and instance id, and the application's name and version where no variable names
-    them (`cfg.service_name`, a flag, wins over the variables)."""
+    """The resource of every signal of this process: `Resource.create` (its detectors,
+    the OTEL_* variables), rank, run id and instance id, and the application's name and
+    version where no variable names them (`cfg.service_name` wins over the variables)."""
     ns = cfg.attribute_namespace
     explicit: dict[str, Any] = {f"{ns}.rank": cfg.rank, f"{ns}.run.id": cfg.run_id}
     if cfg.service_name:
@@ -310,15 +308,13 @@ def setup(
     phase_hooks: Sequence[object] = (),
 ) -> Telemetry:
     """Configures tracing for this process (shutting a previous setup down first).
-
     `exporters`: more exporters, each behind the SDK's batch processor, counted in the
-    report; `span_processors` are added as they are. A processor added later to tracing's
-    own provider gets every phase span from then on, `on_start` too.
-    `install_global_provider`: tracing's own becomes the global provider unless the
-    application has set one. `device_clock` replaces the CUDA clock (a HostClock in
-    tests). `propagate_context`: each phase is the current OTel span while it runs. A
-    phase ended by one of `stop_exceptions` (a requested stop) is not marked ERROR.
-    `phase_hooks` (tracing.hooks.PhaseHook) see every phase, sampled or not."""
+    report; `span_processors` are added as they are. `install_global_provider`: tracing's
+    own provider becomes the global one unless the application has set one.
+    `device_clock` replaces the CUDA clock (a HostClock in tests). `propagate_context`:
+    each phase is the current OTel span while it runs. A phase ended by one of
+    `stop_exceptions` (a requested stop) is not marked ERROR. `phase_hooks`
+    (tracing.hooks.PhaseHook) see every phase, sampled or not."""
     global _active
     cfg = TracingConfig() if cfg is None else cfg
     if _active is not None:
