@@ -29,13 +29,10 @@ def format_duration(seconds: float) -> str:
 def format_compact(snapshot: StatsSnapshot) -> str:
     """One line per name, in the spirit of the classic ProfileStats printout."""
     lines = []
-    for name in sorted(snapshot.phases):
-        s = snapshot.phases[name]
-        lines.append(
-            f"{name}: n={s.count} total={format_duration(s.total_s)} "
-            f"mean={format_duration(s.mean_s)} min={format_duration(s.min_s if s.count else 0.0)} "
-            f"max={format_duration(s.max_s)}"
-        )
+    for name, s in sorted(snapshot.phases.items()):
+        low = s.min_s if s.count else 0.0
+        total, mean, low, high = map(format_duration, (s.total_s, s.mean_s, low, s.max_s))
+        lines.append(f"{name}: n={s.count} total={total} mean={mean} min={low} max={high}")
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from tracing.config import check_positive
+from tracing.config import call_logged, check_positive
 from tracing.format import format_table
 from tracing.snapshot import StatsSnapshot
 from tracing.stats import ProfileStats
@@ -106,20 +106,13 @@ class Reporter:
             if self._stop.is_set():
                 return
             self._wake.clear()
-            try:
-                self.report_interval()
-            except Exception:  # a broken stream or table must not end the reports
-                logger.exception("tracing: interval report failed")
+            call_logged(self.report_interval)  # a broken stream must not end the reports
 
     def report_interval(self) -> str:
         """Prints (and returns) the table of the interval since the previous one;
         nothing when no phase was timed in it."""
-        gathered = None
-        if self._interval_source is not None:
-            try:
-                gathered = self._interval_source()
-            except Exception:
-                logger.exception("tracing: reporter interval source raised")
+        source = self._interval_source
+        gathered = None if source is None else call_logged(source)
         if gathered is None:
             snapshot, parts = self.stats.take_interval(), None
             title = f"{self._title}: last {snapshot.wall_s:.1f}s"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from math import floor, inf, log2
 from typing import Any
 
@@ -94,15 +94,10 @@ class PhaseStats:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "count": self.count,
-            "total_s": self.total_s,
-            "min_s": self.min_s if self.count else None,
-            "max_s": self.max_s,
-            "buckets": {str(b): n for b, n in self.buckets.items()},
-            "threads": dict(self.threads),
-            "thread_total_s": dict(self.thread_total_s),
-        }
+        data = asdict(self)  # copies of the dicts; JSON wants str keys and no infinity
+        data["min_s"] = self.min_s if self.count else None
+        data["buckets"] = {str(b): n for b, n in self.buckets.items()}
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PhaseStats:
