@@ -176,32 +176,29 @@ class ProfileStats:
             phases = {name: PhaseStats().merge(stats) for name, stats in self._done.items()}
             for name, live in self._live.items():
                 phases.setdefault(name, PhaseStats()).merge(live.frozen())
-            now_s = time.monotonic()
-            wall_s = now_s - self._start_s
-            thread_wall_s = self._thread_walls(self._start_s, now_s)
-        return StatsSnapshot(phases, wall_s, rank=self.rank, thread_wall_s=thread_wall_s)
-
-    def _thread_walls(self, window_start_s: float, now_s: float) -> dict[str, float]:
-        walls = {}
-        for key, start_s in list(self._thread_start_s.items()):
-            end_s = min(now_s, self._thread_end_s.get(key, now_s))
-            if end_s > window_start_s:  # a thread gone before the window has no wall in it
-                walls[key] = end_s - max(window_start_s, start_s)
-        return walls
+            return self._window(phases, self._start_s, time.monotonic())
 
     def take_interval(self) -> StatsSnapshot:
         """Figures since the previous call (or creation); the next interval starts now."""
         with self._lock:
             self._fold_all()
-            now_s = time.monotonic()
-            live, self._live = self._live, {}
-            wall_s = now_s - self._interval_start_s
-            thread_wall_s = self._thread_walls(self._interval_start_s, now_s)
+            start_s, now_s = self._interval_start_s, time.monotonic()
             self._interval_start_s = now_s
-            phases = {name: entry.frozen() for name, entry in live.items()}
+            phases = {name: live.frozen() for name, live in self._live.items()}
+            self._live = {}
             for name, stats in phases.items():
                 self._done.setdefault(name, PhaseStats()).merge(stats)
-        return StatsSnapshot(phases, wall_s, rank=self.rank, thread_wall_s=thread_wall_s)
+            return self._window(phases, start_s, now_s)
+
+    def _window(self, phases: dict[str, PhaseStats], start_s: float, now_s: float) -> StatsSnapshot:
+        """`phases` over the window from `start_s` to `now_s`, with each thread's wall time
+        in it; the caller holds the lock."""
+        walls = {}
+        for key, thread_start_s in list(self._thread_start_s.items()):
+            end_s = min(now_s, self._thread_end_s.get(key, now_s))
+            if end_s > start_s:  # a thread gone before the window has no wall in it
+                walls[key] = end_s - max(start_s, thread_start_s)
+        return StatsSnapshot(phases, now_s - start_s, rank=self.rank, thread_wall_s=walls)
 
     def reset(self) -> None:
         with self._lock:
@@ -223,9 +220,7 @@ class ProfileStats:
             return list(dict.fromkeys([*self._done, *self._live]))
 
     def __contains__(self, name: object) -> bool:
-        with self._lock:
-            self._fold_all()
-            return name in self._live or name in self._done
+        return name in self.names()
 
     def format_compact(self) -> str:
         return format_compact(self.snapshot())
