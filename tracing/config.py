@@ -1,4 +1,4 @@
-"""The application's own settings for `tracing.setup`, validated once.
+"""The application's own settings for `tracing.setup` and `tracing.metrics`, validated once.
 
 Everything OpenTelemetry configures is left to the SDK, which reads the OTEL_*
 variables itself when a setting here is None: the OTLP endpoint, headers, timeout,
@@ -19,6 +19,7 @@ EXPORTERS = ("none", "otlp", "console", "file")
 PROTOCOLS = ("grpc", "http/protobuf")
 LEVELS = ("off", "step", "phase")
 CUDA_TIMINGS = ("off", "sync", "events")
+TEMPORALITIES = ("cumulative", "delta", "lowmemory")
 
 
 class TracingConfigError(ValueError):
@@ -89,6 +90,35 @@ class TracingConfig:
             raise TracingConfigError("exporter 'file' needs trace_file (a path), got None")
         if not self.run_id:
             set_(self, "run_id", uuid.uuid4().hex[:12])
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Settings of the metrics signal; None leaves a choice to the OTEL_* variables."""
+
+    exporter: tuple[str, ...] | None = None
+    """Any of otlp, console; None: OTEL_METRICS_EXPORTER, else OTLP where an endpoint is
+    known (the traces' `otlp_endpoint` or an OTLP endpoint variable), else none."""
+    export_interval_s: float | None = None
+    """Period of collection and export; None: the SDK's (OTEL_METRIC_EXPORT_INTERVAL)."""
+    shutdown_timeout_s: float = 3.0
+    namespace: str = ""
+    """Prefix of every instrument name (`myapp` makes `tokens` into `myapp.tokens`)."""
+    temporality: str | None = None
+    """cumulative, delta or lowmemory; None: OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE,
+    read here: the reader takes it from the stats wrapper in front of each exporter."""
+
+    def __post_init__(self) -> None:
+        if self.exporter is not None:
+            exporters = parse_exporters(self.exporter, ("none", "otlp", "console"))
+            object.__setattr__(self, "exporter", exporters)  # frozen: normalized once
+        if self.temporality is not None:
+            check_choice("metrics temporality", self.temporality, TEMPORALITIES)
+        for name in ("export_interval_s", "shutdown_timeout_s"):
+            if getattr(self, name) is not None:
+                check_positive(f"metrics {name}", getattr(self, name))
+        if not isinstance(self.namespace, str):
+            raise TracingConfigError(f"metrics namespace must be a string, got {self.namespace!r}")
 
 
 def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

@@ -178,11 +178,6 @@ def otlp_exporter(signal: Signal, protocol: str, endpoint: str | None, **options
         return None
 
 
-def trace_file_path(path: str, rank: int) -> str:
-    """PATH for rank 0, PATH.rankN for the others (ranks appending to one file interleave)."""
-    return path if rank == 0 else f"{path}.rank{rank}"
-
-
 def build_exporters(cfg: TracingConfig) -> tuple[list[SpanExporter], list[str]]:
     """The span exporters `cfg` (and the OTEL_* variables it leaves open) name, and a
     few words on where each sends (for a start-up line). A trace file is always written."""
@@ -203,8 +198,8 @@ def build_exporters(cfg: TracingConfig) -> tuple[list[SpanExporter], list[str]]:
             exporters.append(ConsoleSpanExporter())
             sinks.append("console")
         elif name == "file":
-            assert cfg.trace_file is not None  # checked by TracingConfig
-            path = trace_file_path(cfg.trace_file, cfg.rank)
+            # PATH for rank 0, PATH.rankN for the others: ranks appending to one file interleave
+            path = cfg.trace_file if cfg.rank == 0 else f"{cfg.trace_file}.rank{cfg.rank}"
             exporters.append(OtlpJsonFileExporter(path))
             sinks.append(f"file {path}")
     return exporters, sinks

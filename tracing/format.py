@@ -52,11 +52,6 @@ def _render(table: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
-def sorted_names(snapshot: StatsSnapshot) -> list[str]:
-    """Names in a stable order with each device entry right under its host entry."""
-    return sorted(snapshot.phases, key=lambda n: (n.removesuffix(DEVICE_SUFFIX), n))
-
-
 def format_table(
     snapshot: StatsSnapshot,
     *,
@@ -67,9 +62,10 @@ def format_table(
     time; with `rank_snapshots` (one per rank, e.g. gathered under torchrun), the lowest
     and highest per-rank total of each phase, with the rank that had it."""
     spread = ["rank min total", "rank max total"] if rank_snapshots else []
-    rows = [
+    names = sorted(snapshot.phases, key=lambda n: (n.removesuffix(DEVICE_SUFFIX), n))
+    rows = [  # each device entry right under its host entry
         _row(snapshot, name) + (_rank_spread(name, rank_snapshots) if rank_snapshots else [])
-        for name in sorted_names(snapshot)
+        for name in names
     ]
     lines = [title] if title else []
     lines += _render([["phase", *_COLUMNS, *spread], *rows]) if rows else ["(no phases recorded)"]

@@ -26,9 +26,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.environment_variables import (
-    OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE as TEMPORALITY_VARIABLE,
-)
 from opentelemetry.sdk.metrics import Counter, MeterProvider, ObservableCounter
 from opentelemetry.sdk.metrics import Histogram as HistogramInstrument
 from opentelemetry.sdk.metrics.export import (
@@ -48,15 +45,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from tracing.clock import now_ns
-from tracing.config import (
-    TracingConfig,
-    TracingConfigError,
-    call_logged,
-    check_choice,
-    check_positive,
-    parse_exporters,
-    warn_once,
-)
+from tracing.config import TEMPORALITIES, MetricsConfig, TracingConfig, call_logged, warn_once
 from tracing.export import (
     call_bounded,
     lower_thread_priority,
@@ -69,42 +58,13 @@ from tracing.stats import ProfileStats
 from tracing.telemetry import build_resource
 
 SCOPE = InstrumentationScope("tracing.metrics")
+TEMPORALITY_VARIABLE = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
 # The histograms built from ProfileStats get a scope of their own: the OTLP encoder
 # keys scopes by name, and would let one replace the SDK instruments' scope.
 STATS_SCOPE = InstrumentationScope("tracing.metrics.stats")
 # Octave edges from ~61 µs to 8 s: each ProfileStats bucket (8 per octave) lies inside
 # one of them, so the histogram counts are exact, and ms phases get several buckets.
 PHASE_BOUNDS_S = tuple(2.0**k for k in range(-14, 4))
-TEMPORALITIES = ("cumulative", "delta", "lowmemory")
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    """Settings of the metrics signal; None leaves a choice to the OTEL_* variables."""
-
-    exporter: tuple[str, ...] | None = None
-    """Any of otlp, console; None: OTEL_METRICS_EXPORTER, else OTLP where an endpoint is
-    known (the traces' `otlp_endpoint` or an OTLP endpoint variable), else none."""
-    export_interval_s: float | None = None
-    """Period of collection and export; None: the SDK's (OTEL_METRIC_EXPORT_INTERVAL)."""
-    shutdown_timeout_s: float = 3.0
-    namespace: str = ""
-    """Prefix of every instrument name (`myapp` makes `tokens` into `myapp.tokens`)."""
-    temporality: str | None = None
-    """cumulative, delta or lowmemory; None: OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE,
-    read here: the reader takes it from the stats wrapper in front of each exporter."""
-
-    def __post_init__(self) -> None:
-        if self.exporter is not None:
-            exporters = parse_exporters(self.exporter, ("none", "otlp", "console"))
-            object.__setattr__(self, "exporter", exporters)  # frozen: normalized once
-        if self.temporality is not None:
-            check_choice("metrics temporality", self.temporality, TEMPORALITIES)
-        for name in ("export_interval_s", "shutdown_timeout_s"):
-            if getattr(self, name) is not None:
-                check_positive(f"metrics {name}", getattr(self, name))
-        if not isinstance(self.namespace, str):
-            raise TracingConfigError(f"metrics namespace must be a string, got {self.namespace!r}")
 
 
 @dataclass(frozen=True)
