@@ -181,8 +181,7 @@ def warn_once(key: str, message: str) -> None:
 
 
 def call_logged(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """`fn(*args, **kwargs)`, or None when it raised (logged): telemetry never crashes the
-    host program."""
+    """`fn(*args, **kwargs)`, or None when it raised (logged): telemetry never raises."""
     try:
         return fn(*args, **kwargs)
     except Exception:

@@ -1,9 +1,7 @@
 """Device timing: clocks that record device events, and the thread that resolves them.
 
-A `DeviceClock` records an event on a device's stream, says whether it completed and
-the time between two completed events. `CudaClock` uses torch.cuda events (torch is
-imported here only); `HostClock` is a host-clock stand-in with the same interface so
-the resolution path runs, and is tested, on a machine without a GPU.
+`CudaClock` uses torch.cuda events (torch is imported here only); `HostClock` is a
+host-clock stand-in, so the resolution path runs, and is tested, without a GPU.
 """
 
 from __future__ import annotations
@@ -28,15 +26,10 @@ class DeviceClock(Protocol):
     `elapsed_s` and `release` (the events may be recorded again) on the resolver thread."""
 
     def applies_to(self, device: object) -> bool: ...
-
     def record(self, device: object) -> Any: ...
-
     def query(self, event: Any) -> bool: ...
-
     def elapsed_s(self, start: Any, end: Any) -> float: ...
-
     def release(self, device: object, *events: Any) -> None: ...
-
     def synchronize(self, device: object) -> None: ...
 
 
@@ -186,8 +179,7 @@ class EventResolver:
                 time.sleep(self._poll_interval_s)
 
     def _resolve_ready(self) -> bool:
-        """Resolves the completed pairs at the head of every device's queue; False when
-        no queue had one."""
+        """Resolves the completed pairs at each queue's head; False when there were none."""
         progressed = False
         for device, queue in list(self._queues.items()):
             while queue:

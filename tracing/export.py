@@ -1,9 +1,8 @@
 """Where ended spans go: the exporters `setup` builds, and what became of their spans.
 
-The SDK's exporters read their OTEL_* variables themselves (endpoint, headers, timeout,
-compression, TLS); only what the SDK does not decide is read here: whether to export at
-all (OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER, an endpoint being set) and which
-exporter class a protocol names (OTEL_EXPORTER_OTLP_[SIGNAL_]PROTOCOL).
+Only what the SDK's exporters do not read themselves (tracing.config) is read here:
+whether to export at all (OTEL_<SIGNAL>_EXPORTER, an endpoint being set) and which
+exporter class a protocol names (OTEL_EXPORTER_OTLP_[<SIGNAL>_]PROTOCOL).
 
 The SDK's BatchSpanProcessor reads OTEL_BSP_*, restarts after os.fork and drops the
 oldest span when its queue is full; it counts nothing, its force_flush has no bound and
@@ -264,8 +263,7 @@ class CountingExporter(SpanExporter):
             self._closed = True
             self.inner.shutdown()
 
-    def shutdown(self) -> None:
-        self.close()
+    shutdown = close
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.inner.force_flush(timeout_millis)

@@ -109,8 +109,7 @@ class Reporter:
             call_logged(self.report_interval)  # a broken stream must not end the reports
 
     def report_interval(self) -> str:
-        """Prints (and returns) the table of the interval since the previous one;
-        nothing when no phase was timed in it."""
+        """Prints (and returns) the table of the last interval; nothing if no phase ran."""
         source = self._interval_source
         gathered = None if source is None else call_logged(source)
         if gathered is None:
@@ -140,8 +139,7 @@ class Reporter:
         cumulative: bool = False,
         rank_snapshots: list[StatsSnapshot] | None = None,
     ) -> str:
-        """The table (per-process min/max columns with `rank_snapshots`), throughput
-        figures and verdict line, as printed."""
+        """The table (min/max per process with `rank_snapshots`), figures, verdict, as printed."""
         lines = [format_table(snapshot, title=title, rank_snapshots=rank_snapshots)]
         figures = [
             f"{name} {_call_text(lambda r=rate: r.sample(cumulative))}"

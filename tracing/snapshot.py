@@ -78,8 +78,7 @@ class PhaseStats:
         return self.max_s
 
     def merge(self, other: PhaseStats, thread_prefix: str = "") -> PhaseStats:
-        """Adds `other` in (its threads' keys prefixed); returns self (`PhaseStats().merge(s)`
-        is a copy of `s`)."""
+        """Adds `other` in (thread keys prefixed); returns self: `PhaseStats().merge(s)` copies."""
         self.count += other.count
         self.total_s += other.total_s
         self.min_s = min(self.min_s, other.min_s)

@@ -191,8 +191,7 @@ class ProfileStats:
             return self._window(phases, start_s, now_s)
 
     def _window(self, phases: dict[str, PhaseStats], start_s: float, now_s: float) -> StatsSnapshot:
-        """`phases` over the window from `start_s` to `now_s`, with each thread's wall time
-        in it; the caller holds the lock."""
+        """`phases` from `start_s` to `now_s`, with each thread's wall time; under the lock."""
         walls = {}
         for key, thread_start_s in list(self._thread_start_s.items()):
             end_s = min(now_s, self._thread_end_s.get(key, now_s))
