@@ -39,12 +39,8 @@ class PhaseIds(IdGenerator):
     would change the program's own random sequence."""
 
     def __init__(self) -> None:
-        self._random = random.Random()
-        self._reseed()
-        os.register_at_fork(after_in_child=self._reseed)
-
-    def _reseed(self) -> None:
-        self._random.seed(int.from_bytes(os.urandom(32), "little"))
+        self._random = random.Random()  # seed() without a value draws from os.urandom
+        os.register_at_fork(after_in_child=self._random.seed)
 
     def generate_span_id(self) -> int:
         return self._random.getrandbits(64) or 1  # 0 is the invalid id

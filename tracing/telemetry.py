@@ -434,11 +434,8 @@ def _after_fork_in_child() -> None:
 
 
 def _finalize_at_child_exit(telemetry: Telemetry) -> None:
-    import multiprocessing.util
-
-    multiprocessing.util.Finalize(
-        telemetry, Telemetry._shutdown_at_exit, args=(telemetry,), exitpriority=10
-    )
+    finalize = sys.modules["multiprocessing.util"].Finalize  # it is calling this
+    finalize(telemetry, Telemetry._shutdown_at_exit, args=(telemetry,), exitpriority=10)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
