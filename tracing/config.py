@@ -31,9 +31,8 @@ class TracingConfig:
     """What `setup` needs beyond what the SDK reads; None leaves a choice to the SDK."""
 
     exporter: tuple[str, ...] | None = None
-    """Any of otlp, console (a comma-separated string is accepted); None: OTLP when
-    `otlp_endpoint`, OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT or OTEL_TRACES_EXPORTER asks for
-    it, else none (nothing goes over the network unless asked)."""
+    """otlp, console (a comma-separated string too); None: OTLP when `otlp_endpoint`, an
+    OTLP endpoint variable or OTEL_TRACES_EXPORTER asks for it, else none."""
     otlp_endpoint: str | None = None
     """Collector base URL, http(s)://host[:port]; None: the SDK's exporter reads OTEL_*."""
     otlp_protocol: str | None = None

@@ -163,8 +163,7 @@ def otlp_exporter(signal: Signal, protocol: str, endpoint: str | None, **options
         path = f"/v1/{signal}"
         endpoint = endpoint if endpoint.rstrip("/").endswith(path) else endpoint.rstrip("/") + path
     for name in _OTLP_LOGGERS:
-        if _rate_limit not in logging.getLogger(name).filters:
-            logging.getLogger(name).addFilter(_rate_limit)
+        logging.getLogger(name).addFilter(_rate_limit)  # once: addFilter skips a known one
     exporter_cls = module.OTLPSpanExporter if signal == "traces" else module.OTLPMetricExporter
     try:
         return exporter_cls(endpoint=endpoint, **options)

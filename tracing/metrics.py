@@ -17,7 +17,6 @@ thread one bounded export per interval, counted in the report.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -64,7 +63,8 @@ TEMPORALITY_VARIABLE = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
 STATS_SCOPE = InstrumentationScope("tracing.metrics.stats")
 # Octave edges from ~61 µs to 8 s: each ProfileStats bucket (8 per octave) lies inside
 # one of them, so the histogram counts are exact, and ms phases get several buckets.
-PHASE_BOUNDS_S = tuple(2.0**k for k in range(-14, 4))
+FIRST_OCTAVE = -14
+PHASE_BOUNDS_S = tuple(2.0**k for k in range(FIRST_OCTAVE, 4))
 
 
 @dataclass(frozen=True)
@@ -164,10 +164,9 @@ class _StatsHistogram:
 def _bucket_counts(buckets: Mapping[int, int]) -> list[int]:
     """ProfileStats log buckets summed into PHASE_BOUNDS_S (upper bounds, +Inf last)."""
     counts = [0] * (len(PHASE_BOUNDS_S) + 1)
-    first_octave = round(math.log2(PHASE_BOUNDS_S[0]))
     for bucket, n in buckets.items():
         # bucket b covers [2**(b/8), 2**((b+1)/8)): inside octave floor(b/8).
-        index = bucket // BUCKETS_PER_OCTAVE - first_octave + 1
+        index = bucket // BUCKETS_PER_OCTAVE - FIRST_OCTAVE + 1
         counts[min(max(index, 0), len(PHASE_BOUNDS_S))] += n
     return counts
 

@@ -110,8 +110,7 @@ class _CountingTracer:
     """The application's tracer, counting the sampled spans phases start through it."""
 
     def __init__(self, tracer: trace.Tracer) -> None:
-        self._tracer = tracer
-        self.sampled = 0
+        self._tracer, self.sampled = tracer, 0
 
     def start_span(self, name: str, context: Any = None, **options: Any) -> trace.Span:
         span = self._tracer.start_span(name, context, **options)
