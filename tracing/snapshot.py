@@ -143,12 +143,7 @@ class StatsSnapshot:
 
     def threads_of(self, *names: str) -> set[str]:
         """The threads that recorded any of `names` (e.g. the phases of one stage)."""
-        threads: set[str] = set()
-        for name in names:
-            stats = self.phases.get(name)
-            if stats is not None:
-                threads.update(stats.threads)
-        return threads
+        return set().union(*(self.phases[name].threads for name in names if name in self.phases))
 
     def share(self, name: str, threads: Iterable[str] | None = None) -> float | None:
         """Mean over `threads` (default: those that recorded `name`) of each thread's
@@ -164,13 +159,7 @@ class StatsSnapshot:
         return sum(per_thread.get(thread, 0.0) for thread in over) / len(over)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "phases": {name: s.to_dict() for name, s in self.phases.items()},
-            "wall_s": self.wall_s,
-            "end_time_s": self.end_time_s,
-            "rank": self.rank,
-            "thread_wall_s": dict(self.thread_wall_s),
-        }
+        return {**asdict(self), "phases": {name: s.to_dict() for name, s in self.phases.items()}}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StatsSnapshot:
@@ -187,8 +176,7 @@ class StatsSnapshot:
         """Sum of several snapshots (e.g. one per rank). Threads stay distinct per snapshot."""
         merged: dict[str, PhaseStats] = {}
         thread_wall_s: dict[str, float] = {}
-        wall_s = 0.0
-        end_time_s = 0.0
+        wall_s = end_time_s = 0.0
         for index, snap in enumerate(snapshots):
             wall_s = max(wall_s, snap.wall_s)
             end_time_s = max(end_time_s, snap.end_time_s)
@@ -197,6 +185,4 @@ class StatsSnapshot:
                 merged.setdefault(name, PhaseStats()).merge(stats, thread_prefix=prefix)
                 for thread in stats.threads:
                     thread_wall_s[prefix + thread] = snap.thread_wall(thread)
-        return StatsSnapshot(
-            phases=merged, wall_s=wall_s, end_time_s=end_time_s, thread_wall_s=thread_wall_s
-        )
+        return StatsSnapshot(merged, wall_s, end_time_s, thread_wall_s=thread_wall_s)
