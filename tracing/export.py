@@ -155,10 +155,8 @@ def otlp_exporter(signal: Signal, protocol: str, endpoint: str | None, **options
     `endpoint` None lets it read OTEL_*; a base URL given here gets the signal's path
     over HTTP. Its module is imported only here: an unused transport need not exist."""
     transport = "grpc" if protocol == "grpc" else "http"
-    kind = "trace" if signal == "traces" else "metric"
-    module = importlib.import_module(
-        f"opentelemetry.exporter.otlp.proto.{transport}.{kind}_exporter"
-    )
+    kind = "trace_exporter" if signal == "traces" else "metric_exporter"
+    module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{transport}.{kind}")
     if endpoint is not None and transport == "http":
         path = f"/v1/{signal}"
         endpoint = endpoint if endpoint.rstrip("/").endswith(path) else endpoint.rstrip("/") + path
@@ -224,8 +222,7 @@ _lowered = threading.local()
 def lower_thread_priority() -> None:
     """Lets an export thread yield the CPU to the program it observes, once per thread:
     encoding spans is real work, which on busy cores should fill the training threads'
-    idle moments. On Linux a thread is a task, so setpriority on its native id affects
-    it alone."""
+    idle moments (on Linux, setpriority on a native thread id affects that thread alone)."""
     if getattr(_lowered, "done", False):
         return
     _lowered.done = True
@@ -238,10 +235,9 @@ def lower_thread_priority() -> None:
 
 
 class CountingExporter(SpanExporter):
-    """An exporter that counts what it exported and what failed. Thread contract: `export`
-    on the processor's worker (whose priority it lowers once); `close` from any thread:
-    it shuts the inner exporter down, which aborts an export waiting to retry, and every
-    later export fails at once without sending."""
+    """Thread contract: `export` on the processor's worker (whose priority it lowers once);
+    `close` from any thread: it shuts the inner exporter down, which aborts an export
+    waiting to retry, and every later export fails at once without sending."""
 
     def __init__(self, inner: SpanExporter) -> None:
         self.inner = inner
@@ -299,9 +295,8 @@ class SpanCounter(SpanProcessor):
 
 
 def batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
-    """The SDK's batch processor, with its settings from OTEL_BSP_*. Values it refuses
-    (a delay of 0, a batch larger than the queue) are warned once; the specification's
-    defaults apply and the run goes on."""
+    """The SDK's batch processor, its settings from OTEL_BSP_*; values it refuses (a delay
+    of 0, a batch larger than the queue) are warned once, and its defaults apply."""
     try:
         return BatchSpanProcessor(exporter)
     except ValueError as exc:

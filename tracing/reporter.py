@@ -23,9 +23,8 @@ IntervalSource = Callable[[], "tuple[StatsSnapshot, list[StatsSnapshot]] | None"
 
 
 class _Rate:
-    """Turns a monotonically increasing counter into a per-second rate over each window,
-    timed from when the counter was registered (what ran before, e.g. a start-up, does
-    not dilute it)."""
+    """A monotonically increasing counter as a per-second rate over each window, timed
+    from its registration (what ran before, e.g. a start-up, does not dilute it)."""
 
     def __init__(self, counter: Callable[[], float], unit: str) -> None:
         self.counter, self.unit = counter, unit

@@ -89,9 +89,8 @@ class ProfileStats:
         _instances.add(self)
 
     def _start_fresh(self) -> None:
-        """Empty figures and a new lock: at creation, and in a forked child, whose
-        figures are its own (and whose copy of the lock may be held by a thread that
-        did not survive the fork)."""
+        """Empty figures and a new lock: at creation, and in a forked child (its figures are
+        its own; its copy of the lock may be held by a thread that did not survive the fork)."""
         self._lock = threading.Lock()
         # thread key -> name -> durations not folded yet (a thread appends to its own).
         self._pending: dict[object, dict[str, list[float]]] = {}
