@@ -73,10 +73,8 @@ def format_table(
 
 
 def _rank_spread(name: str, snaps: Sequence[StatsSnapshot]) -> list[str]:
-    totals = []
+    totals = []  # (total, rank) per snapshot, the lowest and the highest shown
     for index, snap in enumerate(snaps):
         stats = snap.phases.get(name)
-        rank = snap.rank if snap.rank is not None else index
-        totals.append((stats.total_s if stats else 0.0, rank))
-    low, high = min(totals), max(totals)
-    return [f"{format_duration(low[0])} (r{low[1]})", f"{format_duration(high[0])} (r{high[1]})"]
+        totals.append((stats.total_s if stats else 0.0, index if snap.rank is None else snap.rank))
+    return [f"{format_duration(total)} (r{rank})" for total, rank in (min(totals), max(totals))]

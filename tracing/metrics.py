@@ -77,10 +77,8 @@ class MetricsReport:
     duration_s: float = 0.0
 
     def summary(self) -> str:
-        return (
-            f"metrics: exports ok {self.exports_ok}, failed {self.exports_failed} "
-            f"({self.points_failed} points lost)"
-        )
+        failed = f"failed {self.exports_failed} ({self.points_failed} points lost)"
+        return f"metrics: exports ok {self.exports_ok}, {failed}"
 
 
 def preferred_temporality(name: str | None) -> dict[type, AggregationTemporality]:
