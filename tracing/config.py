@@ -161,9 +161,7 @@ def parse_endpoint(value: object) -> str:
     except ValueError:
         raise TracingConfigError(f"otlp_endpoint is not a valid URL, got {value!r}") from None
     if parsed.scheme not in ("http", "https") or not parsed.hostname or "://" not in text:
-        raise TracingConfigError(
-            f"otlp_endpoint must be http(s)://host[:port][/path], got {value!r}"
-        )
+        raise TracingConfigError(f"otlp_endpoint wants http(s)://host[:port][/path], got {value!r}")
     return text
 
 

@@ -223,8 +223,7 @@ class ProfileStats:
     def format_compact(self) -> str:
         return format_compact(self.snapshot())
 
-    def __str__(self) -> str:
-        return self.format_compact()
+    __str__ = format_compact
 
 
 _instances: weakref.WeakSet[ProfileStats] = weakref.WeakSet()
