@@ -91,8 +91,7 @@ class HostClock:
     def __init__(self, auto_complete: bool = True) -> None:
         self.auto_complete = auto_complete
         self.events: list[HostEvent] = []
-        self.synchronize_calls = 0
-        self.released = 0
+        self.synchronize_calls = self.released = 0
 
     def applies_to(self, device: object) -> bool:
         return device is not None
@@ -149,8 +148,7 @@ class EventResolver:
         self._poll_interval_s = poll_interval_s
         self._queues: dict[object, deque[_Pending]] = {}
         self._queues_lock = threading.Lock()  # adding a device's queue (rare)
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._wake, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="tracing-device-resolver", daemon=True
         )

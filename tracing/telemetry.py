@@ -93,10 +93,9 @@ class ShutdownReport:
             f"failed {self.spans_failed}, dropped {self.spans_dropped} (queue full or left at "
             "the bound)"
         )
-        if self.spans_to_application:
+        if to_application := self.spans_to_application:
             flushed = "flushed" if self.application_flushed else "not flushed in time"
-            text += f", to the application's span processors {self.spans_to_application}"
-            text += f" ({flushed})"
+            text += f", to the application's span processors {to_application} ({flushed})"
         extra = {
             "device timings unresolved": self.device_unresolved,
             "phase hook errors": self.hook_errors,
