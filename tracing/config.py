@@ -1,4 +1,4 @@
-"""The application's own settings for `tracing.setup`, validated once.
+"""The application's own settings for `tracing.setup` and `tracing.metrics`, validated once.
 
 Everything OpenTelemetry configures is left to the SDK, which reads the OTEL_*
 variables itself when a setting here is None: the OTLP endpoint, headers, timeout,
@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 EXPORTERS = ("none", "otlp", "console", "file")
 PROTOCOLS = ("grpc", "http/protobuf")
 LEVELS = ("off", "step", "phase")
 CUDA_TIMINGS = ("off", "sync", "events")
+TEMPORALITIES = ("cumulative", "delta", "lowmemory")
 
 
 class TracingConfigError(ValueError):
@@ -29,9 +31,8 @@ class TracingConfig:
     """What `setup` needs beyond what the SDK reads; None leaves a choice to the SDK."""
 
     exporter: tuple[str, ...] | None = None
-    """Any of otlp, console (a comma-separated string is accepted); None: OTLP when
-    `otlp_endpoint`, OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT or OTEL_TRACES_EXPORTER asks for
-    it, else none (nothing goes over the network unless asked)."""
+    """otlp, console (a comma-separated string too); None: OTLP when `otlp_endpoint`, an
+    OTLP endpoint variable or OTEL_TRACES_EXPORTER asks for it, else none."""
     otlp_endpoint: str | None = None
     """Collector base URL, http(s)://host[:port]; None: the SDK's exporter reads OTEL_*."""
     otlp_protocol: str | None = None
@@ -82,20 +83,53 @@ class TracingConfig:
             raise TracingConfigError(f"sample_ratio must be in [0, 1], got {ratio!r}")
         if not isinstance(self.rank, int) or self.rank < 0:
             raise TracingConfigError(f"rank must be an integer >= 0, got {self.rank!r}")
-        for name in ("shutdown_timeout_s", "report_interval_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise TracingConfigError(f"{name} must be a positive number, got {value!r}")
+        check_positive("shutdown_timeout_s", self.shutdown_timeout_s)
+        check_positive("report_interval_s", self.report_interval_s)
         if "file" in (self.exporter or ()) and not self.trace_file:
             raise TracingConfigError("exporter 'file' needs trace_file (a path), got None")
         if not self.run_id:
             set_(self, "run_id", uuid.uuid4().hex[:12])
 
 
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Settings of the metrics signal; None leaves a choice to the OTEL_* variables."""
+
+    exporter: tuple[str, ...] | None = None
+    """Any of otlp, console; None: OTEL_METRICS_EXPORTER, else OTLP where an endpoint is
+    known (the traces' `otlp_endpoint` or an OTLP endpoint variable), else none."""
+    export_interval_s: float | None = None
+    """Period of collection and export; None: the SDK's (OTEL_METRIC_EXPORT_INTERVAL)."""
+    shutdown_timeout_s: float = 3.0
+    namespace: str = ""
+    """Prefix of every instrument name (`myapp` makes `tokens` into `myapp.tokens`)."""
+    temporality: str | None = None
+    """cumulative, delta or lowmemory; None: OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE,
+    read here: the reader takes it from the stats wrapper in front of each exporter."""
+
+    def __post_init__(self) -> None:
+        if self.exporter is not None:
+            exporters = parse_exporters(self.exporter, ("none", "otlp", "console"))
+            object.__setattr__(self, "exporter", exporters)  # frozen: normalized once
+        if self.temporality is not None:
+            check_choice("metrics temporality", self.temporality, TEMPORALITIES)
+        for name in ("export_interval_s", "shutdown_timeout_s"):
+            if getattr(self, name) is not None:
+                check_positive(f"metrics {name}", getattr(self, name))
+        if not isinstance(self.namespace, str):
+            raise TracingConfigError(f"metrics namespace must be a string, got {self.namespace!r}")
+
+
 def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     """Raises TracingConfigError naming `name` unless `value` is one of `choices`."""
     if value not in choices:
         raise TracingConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_positive(name: str, value: object) -> None:
+    """Raises TracingConfigError naming `name` unless `value` is a number above 0."""
+    if not isinstance(value, (int, float)) or not value > 0:
+        raise TracingConfigError(f"{name} must be a positive number, got {value!r}")
 
 
 def parse_exporters(value: object, choices: tuple[str, ...] = EXPORTERS) -> tuple[str, ...]:
@@ -127,12 +161,11 @@ def parse_endpoint(value: object) -> str:
     except ValueError:
         raise TracingConfigError(f"otlp_endpoint is not a valid URL, got {value!r}") from None
     if parsed.scheme not in ("http", "https") or not parsed.hostname or "://" not in text:
-        raise TracingConfigError(
-            f"otlp_endpoint must be http(s)://host[:port][/path], got {value!r}"
-        )
+        raise TracingConfigError(f"otlp_endpoint wants http(s)://host[:port][/path], got {value!r}")
     return text
 
 
+logger = logging.getLogger("tracing")
 _warned: set[str] = set()
 
 
@@ -141,4 +174,13 @@ def warn_once(key: str, message: str) -> None:
     it cannot use, and never raises into the host program."""
     if key not in _warned:
         _warned.add(key)
-        logging.getLogger("tracing").warning("tracing: %s", message)
+        logger.warning("tracing: %s", message)
+
+
+def call_logged(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`, or None when it raised (logged): telemetry never raises."""
+    try:
+        return fn(*args, **kwargs)
+    except Exception:
+        logger.exception("tracing: %s raised", getattr(fn, "__qualname__", repr(fn)))
+        return None

@@ -1,9 +1,7 @@
 """Device timing: clocks that record device events, and the thread that resolves them.
 
-A `DeviceClock` records an event on a device's stream, says whether it completed and
-the time between two completed events. `CudaClock` uses torch.cuda events (torch is
-imported here only); `HostClock` is a host-clock stand-in with the same interface so
-the resolution path runs, and is tested, on a machine without a GPU.
+`CudaClock` uses torch.cuda events (torch is imported here only); `HostClock` is a
+host-clock stand-in, so the resolution path runs, and is tested, without a GPU.
 """
 
 from __future__ import annotations
@@ -17,25 +15,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tracing.config import call_logged
+
 logger = logging.getLogger("tracing")
 
 
 class DeviceClock(Protocol):
-    """Thread contract: `record`/`synchronize` run on the phase's thread, `query`,
+    """`applies_to(device)`: whether phases on it get device timing (not on a CPU device).
+    Thread contract: `record`/`synchronize` run on the phase's thread, `query`,
     `elapsed_s` and `release` (the events may be recorded again) on the resolver thread."""
 
-    def applies_to(self, device: object) -> bool:
-        """Whether phases on `device` get device timing (False for e.g. a CPU device)."""
-        ...
-
+    def applies_to(self, device: object) -> bool: ...
     def record(self, device: object) -> Any: ...
-
     def query(self, event: Any) -> bool: ...
-
     def elapsed_s(self, start: Any, end: Any) -> float: ...
-
     def release(self, device: object, *events: Any) -> None: ...
-
     def synchronize(self, device: object) -> None: ...
 
 
@@ -97,8 +91,7 @@ class HostClock:
     def __init__(self, auto_complete: bool = True) -> None:
         self.auto_complete = auto_complete
         self.events: list[HostEvent] = []
-        self.synchronize_calls = 0
-        self.released = 0
+        self.synchronize_calls = self.released = 0
 
     def applies_to(self, device: object) -> bool:
         return device is not None
@@ -130,54 +123,38 @@ def cuda_clock_or_none(mode: str) -> CudaClock | None:
     try:
         import torch
 
-        available = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            return CudaClock()
     except ImportError:
-        available = False
-    if not available:
-        warnings.warn(
-            f"tracing: cuda_timing={mode!r} needs CUDA, which is not available; using 'off'",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return None
-    return CudaClock()
+        pass
+    message = f"tracing: cuda_timing={mode!r} needs CUDA, which is not available; using 'off'"
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    return None
 
 
-# (start event, end event, on_resolved(device_s or None))
-_Pending = tuple[Any, Any, Callable[[float | None], None]]
+OnResolved = Callable[[float | None], None]  # called with the device seconds, or None
+_Pending = tuple[Any, Any, OnResolved]  # (start event, end event, on_resolved)
 
 
 class EventResolver:
-    """One daemon thread that waits for event pairs to complete, then calls back.
-
-    `submit` never blocks. Callbacks run on the resolver thread, with the device
-    duration in seconds, or None when the pair could not be resolved before `stop`.
-    Pairs wait in one queue per device: a device's events complete in the order they
-    were recorded (one stream), so each queue is polled at its head, and a busy device
-    never holds up the timings of another.
-    """
+    """One daemon thread that waits for event pairs to complete, then calls back (with
+    None for a pair not resolved before `stop`). `submit` never blocks; callbacks run on
+    the resolver thread. Pairs wait in one queue per device: a device's events complete
+    in the order they were recorded (one stream), so each queue is polled at its head,
+    and a busy device never holds up the timings of another."""
 
     def __init__(self, clock: DeviceClock, poll_interval_s: float = 0.001) -> None:
         self.clock = clock
         self._poll_interval_s = poll_interval_s
         self._queues: dict[object, deque[_Pending]] = {}
         self._queues_lock = threading.Lock()  # adding a device's queue (rare)
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self.resolved = 0
-        self.unresolved = 0
+        self._wake, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="tracing-device-resolver", daemon=True
         )
         self._thread.start()
 
-    def submit(
-        self,
-        start: Any,
-        end: Any,
-        on_resolved: Callable[[float | None], None],
-        device: object = None,
-    ) -> None:
+    def submit(self, start: Any, end: Any, on_resolved: OnResolved, device: object = None) -> None:
         queue = self._queues.get(device)
         if queue is None:
             with self._queues_lock:
@@ -200,8 +177,7 @@ class EventResolver:
                 time.sleep(self._poll_interval_s)
 
     def _resolve_ready(self) -> bool:
-        """Resolves the completed pairs at the head of every device's queue; False when
-        no queue had one."""
+        """Resolves the completed pairs at each queue's head; False when there were none."""
         progressed = False
         for device, queue in list(self._queues.items()):
             while queue:
@@ -215,16 +191,13 @@ class EventResolver:
                     logger.exception("tracing: device event could not be resolved")
                     device_s = None
                 queue.popleft()
-                self.resolved += device_s is not None
-                _call(callback, device_s)
+                call_logged(callback, device_s)
                 progressed = True
         return progressed
 
     def stop(self, timeout_s: float) -> int:
-        """Resolves what completes within `timeout_s`; ends the rest without device time.
-
-        Returns how many pairs stayed unresolved.
-        """
+        """Resolves what completes within `timeout_s`, ends the rest without device time;
+        returns how many those were."""
         deadline = time.monotonic() + timeout_s
         while self.pending and time.monotonic() < deadline:
             time.sleep(self._poll_interval_s)
@@ -235,14 +208,6 @@ class EventResolver:
         for queue in list(self._queues.values()):
             while queue:
                 _, _, callback = queue.popleft()
-                _call(callback, None)
+                call_logged(callback, None)
                 left += 1
-        self.unresolved += left
         return left
-
-
-def _call(callback: Callable[[float | None], None], device_s: float | None) -> None:
-    try:
-        callback(device_s)
-    except Exception:
-        logger.exception("tracing: device timing callback raised")

@@ -1,9 +1,8 @@
 """Where ended spans go: the exporters `setup` builds, and what became of their spans.
 
-The SDK's exporters read their OTEL_* variables themselves (endpoint, headers, timeout,
-compression, TLS); only what the SDK does not decide is read here: whether to export at
-all (OTEL_TRACES_EXPORTER, OTEL_METRICS_EXPORTER, an endpoint being set) and which
-exporter class a protocol names (OTEL_EXPORTER_OTLP_[SIGNAL_]PROTOCOL).
+Only what the SDK's exporters do not read themselves (tracing.config) is read here:
+whether to export at all (OTEL_<SIGNAL>_EXPORTER, an endpoint being set) and which
+exporter class a protocol names (OTEL_EXPORTER_OTLP_[<SIGNAL>_]PROTOCOL).
 
 The SDK's BatchSpanProcessor reads OTEL_BSP_*, restarts after os.fork and drops the
 oldest span when its queue is full; it counts nothing, its force_flush has no bound and
@@ -28,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from opentelemetry.environment_variables import OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
-from opentelemetry.sdk.environment_variables import OTEL_EXPORTER_OTLP_ENDPOINT
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
@@ -37,7 +35,14 @@ from opentelemetry.sdk.trace.export import (
     SpanExportResult,
 )
 
-from tracing.config import PROTOCOLS, TracingConfig, TracingConfigError, parse_exporters, warn_once
+from tracing.config import (
+    PROTOCOLS,
+    TracingConfig,
+    TracingConfigError,
+    call_logged,
+    parse_exporters,
+    warn_once,
+)
 
 logger = logging.getLogger("tracing")
 Signal = Literal["traces", "metrics"]
@@ -45,10 +50,8 @@ EXPORT_THREAD_NICENESS = 10
 
 
 class OtlpJsonFileExporter(SpanExporter):
-    """Appends one OTLP/JSON `ExportTraceServiceRequest` object per line (ids in hex).
-
-    The format of the collector's file exporter; Jaeger's UI can load such a file.
-    """
+    """Appends one OTLP/JSON `ExportTraceServiceRequest` per line (ids in hex): the
+    format of the collector's file exporter, which Jaeger's UI can load."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -120,29 +123,30 @@ def wanted_exporters(
             return parse_exporters(named, ("none", "otlp", "console"))
         except TracingConfigError as exc:
             warn_once(variable, f"ignoring {variable}={named!r} ({exc})")
-    endpoints = (OTEL_EXPORTER_OTLP_ENDPOINT, f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT")
-    set_ = endpoint_given or any(os.environ.get(name, "").strip() for name in endpoints)
-    return ("otlp",) if set_ else ()
+    return ("otlp",) if endpoint_given or _otlp_variable("ENDPOINT", signal)[1] else ()
+
+
+def _otlp_variable(setting: str, signal: Signal) -> tuple[str, str]:
+    """(name, value) of OTEL_EXPORTER_OTLP_<SIGNAL>_<SETTING> if set, else of
+    OTEL_EXPORTER_OTLP_<SETTING> if set, else ("", "")."""
+    for name in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_{setting}", f"OTEL_EXPORTER_OTLP_{setting}"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            return name, value
+    return "", ""
 
 
 def otlp_protocol(explicit: str | None, signal: Signal) -> str:
-    """`explicit`, else OTEL_EXPORTER_OTLP_<SIGNAL>_PROTOCOL, else OTEL_EXPORTER_OTLP_PROTOCOL,
-    else http/protobuf (the specification's default). The Python exporters encode
-    protobuf only: http/json is sent as http/protobuf, to the same port."""
+    """`explicit`, else OTEL_EXPORTER_OTLP_[<SIGNAL>_]PROTOCOL, else http/protobuf (the
+    specification's default). The Python exporters encode protobuf only: http/json is
+    sent as http/protobuf, to the same port."""
     if explicit is not None:
         return explicit
-    for variable in (
-        f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL",
-        "OTEL_EXPORTER_OTLP_PROTOCOL",
-    ):
-        text = os.environ.get(variable, "").strip().lower()
-        if text in PROTOCOLS:
-            return text
-        if text:
-            warn_once(
-                variable, f"{variable}={text!r} is not grpc or http/protobuf; sending http/protobuf"
-            )
-            return "http/protobuf"
+    variable, text = _otlp_variable("PROTOCOL", signal)
+    if text.lower() in PROTOCOLS:
+        return text.lower()
+    if text:
+        warn_once(variable, f"ignoring {variable}={text!r}: not grpc or http/protobuf")
     return "http/protobuf"
 
 
@@ -151,16 +155,13 @@ def otlp_exporter(signal: Signal, protocol: str, endpoint: str | None, **options
     `endpoint` None lets it read OTEL_*; a base URL given here gets the signal's path
     over HTTP. Its module is imported only here: an unused transport need not exist."""
     transport = "grpc" if protocol == "grpc" else "http"
-    kind = "trace" if signal == "traces" else "metric"
-    module = importlib.import_module(
-        f"opentelemetry.exporter.otlp.proto.{transport}.{kind}_exporter"
-    )
+    kind = "trace_exporter" if signal == "traces" else "metric_exporter"
+    module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{transport}.{kind}")
     if endpoint is not None and transport == "http":
         path = f"/v1/{signal}"
         endpoint = endpoint if endpoint.rstrip("/").endswith(path) else endpoint.rstrip("/") + path
     for name in _OTLP_LOGGERS:
-        if _rate_limit not in logging.getLogger(name).filters:
-            logging.getLogger(name).addFilter(_rate_limit)
+        logging.getLogger(name).addFilter(_rate_limit)  # once: addFilter skips a known one
     exporter_cls = module.OTLPSpanExporter if signal == "traces" else module.OTLPMetricExporter
     try:
         return exporter_cls(endpoint=endpoint, **options)
@@ -171,11 +172,6 @@ def otlp_exporter(signal: Signal, protocol: str, endpoint: str | None, **options
             f"({type(exc).__name__}: {exc}); {signal} are not exported",
         )
         return None
-
-
-def trace_file_path(path: str, rank: int) -> str:
-    """PATH for rank 0, PATH.rankN for the others (ranks appending to one file interleave)."""
-    return path if rank == 0 else f"{path}.rank{rank}"
 
 
 def build_exporters(cfg: TracingConfig) -> tuple[list[SpanExporter], list[str]]:
@@ -192,23 +188,17 @@ def build_exporters(cfg: TracingConfig) -> tuple[list[SpanExporter], list[str]]:
             exporter = otlp_exporter("traces", protocol, cfg.otlp_endpoint)
             if exporter is not None:
                 exporters.append(exporter)
-                sinks.append(f"OTLP/{protocol} {cfg.otlp_endpoint or _endpoint_variable()}")
+                endpoint = cfg.otlp_endpoint or _otlp_variable("ENDPOINT", "traces")[1]
+                sinks.append(f"OTLP/{protocol} {endpoint or '(the SDK default endpoint)'}")
         elif name == "console":
             exporters.append(ConsoleSpanExporter())
             sinks.append("console")
         elif name == "file":
-            assert cfg.trace_file is not None  # checked by TracingConfig
-            path = trace_file_path(cfg.trace_file, cfg.rank)
+            # PATH for rank 0, PATH.rankN for the others: ranks appending to one file interleave
+            path = cfg.trace_file if cfg.rank == 0 else f"{cfg.trace_file}.rank{cfg.rank}"
             exporters.append(OtlpJsonFileExporter(path))
             sinks.append(f"file {path}")
     return exporters, sinks
-
-
-def _endpoint_variable() -> str:
-    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", OTEL_EXPORTER_OTLP_ENDPOINT):
-        if os.environ.get(name, "").strip():
-            return os.environ[name].strip()
-    return "(the SDK's default endpoint)"
 
 
 @dataclass
@@ -226,14 +216,16 @@ class DeliveryCounts:
         return max(0, self.handed - self.exported - self.failed)
 
 
-def lower_thread_priority(done: set[int]) -> None:
-    """Lets an export thread yield the CPU to the program it observes, once per thread
-    (`done` holds those lowered): encoding spans is real work, which on busy cores should
-    fill the training threads' idle moments. On Linux a thread is a task, so setpriority
-    on its native id affects it alone."""
-    if threading.get_ident() in done:
+_lowered = threading.local()
+
+
+def lower_thread_priority() -> None:
+    """Lets an export thread yield the CPU to the program it observes, once per thread:
+    encoding spans is real work, which on busy cores should fill the training threads'
+    idle moments (on Linux, setpriority on a native thread id affects that thread alone)."""
+    if getattr(_lowered, "done", False):
         return
-    done.add(threading.get_ident())
+    _lowered.done = True
     try:
         tid = threading.get_native_id()
         niceness = os.getpriority(os.PRIO_PROCESS, tid) + EXPORT_THREAD_NICENESS
@@ -243,9 +235,7 @@ def lower_thread_priority(done: set[int]) -> None:
 
 
 class CountingExporter(SpanExporter):
-    """An exporter that counts what it exported and what failed.
-
-    Thread contract: `export` on the processor's worker (whose priority it lowers once);
+    """Thread contract: `export` on the processor's worker (whose priority it lowers once);
     `close` from any thread: it shuts the inner exporter down, which aborts an export
     waiting to retry, and every later export fails at once without sending."""
 
@@ -253,20 +243,14 @@ class CountingExporter(SpanExporter):
         self.inner = inner
         self.exported = self.failed = 0
         self._closed = False
-        self._niced: set[int] = set()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lower_thread_priority(self._niced)
-        result = SpanExportResult.FAILURE
-        if not self._closed:
-            try:
-                result = self.inner.export(spans)
-            except Exception:  # telemetry never crashes the host program
-                logger.exception("tracing: exporter %s raised", type(self.inner).__name__)
-        if result == SpanExportResult.SUCCESS:
-            self.exported += len(spans)
-        else:
+        lower_thread_priority()
+        result = None if self._closed else call_logged(self.inner.export, spans)
+        if result != SpanExportResult.SUCCESS:
             self.failed += len(spans)
+            return SpanExportResult.FAILURE
+        self.exported += len(spans)
         return result
 
     def close(self) -> None:
@@ -274,8 +258,7 @@ class CountingExporter(SpanExporter):
             self._closed = True
             self.inner.shutdown()
 
-    def shutdown(self) -> None:
-        self.close()
+    shutdown = close
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.inner.force_flush(timeout_millis)
@@ -312,9 +295,8 @@ class SpanCounter(SpanProcessor):
 
 
 def batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
-    """The SDK's batch processor, with its settings from OTEL_BSP_*. Values it refuses
-    (a delay of 0, a batch larger than the queue) are warned once; the specification's
-    defaults apply and the run goes on."""
+    """The SDK's batch processor, its settings from OTEL_BSP_*; values it refuses (a delay
+    of 0, a batch larger than the queue) are warned once, and its defaults apply."""
     try:
         return BatchSpanProcessor(exporter)
     except ValueError as exc:
@@ -328,10 +310,7 @@ def call_bounded(fn: Any, timeout_s: float, *args: Any) -> Any:
     result: list[Any] = [None]
 
     def target() -> None:
-        try:
-            result[0] = fn(*args)
-        except Exception:
-            logger.exception("tracing: %s raised", type(fn).__qualname__)
+        result[0] = call_logged(fn, *args)
 
     thread = threading.Thread(target=target, name="tracing-bounded-call", daemon=True)
     thread.start()

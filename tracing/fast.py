@@ -39,12 +39,8 @@ class PhaseIds(IdGenerator):
     would change the program's own random sequence."""
 
     def __init__(self) -> None:
-        self._random = random.Random()
-        self._reseed()
-        os.register_at_fork(after_in_child=self._reseed)
-
-    def _reseed(self) -> None:
-        self._random.seed(int.from_bytes(os.urandom(32), "little"))
+        self._random = random.Random()  # seed() without a value draws from os.urandom
+        os.register_at_fork(after_in_child=self._random.seed)
 
     def generate_span_id(self) -> int:
         return self._random.getrandbits(64) or 1  # 0 is the invalid id
@@ -189,11 +185,8 @@ class FastTracer:
     ) -> trace.Span:
         parent = trace.get_current_span(context).get_span_context()
         if parent.is_valid:  # a parent-based sampler follows the parent's decision
-            trace_id, sampled, state = (
-                parent.trace_id,
-                parent.trace_flags.sampled,
-                parent.trace_state,
-            )
+            trace_id, state = parent.trace_id, parent.trace_state
+            sampled = parent.trace_flags.sampled
         else:
             parent, trace_id = None, self.ids.generate_trace_id()
             result = self.sampler.should_sample(

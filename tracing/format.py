@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tracing.snapshot import PhaseStats, StatsSnapshot
+from tracing.snapshot import StatsSnapshot
 
 DEVICE_SUFFIX = "@device"
 """Names ending in this hold device time measured by the `events`/`sync` timing modes."""
@@ -29,49 +29,27 @@ def format_duration(seconds: float) -> str:
 def format_compact(snapshot: StatsSnapshot) -> str:
     """One line per name, in the spirit of the classic ProfileStats printout."""
     lines = []
-    for name in sorted(snapshot.phases):
-        s = snapshot.phases[name]
-        lines.append(
-            f"{name}: n={s.count} total={format_duration(s.total_s)} "
-            f"mean={format_duration(s.mean_s)} min={format_duration(s.min_s if s.count else 0.0)} "
-            f"max={format_duration(s.max_s)}"
-        )
+    for name, s in sorted(snapshot.phases.items()):
+        low = s.min_s if s.count else 0.0
+        total, mean, low, high = map(format_duration, (s.total_s, s.mean_s, low, s.max_s))
+        lines.append(f"{name}: n={s.count} total={total} mean={mean} min={low} max={high}")
     return "\n".join(lines)
 
 
-def _share_text(snapshot: StatsSnapshot, name: str) -> str:
-    share = snapshot.share(name)
-    return "-" if share is None else f"{share * 100:.1f}%"
+def _row(snapshot: StatsSnapshot, name: str) -> list[str]:
+    s, share = snapshot.phases[name], snapshot.share(name)
+    durations = (s.total_s, s.mean_s, s.min_s if s.count else 0.0, s.p50_s, s.p95_s, s.max_s)
+    share_text = "-" if share is None else f"{share * 100:.1f}%"
+    return [name, str(s.count), *map(format_duration, durations), share_text]
 
 
-def _row(name: str, s: PhaseStats, share: str) -> list[str]:
+def _render(table: Sequence[Sequence[str]]) -> list[str]:
+    """The first column left-aligned, the others right-aligned."""
+    widths = [max(map(len, column)) for column in zip(*table, strict=True)]
     return [
-        name,
-        str(s.count),
-        format_duration(s.total_s),
-        format_duration(s.mean_s),
-        format_duration(s.min_s if s.count else 0.0),
-        format_duration(s.p50_s),
-        format_duration(s.p95_s),
-        format_duration(s.max_s),
-        share,
+        "  ".join([row[0].ljust(widths[0]), *map(str.rjust, row[1:], widths[1:])]).rstrip()
+        for row in table
     ]
-
-
-def _render(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    out = []
-    for row in [header, *rows]:
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        out.append("  ".join(cells).rstrip())
-    return out
-
-
-def sorted_names(snapshot: StatsSnapshot) -> list[str]:
-    """Names in a stable order with each device entry right under its host entry."""
-    return sorted(snapshot.phases, key=lambda n: (n.removesuffix(DEVICE_SUFFIX), n))
 
 
 def format_table(
@@ -80,33 +58,23 @@ def format_table(
     title: str | None = None,
     rank_snapshots: Sequence[StatsSnapshot] | None = None,
 ) -> str:
-    """Table: phase, count, total, mean, min, p50, p95, max, share of its thread's wall time.
-
-    With `rank_snapshots` (one per rank, e.g. gathered under torchrun) two columns give
-    the lowest and highest per-rank total of each phase, with the rank that had it.
-    """
-    header = ["phase", *_COLUMNS]
-    rows = []
-    for name in sorted_names(snapshot):
-        row = _row(name, snapshot.phases[name], _share_text(snapshot, name))
-        if rank_snapshots:
-            row += _rank_spread(name, rank_snapshots)
-        rows.append(row)
-    if rank_snapshots:
-        header += ["rank min total", "rank max total"]
+    """Table: phase, count, total, mean, min, p50, p95, max, share of its thread's wall
+    time; with `rank_snapshots` (one per rank, e.g. gathered under torchrun), the lowest
+    and highest per-rank total of each phase, with the rank that had it."""
+    spread = ["rank min total", "rank max total"] if rank_snapshots else []
+    names = sorted(snapshot.phases, key=lambda n: (n.removesuffix(DEVICE_SUFFIX), n))
+    rows = [  # each device entry right under its host entry
+        _row(snapshot, name) + (_rank_spread(name, rank_snapshots) if rank_snapshots else [])
+        for name in names
+    ]
     lines = [title] if title else []
-    if not rows:
-        lines.append("(no phases recorded)")
-        return "\n".join(lines)
-    lines += _render(header, rows)
+    lines += _render([["phase", *_COLUMNS, *spread], *rows]) if rows else ["(no phases recorded)"]
     return "\n".join(lines)
 
 
 def _rank_spread(name: str, snaps: Sequence[StatsSnapshot]) -> list[str]:
-    totals = []
+    totals = []  # (total, rank) per snapshot, the lowest and the highest shown
     for index, snap in enumerate(snaps):
         stats = snap.phases.get(name)
-        rank = snap.rank if snap.rank is not None else index
-        totals.append((stats.total_s if stats else 0.0, rank))
-    low, high = min(totals), max(totals)
-    return [f"{format_duration(low[0])} (r{low[1]})", f"{format_duration(high[0])} (r{high[1]})"]
+        totals.append((stats.total_s if stats else 0.0, index if snap.rank is None else snap.rank))
+    return [f"{format_duration(total)} (r{rank})" for total, rank in (min(totals), max(totals))]

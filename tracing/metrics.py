@@ -17,8 +17,6 @@ thread one bounded export per interval, counted in the report.
 
 from __future__ import annotations
 
-import logging
-import math
 import os
 import threading
 import time
@@ -27,9 +25,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.environment_variables import (
-    OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE as TEMPORALITY_VARIABLE,
-)
 from opentelemetry.sdk.metrics import Counter, MeterProvider, ObservableCounter
 from opentelemetry.sdk.metrics import Histogram as HistogramInstrument
 from opentelemetry.sdk.metrics.export import (
@@ -49,13 +44,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from tracing.clock import now_ns
-from tracing.config import (
-    TracingConfig,
-    TracingConfigError,
-    check_choice,
-    parse_exporters,
-    warn_once,
-)
+from tracing.config import TEMPORALITIES, MetricsConfig, TracingConfig, call_logged, warn_once
 from tracing.export import (
     call_bounded,
     lower_thread_priority,
@@ -67,45 +56,15 @@ from tracing.snapshot import BUCKETS_PER_OCTAVE
 from tracing.stats import ProfileStats
 from tracing.telemetry import build_resource
 
-logger = logging.getLogger("tracing")
 SCOPE = InstrumentationScope("tracing.metrics")
+TEMPORALITY_VARIABLE = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
 # The histograms built from ProfileStats get a scope of their own: the OTLP encoder
 # keys scopes by name, and would let one replace the SDK instruments' scope.
 STATS_SCOPE = InstrumentationScope("tracing.metrics.stats")
 # Octave edges from ~61 µs to 8 s: each ProfileStats bucket (8 per octave) lies inside
 # one of them, so the histogram counts are exact, and ms phases get several buckets.
-PHASE_BOUNDS_S = tuple(2.0**k for k in range(-14, 4))
-TEMPORALITIES = ("cumulative", "delta", "lowmemory")
-
-
-@dataclass(frozen=True)
-class MetricsConfig:
-    """Settings of the metrics signal; None leaves a choice to the OTEL_* variables."""
-
-    exporter: tuple[str, ...] | None = None
-    """Any of otlp, console; None: OTEL_METRICS_EXPORTER, else OTLP where an endpoint is
-    known (the traces' `otlp_endpoint` or an OTLP endpoint variable), else none."""
-    export_interval_s: float | None = None
-    """Period of collection and export; None: the SDK's (OTEL_METRIC_EXPORT_INTERVAL)."""
-    shutdown_timeout_s: float = 3.0
-    namespace: str = ""
-    """Prefix of every instrument name (`myapp` makes `tokens` into `myapp.tokens`)."""
-    temporality: str | None = None
-    """cumulative, delta or lowmemory; None: OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE,
-    read here: the reader takes it from the stats wrapper in front of each exporter."""
-
-    def __post_init__(self) -> None:
-        if self.exporter is not None:
-            exporters = parse_exporters(self.exporter, ("none", "otlp", "console"))
-            object.__setattr__(self, "exporter", exporters)  # frozen: normalized once
-        if self.temporality is not None:
-            check_choice("metrics temporality", self.temporality, TEMPORALITIES)
-        for name in ("export_interval_s", "shutdown_timeout_s"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, (int, float)) or not value > 0):
-                raise TracingConfigError(f"metrics {name} must be a positive number, got {value!r}")
-        if not isinstance(self.namespace, str):
-            raise TracingConfigError(f"metrics namespace must be a string, got {self.namespace!r}")
+FIRST_OCTAVE = -14
+PHASE_BOUNDS_S = tuple(2.0**k for k in range(FIRST_OCTAVE, 4))
 
 
 @dataclass(frozen=True)
@@ -118,10 +77,8 @@ class MetricsReport:
     duration_s: float = 0.0
 
     def summary(self) -> str:
-        return (
-            f"metrics: exports ok {self.exports_ok}, failed {self.exports_failed} "
-            f"({self.points_failed} points lost)"
-        )
+        failed = f"failed {self.exports_failed} ({self.points_failed} points lost)"
+        return f"metrics: exports ok {self.exports_ok}, {failed}"
 
 
 def preferred_temporality(name: str | None) -> dict[type, AggregationTemporality]:
@@ -146,27 +103,20 @@ class _StatsExporter(MetricExporter):
         super().__init__(preferred_temporality=temporality)
         self.inner, self.owner = inner, owner
         self.ok = self.failed = self.points_failed = 0
-        self._niced: set[int] = set()
 
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> MetricExportResult:
-        lower_thread_priority(self._niced)  # the reader's thread, as the spans' export
+        lower_thread_priority()  # the reader's thread, as the spans' export
         data = self.owner._with_stats(metrics_data)
-        try:
-            result = self.inner.export(data, timeout_millis=timeout_millis)
-        except Exception:
-            logger.exception("tracing: metric exporter %s raised", type(self.inner).__name__)
-            result = MetricExportResult.FAILURE
+        result = call_logged(self.inner.export, data, timeout_millis=timeout_millis)
         if result == MetricExportResult.SUCCESS:
             self.ok += 1
-        else:
-            self.failed += 1
-            metrics = [
-                m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-            ]
-            self.points_failed += sum(len(metric.data.data_points) for metric in metrics)
-        return result
+            return result
+        self.failed += 1
+        metrics = [m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
+        self.points_failed += sum(len(metric.data.data_points) for metric in metrics)
+        return MetricExportResult.FAILURE
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return self.inner.force_flush(timeout_millis)
@@ -179,14 +129,8 @@ class _StatsHistogram:
     """Cumulative histogram of one ProfileStats, one point per phase name."""
 
     def __init__(self, stats: ProfileStats, name: str, description: str, phase_key: str) -> None:
-        self.stats, self.name, self.description, self.phase_key = (
-            stats,
-            name,
-            description,
-            phase_key,
-        )
-        self.start_ns = now_ns()
-        self._last_total = 0
+        self.stats, self.name, self.description = stats, name, description
+        self.phase_key, self.start_ns, self._last_total = phase_key, now_ns(), 0
 
     def metric(self) -> Metric:
         snap = self.stats.snapshot()
@@ -218,31 +162,27 @@ class _StatsHistogram:
 def _bucket_counts(buckets: Mapping[int, int]) -> list[int]:
     """ProfileStats log buckets summed into PHASE_BOUNDS_S (upper bounds, +Inf last)."""
     counts = [0] * (len(PHASE_BOUNDS_S) + 1)
-    first_octave = round(math.log2(PHASE_BOUNDS_S[0]))
     for bucket, n in buckets.items():
         # bucket b covers [2**(b/8), 2**((b+1)/8)): inside octave floor(b/8).
-        index = bucket // BUCKETS_PER_OCTAVE - first_octave + 1
+        index = bucket // BUCKETS_PER_OCTAVE - FIRST_OCTAVE + 1
         counts[min(max(index, 0), len(PHASE_BOUNDS_S))] += n
     return counts
 
 
 class Metrics:
     """The metrics of one process: a meter provider with one periodic reader per exporter.
-
     Thread contract: registration (`observe_*`, `gauge`) from any thread, best before
     training; `record` from any thread, off the hot path (once per logged step);
-    callbacks run on the reader thread and an exception in one only loses its value.
-    """
+    callbacks run on the reader thread and an exception in one only loses its value."""
 
     def __init__(
         self, cfg: MetricsConfig, resource: Resource, exporters: Sequence[MetricExporter] = ()
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.resource = cfg, resource
         temporality = preferred_temporality(cfg.temporality)
         self._wrapped = [_StatsExporter(e, self, temporality) for e in exporters]
         interval_ms = None if cfg.export_interval_s is None else cfg.export_interval_s * 1e3
         readers = [PeriodicExportingMetricReader(w, interval_ms) for w in self._wrapped]
-        self.resource = resource
         self.provider = MeterProvider(readers, resource=resource, shutdown_on_exit=False)
         self._meter = self.provider.get_meter(SCOPE.name)
         self._observed: dict[str, list[tuple[Callable[[], float], dict[str, Any]]]] = {}

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from tracing.config import TracingConfigError
+from tracing.config import call_logged, check_positive
 from tracing.format import format_table
 from tracing.snapshot import StatsSnapshot
 from tracing.stats import ProfileStats
@@ -23,15 +23,12 @@ IntervalSource = Callable[[], "tuple[StatsSnapshot, list[StatsSnapshot]] | None"
 
 
 class _Rate:
-    """Turns a monotonically increasing counter into a per-second rate over each window,
-    timed from when the counter was registered (what ran before, e.g. a start-up, does
-    not dilute it)."""
+    """A monotonically increasing counter as a per-second rate over each window, timed
+    from its registration (what ran before, e.g. a start-up, does not dilute it)."""
 
     def __init__(self, counter: Callable[[], float], unit: str) -> None:
-        self.counter = counter
-        self.unit = unit
-        # Baseline at registration: the counter's value when the reporter starts watching.
-        self.first = self.last = float(counter())
+        self.counter, self.unit = counter, unit
+        self.first = self.last = float(counter())  # the baseline: its value at registration
         self.first_s = self.last_s = time.monotonic()
 
     def sample(self, cumulative: bool) -> str:
@@ -45,11 +42,9 @@ class _Rate:
 
 
 class Reporter:
-    """Every `interval_s` prints the last interval's table to `stream` (or `log`).
-
-    Thread contract: callbacks (`add_rate`, `add_gauge`, `verdict`) run on the reporter
-    thread and at `stop`; an exception in one shows as "n/a" and never stops the report.
-    """
+    """Every `interval_s` prints the last interval's table to `stream` (or `log`). Thread
+    contract: callbacks (`add_rate`, `add_gauge`, `verdict`) run on the reporter thread
+    and at `stop`; an exception in one shows as "n/a" and never stops the report."""
 
     def __init__(
         self,
@@ -61,16 +56,9 @@ class Reporter:
         verdict: Verdict | None = None,
         title: str = "tracing",
     ) -> None:
-        if not isinstance(interval_s, (int, float)) or not interval_s > 0:
-            raise TracingConfigError(
-                f"report interval must be a positive number of seconds, got {interval_s!r}"
-            )
-        self.stats = stats
-        self.interval_s = float(interval_s)
-        self._stream = stream
-        self._log = log
-        self._verdict = verdict
-        self._title = title
+        check_positive("report interval_s", interval_s)
+        self.stats, self.interval_s = stats, float(interval_s)
+        self._stream, self._log, self._verdict, self._title = stream, log, verdict, title
         self._rates: dict[str, _Rate] = {}
         self._gauges: dict[str, tuple[Callable[[], Any], str]] = {}
         self._stop = threading.Event()
@@ -117,20 +105,12 @@ class Reporter:
             if self._stop.is_set():
                 return
             self._wake.clear()
-            try:
-                self.report_interval()
-            except Exception:  # a broken stream or table must not end the reports
-                logger.exception("tracing: interval report failed")
+            call_logged(self.report_interval)  # a broken stream must not end the reports
 
     def report_interval(self) -> str:
-        """Prints (and returns) the table of the interval since the previous one;
-        nothing when no phase was timed in it."""
-        gathered = None
-        if self._interval_source is not None:
-            try:
-                gathered = self._interval_source()
-            except Exception:
-                logger.exception("tracing: reporter interval source raised")
+        """Prints (and returns) the table of the last interval; nothing if no phase ran."""
+        source = self._interval_source
+        gathered = None if source is None else call_logged(source)
         if gathered is None:
             snapshot, parts = self.stats.take_interval(), None
             title = f"{self._title}: last {snapshot.wall_s:.1f}s"
@@ -158,8 +138,7 @@ class Reporter:
         cumulative: bool = False,
         rank_snapshots: list[StatsSnapshot] | None = None,
     ) -> str:
-        """The table (per-process min/max columns with `rank_snapshots`), throughput
-        figures and verdict line, as printed."""
+        """The table (min/max per process with `rank_snapshots`), figures, verdict, as printed."""
         lines = [format_table(snapshot, title=title, rank_snapshots=rank_snapshots)]
         figures = [
             f"{name} {_call_text(lambda r=rate: r.sample(cumulative))}"

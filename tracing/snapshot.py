@@ -7,22 +7,11 @@ across ranks. `tracing.stats.ProfileStats` fills them.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from math import floor, log2
+from dataclasses import asdict, dataclass, field
+from math import floor, inf, log2
 from typing import Any
-
-__all__ = [
-    "BUCKETS_PER_OCTAVE",
-    "MIN_BUCKET",
-    "TINY_S",
-    "PhaseStats",
-    "StatsSnapshot",
-    "bucket_edge_s",
-    "bucket_of",
-]
 
 # 8 buckets per doubling: bucket b covers [2**(b/8), 2**((b+1)/8)) seconds.
 BUCKETS_PER_OCTAVE = 8
@@ -56,7 +45,7 @@ class PhaseStats:
 
     count: int = 0
     total_s: float = 0.0
-    min_s: float = math.inf
+    min_s: float = inf
     max_s: float = 0.0
     buckets: dict[int, int] = field(default_factory=dict)
     threads: dict[str, int] = field(default_factory=dict)
@@ -88,7 +77,8 @@ class PhaseStats:
                 return min(self.max_s, max(self.min_s, _bucket_mid_s(bucket)))
         return self.max_s
 
-    def merge(self, other: PhaseStats, thread_prefix: str = "") -> None:
+    def merge(self, other: PhaseStats, thread_prefix: str = "") -> PhaseStats:
+        """Adds `other` in (thread keys prefixed); returns self: `PhaseStats().merge(s)` copies."""
         self.count += other.count
         self.total_s += other.total_s
         self.min_s = min(self.min_s, other.min_s)
@@ -100,17 +90,13 @@ class PhaseStats:
         for key, seconds in other.thread_total_s.items():
             key = thread_prefix + key
             self.thread_total_s[key] = self.thread_total_s.get(key, 0.0) + seconds
+        return self
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "count": self.count,
-            "total_s": self.total_s,
-            "min_s": self.min_s if self.count else None,
-            "max_s": self.max_s,
-            "buckets": {str(b): n for b, n in self.buckets.items()},
-            "threads": dict(self.threads),
-            "thread_total_s": dict(self.thread_total_s),
-        }
+        data = asdict(self)  # copies of the dicts; JSON wants str keys and no infinity
+        data["min_s"] = self.min_s if self.count else None
+        data["buckets"] = {str(b): n for b, n in self.buckets.items()}
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PhaseStats:
@@ -118,7 +104,7 @@ class PhaseStats:
         return cls(
             count=int(data["count"]),
             total_s=float(data["total_s"]),
-            min_s=math.inf if min_s is None else float(min_s),
+            min_s=inf if min_s is None else float(min_s),
             max_s=float(data["max_s"]),
             buckets={int(b): int(n) for b, n in data.get("buckets", {}).items()},
             threads={str(k): int(n) for k, n in data.get("threads", {}).items()},
@@ -157,12 +143,7 @@ class StatsSnapshot:
 
     def threads_of(self, *names: str) -> set[str]:
         """The threads that recorded any of `names` (e.g. the phases of one stage)."""
-        threads: set[str] = set()
-        for name in names:
-            stats = self.phases.get(name)
-            if stats is not None:
-                threads.update(stats.threads)
-        return threads
+        return set().union(*(self.phases[name].threads for name in names if name in self.phases))
 
     def share(self, name: str, threads: Iterable[str] | None = None) -> float | None:
         """Mean over `threads` (default: those that recorded `name`) of each thread's
@@ -178,13 +159,7 @@ class StatsSnapshot:
         return sum(per_thread.get(thread, 0.0) for thread in over) / len(over)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "phases": {name: s.to_dict() for name, s in self.phases.items()},
-            "wall_s": self.wall_s,
-            "end_time_s": self.end_time_s,
-            "rank": self.rank,
-            "thread_wall_s": dict(self.thread_wall_s),
-        }
+        return {**asdict(self), "phases": {name: s.to_dict() for name, s in self.phases.items()}}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> StatsSnapshot:
@@ -201,8 +176,7 @@ class StatsSnapshot:
         """Sum of several snapshots (e.g. one per rank). Threads stay distinct per snapshot."""
         merged: dict[str, PhaseStats] = {}
         thread_wall_s: dict[str, float] = {}
-        wall_s = 0.0
-        end_time_s = 0.0
+        wall_s = end_time_s = 0.0
         for index, snap in enumerate(snapshots):
             wall_s = max(wall_s, snap.wall_s)
             end_time_s = max(end_time_s, snap.end_time_s)
@@ -211,6 +185,4 @@ class StatsSnapshot:
                 merged.setdefault(name, PhaseStats()).merge(stats, thread_prefix=prefix)
                 for thread in stats.threads:
                     thread_wall_s[prefix + thread] = snap.thread_wall(thread)
-        return StatsSnapshot(
-            phases=merged, wall_s=wall_s, end_time_s=end_time_s, thread_wall_s=thread_wall_s
-        )
+        return StatsSnapshot(merged, wall_s, end_time_s, thread_wall_s=thread_wall_s)

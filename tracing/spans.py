@@ -37,8 +37,7 @@ from tracing.stats import NO_THREAD, ProfileStats
 
 logger = logging.getLogger("tracing")
 LEVEL_RANK = {"off": 0, "step": 1, "phase": 2}
-DEVICE_DURATION_ATTRIBUTE = "tracing.device.duration"
-"""Device time of the phase, in seconds (`--cuda-timing events`)."""
+DEVICE_DURATION_ATTRIBUTE = "tracing.device.duration"  # seconds, under `events` timing
 TIMING_MODE_ATTRIBUTE = "tracing.timing.mode"
 _PLAIN_TYPES = frozenset((str, bool, int, float))
 _DROP = object()
@@ -141,7 +140,6 @@ def _level_rank(level: str) -> int:
 
 class SpanHandle:
     """A span that may end on another thread; `.context` is a parent for other threads.
-
     Without a span (tracing off, level filtered) it still measures its duration for
     ProfileStats. Thread contract: `set_attribute`/`record_exception` from one thread at
     a time; `end` from any thread, once (later calls do nothing)."""
@@ -217,12 +215,12 @@ def _parent_context(parent: object) -> Context | None:
     return None
 
 
+@dataclass
 class HookErrors:
     """Exceptions raised by phase hooks, counted; the first of each hook method is logged."""
 
-    def __init__(self) -> None:
-        self.count = 0
-        self._logged: set[tuple[str, str]] = set()
+    count: int = 0
+    _logged: set[tuple[str, str]] = field(default_factory=set)
 
     def record(self, hook: object, method: str, exc: BaseException) -> None:
         key = (type(hook).__qualname__, method)
@@ -236,8 +234,7 @@ HOOK_ERRORS = HookErrors()
 
 
 def _call_hooks(hooks: tuple[Any, ...], method: str, *args: Any) -> None:
-    """`method(*args)` of every hook; one that raises is counted and skipped: the phase
-    still reaches ProfileStats and its span still ends."""
+    """`method(*args)` of every hook; one that raises is counted and skipped."""
     for hook in hooks:
         try:
             getattr(hook, method)(*args)
@@ -281,9 +278,10 @@ class Phase(SpanHandle):
     marks the span ERROR, then propagates. `device` (e.g. "cuda:0"): `sync` timing
     synchronizes it at both ends; `events` resolves device events off the hot path."""
 
-    __slots__ = ("_level", "_parent", "_given_attributes", "_device", "_token", "_rt",
-                 "_mode", "_start_event", "_given_start_ns", "_propagate", "_otel_token",
-                 "_entries")  # fmt: skip
+    __slots__ = (
+        *("_level", "_parent", "_given_attributes", "_device", "_token", "_rt", "_mode"),
+        *("_start_event", "_given_start_ns", "_propagate", "_otel_token", "_entries"),
+    )
 
     def __init__(
         self,

@@ -1,9 +1,8 @@
 """ProfileStats: a thread-safe accumulator of named durations with bounded memory.
 
-Classic use keeps working: `stats.add("fwd", dt)` then `print(stats)`. Each name keeps
-count, total, min, max and a histogram of log-spaced buckets (tracing.snapshot). Two
-views exist: cumulative (`snapshot()`) and the last interval (`take_interval()`, which
-starts the next one), both plain-data `StatsSnapshot`s.
+Classic use keeps working: `stats.add("fwd", dt)` then `print(stats)`. Two views, both
+`StatsSnapshot`s (tracing.snapshot): cumulative (`snapshot()`) and the last interval
+(`take_interval()`, which starts the next one).
 """
 
 from __future__ import annotations
@@ -15,10 +14,11 @@ import threading
 import time
 import weakref
 from bisect import bisect_left, bisect_right
+from dataclasses import dataclass, field
 from threading import get_ident
 from typing import Any
 
-from tracing.format import format_compact, format_table
+from tracing.format import format_compact
 from tracing.snapshot import MIN_BUCKET, TINY_S, PhaseStats, StatsSnapshot, bucket_edge_s, bucket_of
 
 _FOLD_AT = 1024
@@ -29,19 +29,17 @@ _CURRENT_THREAD = object()
 _thread_serials = itertools.count()  # next() is atomic under the GIL
 
 
+@dataclass(slots=True)
 class _Live:
     """Figures of one name in the current interval, updated under the lock."""
 
-    __slots__ = ("count", "total_s", "min_s", "max_s", "buckets", "threads", "thread_total_s")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.total_s = 0.0
-        self.min_s = math.inf
-        self.max_s = 0.0
-        self.buckets: dict[int, int] = {}
-        self.threads: dict[Any, int] = {}
-        self.thread_total_s: dict[Any, float] = {}
+    count: int = 0
+    total_s: float = 0.0
+    min_s: float = math.inf
+    max_s: float = 0.0
+    buckets: dict[int, int] = field(default_factory=dict)
+    threads: dict[Any, int] = field(default_factory=dict)
+    thread_total_s: dict[Any, float] = field(default_factory=dict)
 
     def fold(self, values: list[float], thread: object) -> None:
         """Adds a chunk of durations of one thread. Sorting (C) then bisecting bucket
@@ -77,27 +75,13 @@ class _Live:
         )
 
 
-def _copy(stats: PhaseStats) -> PhaseStats:
-    return PhaseStats(
-        stats.count,
-        stats.total_s,
-        stats.min_s,
-        stats.max_s,
-        dict(stats.buckets),
-        dict(stats.threads),
-        dict(stats.thread_total_s),
-    )
-
-
 class ProfileStats:
     """Thread-safe named-duration accumulator; `add(name, seconds)` from any thread.
-
     `add` only appends the duration to a pending list of its (thread, name); the lists
     are folded into the figures in chunks (when one grows long, and before every read),
-    with C-level loops. A lock around per-call figure updates cost more than the rest
-    of a level-off phase together. Appends are atomic and only folding removes from a
-    list (under the lock), so no duration is lost or counted twice.
-    """
+    with C-level loops: a lock around per-call updates cost more than the rest of a
+    level-off phase. Appends are atomic and only folding removes from a list (under the
+    lock), so no duration is lost or counted twice."""
 
     def __init__(self, rank: int | None = None) -> None:
         self.rank = rank
@@ -105,9 +89,8 @@ class ProfileStats:
         _instances.add(self)
 
     def _start_fresh(self) -> None:
-        """Empty figures and a new lock: at creation, and in a forked child, whose
-        figures are its own (and whose copy of the lock may be held by a thread that
-        did not survive the fork)."""
+        """Empty figures and a new lock: at creation, and in a forked child (its figures are
+        its own; its copy of the lock may be held by a thread that did not survive the fork)."""
         self._lock = threading.Lock()
         # thread key -> name -> durations not folded yet (a thread appends to its own).
         self._pending: dict[object, dict[str, list[float]]] = {}
@@ -142,10 +125,9 @@ class ProfileStats:
         values.append(seconds)
 
     def _thread_pending(self, seconds: float = 0.0) -> dict[str, list[float]]:
-        """This thread's pending lists, registered on first use under `thread_key()`.
-
-        The thread's wall time starts with the interval that ended in its first record
-        (`seconds` before now): a thread started late is not idle before it existed."""
+        """This thread's pending lists, registered on first use under `thread_key()`. Its
+        wall time starts with the interval that ended in its first record (`seconds`
+        before now): a thread started late is not idle before it existed."""
         local = self._local
         if not hasattr(local, "pending"):
             key = f"{get_ident()}.{next(_thread_serials)}"
@@ -167,10 +149,7 @@ class ProfileStats:
         if n:
             chunk = values[:n]
             del values[:n]
-            live = self._live.get(name)
-            if live is None:
-                live = self._live[name] = _Live()
-            live.fold(chunk, thread)
+            self._live.setdefault(name, _Live()).fold(chunk, thread)
 
     def _fold_all(self) -> None:
         # list(...) copies in one step: adders may insert new threads and names meanwhile.
@@ -193,39 +172,31 @@ class ProfileStats:
         """Cumulative figures since creation (or `reset`)."""
         with self._lock:
             self._fold_all()
-            phases = {name: _copy(stats) for name, stats in self._done.items()}
+            phases = {name: PhaseStats().merge(stats) for name, stats in self._done.items()}
             for name, live in self._live.items():
                 phases.setdefault(name, PhaseStats()).merge(live.frozen())
-            now_s = time.monotonic()
-            wall_s = now_s - self._start_s
-            thread_wall_s = self._thread_walls(self._start_s, now_s)
-        return StatsSnapshot(
-            phases=phases, wall_s=wall_s, rank=self.rank, thread_wall_s=thread_wall_s
-        )
-
-    def _thread_walls(self, window_start_s: float, now_s: float) -> dict[str, float]:
-        walls = {}
-        for key, start_s in list(self._thread_start_s.items()):
-            end_s = min(now_s, self._thread_end_s.get(key, now_s))
-            if end_s > window_start_s:  # a thread gone before the window has no wall in it
-                walls[key] = end_s - max(window_start_s, start_s)
-        return walls
+            return self._window(phases, self._start_s, time.monotonic())
 
     def take_interval(self) -> StatsSnapshot:
         """Figures since the previous call (or creation); the next interval starts now."""
         with self._lock:
             self._fold_all()
-            now_s = time.monotonic()
-            live, self._live = self._live, {}
-            wall_s = now_s - self._interval_start_s
-            thread_wall_s = self._thread_walls(self._interval_start_s, now_s)
+            start_s, now_s = self._interval_start_s, time.monotonic()
             self._interval_start_s = now_s
-            phases = {name: entry.frozen() for name, entry in live.items()}
+            phases = {name: live.frozen() for name, live in self._live.items()}
+            self._live = {}
             for name, stats in phases.items():
                 self._done.setdefault(name, PhaseStats()).merge(stats)
-        return StatsSnapshot(
-            phases=phases, wall_s=wall_s, rank=self.rank, thread_wall_s=thread_wall_s
-        )
+            return self._window(phases, start_s, now_s)
+
+    def _window(self, phases: dict[str, PhaseStats], start_s: float, now_s: float) -> StatsSnapshot:
+        """`phases` from `start_s` to `now_s`, with each thread's wall time; under the lock."""
+        walls = {}
+        for key, thread_start_s in list(self._thread_start_s.items()):
+            end_s = min(now_s, self._thread_end_s.get(key, now_s))
+            if end_s > start_s:  # a thread gone before the window has no wall in it
+                walls[key] = end_s - max(start_s, thread_start_s)
+        return StatsSnapshot(phases, now_s - start_s, rank=self.rank, thread_wall_s=walls)
 
     def reset(self) -> None:
         with self._lock:
@@ -247,18 +218,12 @@ class ProfileStats:
             return list(dict.fromkeys([*self._done, *self._live]))
 
     def __contains__(self, name: object) -> bool:
-        with self._lock:
-            self._fold_all()
-            return name in self._live or name in self._done
+        return name in self.names()
 
     def format_compact(self) -> str:
         return format_compact(self.snapshot())
 
-    def format_table(self) -> str:
-        return format_table(self.snapshot())
-
-    def __str__(self) -> str:
-        return self.format_compact()
+    __str__ = format_compact
 
 
 _instances: weakref.WeakSet[ProfileStats] = weakref.WeakSet()

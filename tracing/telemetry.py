@@ -14,6 +14,7 @@ per exporter. After os.fork a child's tables start empty and it flushes at its e
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -54,10 +55,8 @@ _active: Telemetry | None = None
 def _scope() -> InstrumentationScope:
     """`tracing` with the version of the installed distribution that ships it."""
     for dist in metadata.packages_distributions().get("tracing", []):
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             return InstrumentationScope("tracing", metadata.version(dist))
-        except metadata.PackageNotFoundError:
-            continue
     return InstrumentationScope("tracing", "0+unknown")
 
 
@@ -94,10 +93,9 @@ class ShutdownReport:
             f"failed {self.spans_failed}, dropped {self.spans_dropped} (queue full or left at "
             "the bound)"
         )
-        if self.spans_to_application:
+        if to_application := self.spans_to_application:
             flushed = "flushed" if self.application_flushed else "not flushed in time"
-            text += f", to the application's span processors {self.spans_to_application}"
-            text += f" ({flushed})"
+            text += f", to the application's span processors {to_application} ({flushed})"
         extra = {
             "device timings unresolved": self.device_unresolved,
             "phase hook errors": self.hook_errors,
@@ -111,8 +109,7 @@ class _CountingTracer:
     """The application's tracer, counting the sampled spans phases start through it."""
 
     def __init__(self, tracer: trace.Tracer) -> None:
-        self._tracer = tracer
-        self.sampled = 0
+        self._tracer, self.sampled = tracer, 0
 
     def start_span(self, name: str, context: Any = None, **options: Any) -> trace.Span:
         span = self._tracer.start_span(name, context, **options)
@@ -141,11 +138,8 @@ class _HashOnceResource(Resource):
         super().__init__(resource.attributes, resource.schema_url)
         self._hash = super().__hash__()
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # Resource's __eq__ stays: only defining __eq__ drops a hash
         return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return super().__eq__(other)
 
 
 _instance_id = str(uuid.uuid4())
@@ -153,10 +147,9 @@ _instance_id = str(uuid.uuid4())
 
 
 def build_resource(cfg: TracingConfig) -> Resource:
-    """The resource of every signal of this process (traces and metrics share it):
-    `Resource.create` with its detectors and OTEL_* variables, this process's rank, run
-    id and instance id, and the application's name and version where no variable names
-    them (`cfg.service_name`, a flag, wins over the variables)."""
+    """The resource of every signal of this process: `Resource.create` (its detectors,
+    the OTEL_* variables), rank, run id and instance id, and the application's name and
+    version where no variable names them (`cfg.service_name` wins over the variables)."""
     ns = cfg.attribute_namespace
     explicit: dict[str, Any] = {f"{ns}.rank": cfg.rank, f"{ns}.run.id": cfg.run_id}
     if cfg.service_name:
@@ -313,15 +306,13 @@ def setup(
     phase_hooks: Sequence[object] = (),
 ) -> Telemetry:
     """Configures tracing for this process (shutting a previous setup down first).
-
     `exporters`: more exporters, each behind the SDK's batch processor, counted in the
-    report; `span_processors` are added as they are. A processor added later to tracing's
-    own provider gets every phase span from then on, `on_start` too.
-    `install_global_provider`: tracing's own becomes the global provider unless the
-    application has set one. `device_clock` replaces the CUDA clock (a HostClock in
-    tests). `propagate_context`: each phase is the current OTel span while it runs. A
-    phase ended by one of `stop_exceptions` (a requested stop) is not marked ERROR.
-    `phase_hooks` (tracing.hooks.PhaseHook) see every phase, sampled or not."""
+    report; `span_processors` are added as they are. `install_global_provider`: tracing's
+    own provider becomes the global one unless the application has set one.
+    `device_clock` replaces the CUDA clock (a HostClock in tests). `propagate_context`:
+    each phase is the current OTel span while it runs. A phase ended by one of
+    `stop_exceptions` (a requested stop) is not marked ERROR. `phase_hooks`
+    (tracing.hooks.PhaseHook) see every phase, sampled or not."""
     global _active
     cfg = TracingConfig() if cfg is None else cfg
     if _active is not None:
@@ -380,11 +371,8 @@ def _choose_tracer(
     if isinstance(sdk_tracer, trace.NoOpTracer):  # OTEL_SDK_DISABLED=true: no spans at all
         return
     if (exporters or processors) and not isinstance(provider, TracerProvider):
-        warn_once(
-            "provider",
-            f"{type(provider).__name__} takes no span processors: tracing's "
-            "exporters and span processors are not used",
-        )
+        message = f"{type(provider).__name__} takes no span processors: tracing's are not used"
+        warn_once("provider", message)
         exporters, processors = [], ()
     ours: list[SpanProcessor] = []
     if exporters:
@@ -444,11 +432,8 @@ def _after_fork_in_child() -> None:
 
 
 def _finalize_at_child_exit(telemetry: Telemetry) -> None:
-    import multiprocessing.util
-
-    multiprocessing.util.Finalize(
-        telemetry, Telemetry._shutdown_at_exit, args=(telemetry,), exitpriority=10
-    )
+    finalize = sys.modules["multiprocessing.util"].Finalize  # it is calling this
+    finalize(telemetry, Telemetry._shutdown_at_exit, args=(telemetry,), exitpriority=10)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
