@@ -31,9 +31,9 @@ DATA_PREPARE = "data.prepare"  # reading, tokenizing and packing the data
 DATA_REGENERATE = "data.regenerate"  # the embedded default's regenerated text (cached)
 DRAFTER_BUILD = "drafter.build"  # the drafter, its trainer and their replicas
 STARTUP_PHASES = (RUN_RESUME, TARGET_LOAD, DATA_PREPARE, DATA_REGENERATE, DRAFTER_BUILD)
-SPANS = (BATCH, DATA_BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, TARGET_READ, HS_QUEUE_WAIT,
-         DRAFTER_STEP, *DRAFTER_PHASES, CHECKPOINT_SAVE, EVAL, RUN_STARTUP,
-         *STARTUP_PHASES)  # fmt: skip
+_PER_BATCH = (BATCH, DATA_BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, TARGET_READ, HS_QUEUE_WAIT)
+_OUTSIDE_BATCHES = (CHECKPOINT_SAVE, EVAL, RUN_STARTUP, *STARTUP_PHASES)
+SPANS = (*_PER_BATCH, DRAFTER_STEP, *DRAFTER_PHASES, *_OUTSIDE_BATCHES)
 
 # --- statistics without a span ---------------------------------------------------------
 HS_QUEUE_PUT = "hs_queue.put"  # target threads blocked on a full hs_queue

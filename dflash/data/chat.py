@@ -95,8 +95,8 @@ def _assistant_suffix(tokenizer: Tokenizer) -> str:
     known = _suffixes.get(tokenizer)
     if known is not None and known[0] == template:
         return known[1]
-    probe = [{"role": "user", "content": "dflash-probe-question"},
-             {"role": "assistant", "content": _PROBE}]  # fmt: skip
+    question = {"role": "user", "content": "dflash-probe-question"}
+    probe = [question, {"role": "assistant", "content": _PROBE}]
     text = tokenizer.apply_chat_template(probe, tokenize=False)
     at = text.rfind(_PROBE)
     suffix = text[at + len(_PROBE) :] if at >= 0 else ""
@@ -135,9 +135,9 @@ def _render_spans(tokenizer: Tokenizer, messages: list[dict]) -> RenderedChat:
         turn_ends.append(end + len(suffix) if suffix and full.startswith(suffix, end) else end)
         cursor = end
     boundaries = sorted({0, len(full), *turn_ends, *(c for span in spans for c in span)})
-    pieces = [full[a:b] for a, b in zip(boundaries, boundaries[1:], strict=False)]
-    flags = [any(a <= lo and hi <= b for a, b in spans)
-             for lo, hi in zip(boundaries, boundaries[1:], strict=False)]  # fmt: skip
+    ranges = list(zip(boundaries, boundaries[1:], strict=False))
+    pieces = [full[a:b] for a, b in ranges]
+    flags = [any(a <= lo and hi <= b for a, b in spans) for lo, hi in ranges]
     assert "".join(pieces) == full  # verified against the whole rendering
     encoded = encode_texts(tokenizer, pieces)
     mask = np.concatenate([np.full(len(e), f) for e, f in zip(encoded, flags, strict=True)])

@@ -205,8 +205,9 @@ def build_datasets(
     if packing not in PACKING_MODES:
         raise DataError(f"--packing {packing!r}: expected one of {', '.join(PACKING_MODES)}")
     corpus = load_corpus(source, tokenizer, heldout_fraction, keep_cut, rendering)
-    return datasets_from_corpus(corpus, tokenizer, seq_len, batch_size, seed, heldout_fraction,
-                                packing=packing, log=log)  # fmt: skip
+    return datasets_from_corpus(
+        corpus, tokenizer, seq_len, batch_size, seed, heldout_fraction, packing=packing, log=log
+    )
 
 
 def datasets_from_corpus(
@@ -240,13 +241,13 @@ def datasets_from_corpus(
     if log is not None:
         for line in corpus.report.lines(seq_len):
             log(line)
-    datasets = []
-    for rows, stream_ids in ((train, None), (held, corpus.heldout_ids if corpus.heldout else None)):
-        datasets.append(PackedDataset(
-            rows.ids, rows.mask, batch_size, seed, stream=stream_ids,
-            doc_ids=rows.doc_ids, positions=rows.positions, report=corpus.report,
-        ))  # fmt: skip
-    return datasets[0], datasets[1]
+
+    def dataset(rows: Rows, stream: np.ndarray | None) -> PackedDataset:
+        layout = {"doc_ids": rows.doc_ids, "positions": rows.positions, "report": corpus.report}
+        return PackedDataset(rows.ids, rows.mask, batch_size, seed, stream=stream, **layout)
+
+    held_stream = corpus.heldout_ids if corpus.heldout else None
+    return dataset(train, None), dataset(held, held_stream)
 
 
 def heldout_prompts(

@@ -45,6 +45,9 @@ __all__ = ["ObserveError", "Observer", "describe", "shared_run_id", "start_obser
 
 SERVICE_NAME = "dflash-train"
 STATS_FILE = "stats.json"
+# A logged step's figures in the metrics: record_step's keyword -> the figure's key.
+_RECORDED = {"loss": "loss", "tau": "tau_estimate", "lr": "lr", "grad_norm": "grad_norm"}
+_Readers = dict[str, Callable[[], int]]  # {name: a counter, read when called}
 
 
 def tracing_config(tel: TelemetryConfig, rank: int, run_id: str) -> TracingConfig:
@@ -201,11 +204,16 @@ class Observer:
         if self.is_main:
             self._start_reporter(snapshot, memory, flops, stream, read_bytes)
 
-    def _start_reporter(self, snapshot: Callable[[], CounterSnapshot], memory: PeakMemory,
-                        flops: FlopsFigures | None, stream: IO[str] | None,
-                        read_bytes: Callable[[], int] | None = None) -> None:  # fmt: skip
-        reporter = Reporter(self.stats, interval_s=self.cfg.report_interval_s, title="interval",
-                            stream=stream)  # fmt: skip
+    def _start_reporter(
+        self,
+        snapshot: Callable[[], CounterSnapshot],
+        memory: PeakMemory,
+        flops: FlopsFigures | None,
+        stream: IO[str] | None,
+        read_bytes: Callable[[], int] | None = None,
+    ) -> None:
+        interval_s = self.cfg.report_interval_s
+        reporter = Reporter(self.stats, interval_s=interval_s, title="interval", stream=stream)
         w = self.world_size
         reporter.add_rate("target", lambda: snapshot().target_tokens * w, "tok/s")
         reporter.add_rate("drafter", lambda: snapshot().drafter_tokens * w, "tok/s")
@@ -217,8 +225,8 @@ class Observer:
             _add_flops(reporter, snapshot, flops, w)
         if memory.enabled:
             reporter.add_gauge("peak memory GiB", memory.interval_gib)
-        reporter.add_gauge("skipped steps", lambda: "-" if self.bad_steps is None
-                           else self.bad_steps)  # fmt: skip
+        skipped = lambda: "-" if self.bad_steps is None else self.bad_steps
+        reporter.add_gauge("skipped steps", skipped)
         reporter.set_verdict(self.verdict)
         if w > 1:
             reporter.set_interval_source(self.ranks.collect)
@@ -230,23 +238,19 @@ class Observer:
         self.metrics = start_run_metrics(
             self.cfg,
             self.stats,
-            tokens={"target": lambda: snapshot().target_tokens,
-                    "drafter": lambda: snapshot().drafter_tokens},
-            steps={"target": lambda: snapshot().target_batches,
-                   "drafter": lambda: snapshot().drafter_steps},
-            queues={q: (lambda q=q: snapshot().queued_now.get(q, 0))
-                    for q in ("batch_queue", "hs_queue")},
+            tokens=_readers(snapshot, target="target_tokens", drafter="drafter_tokens"),
+            steps=_readers(snapshot, target="target_batches", drafter="drafter_steps"),
+            queues=_queue_depths(snapshot),
             memory=memory.metric_readers(),
-        )  # fmt: skip
+        )
 
     def _watch_timeline(self, snapshot: Callable[[], CounterSnapshot]) -> None:
         timeline = self.instruments.timeline
         if timeline is None:
             return
-        timeline.watch("queue depth", {q: (lambda q=q: snapshot().queued_now.get(q, 0))
-                                       for q in ("batch_queue", "hs_queue")})  # fmt: skip
-        timeline.watch_rate("tokens/s", {"target": lambda: snapshot().target_tokens,
-                                         "drafter": lambda: snapshot().drafter_tokens})  # fmt: skip
+        timeline.watch("queue depth", _queue_depths(snapshot))
+        tokens = _readers(snapshot, target="target_tokens", drafter="drafter_tokens")
+        timeline.watch_rate("tokens/s", tokens)
         timeline.start_sampling(TIMELINE_SAMPLE_S)
 
     def first_step_done(self) -> None:
@@ -260,8 +264,8 @@ class Observer:
         if isinstance(figures.get("bad_steps"), int):
             self.bad_steps = figures["bad_steps"]
         if self.metrics is not None:
-            record_step(self.metrics, loss=figures["loss"], tau=figures["tau_estimate"],
-                        lr=figures["lr"], grad_norm=figures["grad_norm"], mfu=mfu)  # fmt: skip
+            recorded = {name: figures[key] for name, key in _RECORDED.items()}
+            record_step(self.metrics, **recorded, mfu=mfu)
 
     def gather_final(self) -> None:
         """Every rank, right after training (before rank 0 saves and evaluates, which
@@ -334,11 +338,27 @@ class Observer:
         return {"stats": str(path)}
 
 
-def _add_flops(reporter: Reporter, snapshot: Callable[[], CounterSnapshot], flops: FlopsFigures,
-               world_size: int) -> None:  # fmt: skip
+def _readers(snapshot: Callable[[], CounterSnapshot], **fields: str) -> _Readers:
+    """{name: a reader of snapshot().<field>} for each name=field (a stage's counter)."""
+    return {name: (lambda f=field: getattr(snapshot(), f)) for name, field in fields.items()}
+
+
+def _queue_depths(snapshot: Callable[[], CounterSnapshot]) -> _Readers:
+    """{queue: a reader of its depth now} for the pipeline's two queues."""
+    return {q: (lambda q=q: snapshot().queued_now.get(q, 0)) for q in ("batch_queue", "hs_queue")}
+
+
+def _add_flops(
+    reporter: Reporter,
+    snapshot: Callable[[], CounterSnapshot],
+    flops: FlopsFigures,
+    world_size: int,
+) -> None:
     """Achieved TFLOP/s per stage (model FLOPs), and MFU where the devices' peak is known."""
-    sides = (("target", flops.target_per_token, flops.target_peak_tflops),
-             ("drafter", flops.drafter_per_token, flops.drafter_peak_tflops))  # fmt: skip
+    sides = (
+        ("target", flops.target_per_token, flops.target_peak_tflops),
+        ("drafter", flops.drafter_per_token, flops.drafter_peak_tflops),
+    )
     for side, per_token, peak in sides:
         if per_token == 0:  # the target stage reads a cache: it computes nothing
             continue
@@ -357,14 +377,22 @@ def _add_flops(reporter: Reporter, snapshot: Callable[[], CounterSnapshot], flop
 def _metrics_counts(report: MetricsReport | None) -> dict[str, Any]:
     if report is None:
         return {}
-    return {"metric_exports_ok": report.exports_ok, "metric_exports_failed": report.exports_failed,
-            "metric_points_lost": report.points_failed}  # fmt: skip
+    return {
+        "metric_exports_ok": report.exports_ok,
+        "metric_exports_failed": report.exports_failed,
+        "metric_points_lost": report.points_failed,
+    }
 
 
 def start_observer(
-    tel: TelemetryConfig, rank: int, world_size: int, *, run_id: str, output_dir: Path,
+    tel: TelemetryConfig,
+    rank: int,
+    world_size: int,
+    *,
+    run_id: str,
+    output_dir: Path,
     log: Callable[[str], None] = print,
-) -> Observer:  # fmt: skip
+) -> Observer:
     """Sets tracing up for this process from cfg.telemetry (call once, before training).
 
     The timeline and profiler paths are checked first: a bad one is one ObserveError."""

@@ -348,9 +348,8 @@ def _flow_events(
             at_ns = min(end - 1, max(start + min(end - start, 1000) // 2, last_ns))
             last_ns = at_ns
             phase = "s" if index == 0 else "f" if index == len(steps) - 1 else "t"
-            event = {"name": "batch", "cat": "flow", "ph": phase, "id": serial, "pid": pid,
-                     "tid": tid, "ts": us(at_ns), "bp": "e"}  # fmt: skip
-            events.append(event)
+            arrow = {"name": "batch", "cat": "flow", "ph": phase, "id": serial}
+            events.append({**arrow, "pid": pid, "tid": tid, "ts": us(at_ns), "bp": "e"})
     return events
 
 

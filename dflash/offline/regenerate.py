@@ -172,6 +172,14 @@ class _Decoder:
             return self._run_padded(prompts)
         return self._run_by_length(prompts)
 
+    def _sampling(self) -> dict[str, Any]:
+        """The generate functions' sampling arguments, from the settings."""
+        return {
+            "max_new_tokens": self.settings.max_new_tokens,
+            "stop_token_ids": self.stops,
+            "temperature": self.settings.temperature,
+        }
+
     def _run_padded(self, prompts: list[list[int]]) -> list[list[int]]:
         """Prompts of any length share a batch (left padding, attention mask); sorted by
         length first, so a batch wastes little on padding."""
@@ -181,12 +189,9 @@ class _Decoder:
         for s in range(0, len(order), size):
             part = order[s : s + size]
             self.batches += 1
-            outs = generate_padded(
-                self.target, [prompts[i] for i in part],
-                max_new_tokens=self.settings.max_new_tokens, stop_token_ids=self.stops,
-                temperature=self.settings.temperature,
-                seed=self.settings.seed * 1_000_003 + self.chunk * 1_009 + self.batches,
-            )  # fmt: skip
+            batch = [prompts[i] for i in part]
+            seed = self.settings.seed * 1_000_003 + self.chunk * 1_009 + self.batches
+            outs = generate_padded(self.target, batch, **self._sampling(), seed=seed)
             for i, new in zip(part, outs, strict=True):
                 results[i] = new
                 self.new_tokens += len(new)
@@ -202,14 +207,11 @@ class _Decoder:
         for i in order:
             groups.setdefault(len(prompts[i]), []).append(i)
         size = self.settings.batch_size
+        sampling = {**self._sampling(), "generator": self.generator}
         for members in groups.values():
             for s in range(0, len(members), size):
                 part = members[s : s + size]
-                outs = generate_batch(
-                    self.target, [prompts[i] for i in part],
-                    max_new_tokens=self.settings.max_new_tokens, stop_token_ids=self.stops,
-                    temperature=self.settings.temperature, generator=self.generator,
-                )  # fmt: skip
+                outs = generate_batch(self.target, [prompts[i] for i in part], **sampling)
                 for i, new in zip(part, outs, strict=True):
                     results[i] = new
                     self.new_tokens += len(new)
@@ -235,11 +237,10 @@ class _ServerDecoder:
 
     def replies(self, prompts: list[list[int]]) -> list[Reply]:
         self._wave += 1
-        done = self.client.complete_all(
-            prompts, max_tokens=self.settings.max_new_tokens,
-            temperature=self.settings.temperature, stop_token_ids=self.stops,
-            seed=self.settings.seed * 1_000_003 + self.chunk * 1_009 + self._wave * 65_537,
-        )  # fmt: skip
+        settings = self.settings
+        sampling = {"max_tokens": settings.max_new_tokens, "temperature": settings.temperature}
+        seed = settings.seed * 1_000_003 + self.chunk * 1_009 + self._wave * 65_537
+        done = self.client.complete_all(prompts, **sampling, stop_token_ids=self.stops, seed=seed)
         self.new_tokens += sum(c.tokens for c in done)
         if self.on_batch is not None:
             self.on_batch(self.new_tokens)
@@ -450,10 +451,12 @@ def embedded_regeneration(
     regenerated once per target and recipe and cached under cache_dir()/regen; an
     interrupted regeneration continues where it stopped."""
     settings = dataclasses.replace(EMBEDDED_RECIPE, heldout_fraction=heldout_fraction)
-    key = hashlib.sha256(json.dumps({
-        "target": target_fingerprint(target), "recipe": asdict(settings),
+    made_from = {
+        "target": target_fingerprint(target),
+        "recipe": asdict(settings),
         "corpus": embedded_key(target.tokenizer, heldout_fraction),
-    }, sort_keys=True).encode()).hexdigest()[:20]  # fmt: skip
+    }
+    key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:20]
     path = cache_dir() / "regen" / f"embedded-{key}.jsonl"
     if path.exists():
         return path
@@ -470,14 +473,14 @@ def _regenerate_embedded(
     target: TargetModel, settings: RegenerateSettings, path: Path, log: Callable[[str], None]
 ) -> None:
     partial = path.with_name(f".{path.stem}.partial.jsonl")
-    log(f"data: the target's own continuations of the embedded corpus, generated once "
-        f"({target.spec}; cached as {path})")  # fmt: skip
+    what = "the target's own continuations of the embedded corpus"
+    log(f"data: {what}, generated once ({target.spec}; cached as {path})")
     step = [0.0]
 
     def progress(p: RegenProgress) -> None:
         if p.lines_done >= step[0] or p.lines_done == p.lines_total:
-            log(f"data: regenerated {p.lines_done}/{p.lines_total} windows, "
-                f"{p.tokens_per_s:,.0f} tokens/s")  # fmt: skip
+            rate = f"{p.tokens_per_s:,.0f} tokens/s"
+            log(f"data: regenerated {p.lines_done}/{p.lines_total} windows, {rate}")
             step[0] = p.lines_done + p.lines_total / 4
 
     report = regenerate(target, EMBEDDED, partial, settings=settings, progress=progress)

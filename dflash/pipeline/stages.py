@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -196,6 +197,7 @@ class TargetForwardLoop(StageThread):
 
     def loop(self) -> None:
         attrs = _thread_attributes(self, self.device)
+        where = {"device": self.device, "attributes": attrs}
         stats = tracing.get_stats()
         while True:
             item = _take(self, self.in_q, self.counters, attrs)
@@ -203,8 +205,7 @@ class TargetForwardLoop(StageThread):
                 break
             self.enter(self.phase_name)
             try:
-                with tracing.phase(self.phase_name, parent=item.span, device=self.device,
-                                   attributes=attrs):  # fmt: skip
+                with tracing.phase(self.phase_name, parent=item.span, **where):
                     target_out = self.forward(item.batch)
                 self.counters.add_target(item.batch.num_tokens)
                 self.enter(names.HS_QUEUE_PUT)
@@ -262,10 +263,10 @@ class DrafterTrainLoop(StageThread):
                 batch, target_out = item.batch, item.target_out
                 if self.move is not None:
                     batch, target_out = self.move(batch, target_out)
-                step_attrs = {**attrs, names.STEP: self.first_step + self.steps_done,
-                              names.BATCH_ID: batch.batch_id}  # fmt: skip
-                with tracing.phase(names.DRAFTER_STEP, level="step", parent=item.span,
-                                   attributes=step_attrs):  # fmt: skip
+                number = self.first_step + self.steps_done
+                step_attrs = {**attrs, names.STEP: number, names.BATCH_ID: batch.batch_id}
+                where = {"level": "step", "parent": item.span, "attributes": step_attrs}
+                with tracing.phase(names.DRAFTER_STEP, **where):
                     result = self.step_fn(batch, target_out, self._phase)
             except BaseException as exc:
                 _end_span(item.span, exc)
@@ -309,17 +310,19 @@ class Pipeline:
         group, counters = group or StageGroup(), PipelineCounters()
         batch_q: BoundedQueue[Any] = BoundedQueue("batch_queue", batch_queue_size, group.stop)
         hs_q: BoundedQueue[Any] = BoundedQueue("hs_queue", hs_queue_size, group.stop)
-        Prefetcher(group, batch_q, make_batch, indices, len(forwards), span_attributes or {},
-                   pin_memory)  # fmt: skip
+        attributes = span_attributes or {}
+        Prefetcher(group, batch_q, make_batch, indices, len(forwards), attributes, pin_memory)
         producers = _Countdown(len(forwards))
+        common = {"producers": producers, "num_consumers": len(steps), "phase_name": target_phase}
         for i, (device, forward) in enumerate(forwards):
-            TargetForwardLoop(f"target-{i}", group, batch_q, hs_q, forward, device, counters,
-                              producers, len(steps), target_phase)  # fmt: skip
+            TargetForwardLoop(
+                f"target-{i}", group, batch_q, hs_q, forward, device, counters, **common
+            )
         for i, (device, step, move) in enumerate(steps):
+            report = partial(on_step, i)  # on_step(replica, replica_step, batch, result)
             DrafterTrainLoop(
-                f"drafter-{i}", group, hs_q, step, device, counters,
-                (lambda k: lambda n, b, r: on_step(k, n, b, r))(i), move, first_step,
-            )  # fmt: skip
+                f"drafter-{i}", group, hs_q, step, device, counters, report, move, first_step
+            )
         return cls(group, batch_q, hs_q, counters)
 
     def run(

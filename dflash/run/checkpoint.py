@@ -133,8 +133,9 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        _write_checkpoint(tmp, weights, write_drafter, trainer_state, step, next_batch_index,
-                          config)  # fmt: skip
+        _write_checkpoint(
+            tmp, weights, write_drafter, trainer_state, step, next_batch_index, config
+        )
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
         raise

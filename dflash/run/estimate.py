@@ -39,6 +39,8 @@ GIB = 1024**3
 # fp32 intermediates per logit over a loss chunk: logits, log-softmax and its grad (CE);
 # soft labels add the target's logits, both temperature softmaxes and the KL's grad.
 _LOSS_COPIES = {False: 3, True: 7}
+# The StepShape sizes that must be at least 1.
+_COUNTS = ("drafter_layers", "block_size", "num_anchors", "seq_len", "batch_size", "grad_accum")
 
 
 class EstimateError(DFlashError):
@@ -66,8 +68,7 @@ class StepShape:
     from_cache: bool = False  # --hidden-cache: the target never runs on the device
 
     def __post_init__(self) -> None:
-        for name in ("drafter_layers", "block_size", "num_anchors", "seq_len", "batch_size",
-                     "grad_accum"):  # fmt: skip
+        for name in _COUNTS:
             if getattr(self, name) < 1:
                 raise EstimateError(f"{name} {getattr(self, name)} must be >= 1")
         if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
@@ -248,18 +249,24 @@ def shape_for_config(cfg: TrainConfig, geometry: TargetGeometry, device_type: st
     width = 2 if on_gpu else 4
     layer_ids = cfg.target.layer_ids
     return StepShape(
-        target=geometry, drafter_layers=cfg.drafter.num_layers,
-        block_size=cfg.drafter.block_size, num_anchors=cfg.loss.num_anchors,
-        seq_len=cfg.data.seq_len, batch_size=cfg.data.batch_size,
-        grad_accum=cfg.optim.grad_accum, loss_chunk_size=cfg.loss.loss_chunk_size,
+        target=geometry,
+        drafter_layers=cfg.drafter.num_layers,
+        block_size=cfg.drafter.block_size,
+        num_anchors=cfg.loss.num_anchors,
+        seq_len=cfg.data.seq_len,
+        batch_size=cfg.data.batch_size,
+        grad_accum=cfg.optim.grad_accum,
+        loss_chunk_size=cfg.loss.loss_chunk_size,
         soft_labels=cfg.loss.use_soft_labels,
         activation_checkpointing=cfg.optim.activation_checkpointing,
-        attention="flex" if on_gpu else "grouped", target_bytes=width, activation_bytes=width,
+        attention="flex" if on_gpu else "grouped",
+        target_bytes=width,
+        activation_bytes=width,
         num_target_features=len(layer_ids) if layer_ids else None,
         document_masks=cfg.data.packing == "docs",
         draft_vocab_size=cfg.drafter.draft_vocab_size,
         from_cache=not target_runs(cfg),
-    )  # fmt: skip
+    )
 
 
 def device_memory_bytes(device: torch.device | str) -> float | None:
@@ -377,9 +384,10 @@ def dry_run_lines(cfg: TrainConfig) -> list[str]:
         device = decide_placement(cfg.pipeline).drafter
     except DeviceError:  # devices of another machine: estimate for their kind
         device = cfg.pipeline.drafter_devices[0]
-    lines = [f"dry run: target {cfg.target.spec} (geometry from {source}), "
-             f"{cfg.data.batch_size * cfg.optim.grad_accum} rows x {cfg.data.seq_len} tokens "
-             f"per optimizer step in {cfg.optim.grad_accum} micro-batch(es)"]  # fmt: skip
+    accum = cfg.optim.grad_accum
+    target = f"target {cfg.target.spec} (geometry from {source})"
+    step = f"{cfg.data.batch_size * accum} rows x {cfg.data.seq_len} tokens per optimizer step"
+    lines = [f"dry run: {target}, {step} in {accum} micro-batch(es)"]
     lines += estimate_for_config(cfg, geometry, device)
     if str(device).startswith("cpu"):
         lines += estimate_for_config(cfg, geometry, "cuda", device_bytes=math.inf)

@@ -30,9 +30,14 @@ METRICS_FILE = "metrics.jsonl"
 # What a run writes into its folder (the hidden-state cache lives elsewhere and is
 # keyed by its data: --overwrite leaves it).
 RUN_FILES = (
-    "config.json", "summary.json", "stats.json", "timeline.json", METRICS_FILE,
-    "report.html", "pipeline-error.log",
-)  # fmt: skip
+    "config.json",
+    "summary.json",
+    "stats.json",
+    "timeline.json",
+    METRICS_FILE,
+    "report.html",
+    "pipeline-error.log",
+)
 RUN_DIRS = ("checkpoints", "drafter", "profile")
 # What a run stopped by a signal in its start-up leaves in a folder that held no run: its
 # start-up's tables. No earlier run: the next run replaces them.

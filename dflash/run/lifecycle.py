@@ -35,6 +35,7 @@ from dflash.data.datasets import (
     heldout_prompts,
 )
 from dflash.data.sources import DataError
+from dflash.data.tokenizer import Tokenizer
 from dflash.drafter.io import (
     METADATA_FILE,
     check_fits_target,
@@ -241,8 +242,8 @@ def use_template_kwargs(
     if getattr(target.tokenizer, "chat_template", None):
         log(f"chat template arguments: {json.dumps(kwargs, sort_keys=True)}")
     else:
-        log(f"chat template arguments {json.dumps(kwargs)} unused: target {target.spec} has "
-            "no chat template (conversations are rendered as documented)")  # fmt: skip
+        why = "no chat template (conversations are rendered as documented)"
+        log(f"chat template arguments {json.dumps(kwargs)} unused: target {target.spec} has {why}")
 
 
 def check_target_fits(cfg: TrainConfig, target: TargetModel) -> None:
@@ -303,15 +304,15 @@ def check_init_settings(cfg: TrainConfig, saved: DrafterConfig, where: str) -> N
     pairs: list[tuple[str, str, Any, Any]] = [
         ("--drafter-layers", "num_hidden_layers", saved.num_layers, cfg.drafter.num_layers)
     ]
-    named = (
-        ("--target-layers", "target_layer_ids", saved.target_layer_ids, cfg.target.layer_ids),
-        ("--drafter-intermediate-size", "intermediate_size", saved.intermediate_size,
-         cfg.drafter.intermediate_size),
-        ("--mask-token-id", "mask_token_id", saved.mask_token_id, cfg.drafter.mask_token_id),
-        ("--draft-vocab-size", "draft_vocab_size", saved.draft_vocab_size,
-         cfg.drafter.draft_vocab_size),
-    )  # fmt: skip
-    pairs += [item for item in named if item[3] is not None]
+    named = (  # (flag, the saved config's key and attribute, this run's value or None)
+        ("--target-layers", "target_layer_ids", cfg.target.layer_ids),
+        ("--drafter-intermediate-size", "intermediate_size", cfg.drafter.intermediate_size),
+        ("--mask-token-id", "mask_token_id", cfg.drafter.mask_token_id),
+        ("--draft-vocab-size", "draft_vocab_size", cfg.drafter.draft_vocab_size),
+    )
+    for flag, key, value in named:
+        if value is not None:
+            pairs.append((flag, key, getattr(saved, key), value))
     for flag, key, theirs, ours in pairs:
         ours = list(ours) if isinstance(ours, tuple) else ours
         if theirs != ours:
@@ -358,11 +359,7 @@ def rows_before_target(
         return None
     use_chat_kwargs(tokenizer, cfg.target.template_kwargs)
     held = HeldLog(log)
-    train, heldout = build_datasets(
-        d.source, tokenizer, d.seq_len, d.batch_size * cfg.optim.grad_accum, cfg.run.seed,
-        d.heldout_fraction, packing=d.packing, log=held, keep_cut=d.keep_cut_replies,
-        rendering=d.chat_rendering,
-    )  # fmt: skip
+    train, heldout = _file_rows(cfg, tokenizer, held)
     if cfg.drafter.mask_token_id is not None:
         check_mask_token_unused(cfg.drafter.mask_token_id, (train.ids, heldout.ids, heldout.stream))
     check_trainable(train, cfg)
@@ -392,16 +389,12 @@ def run_datasets(
         with tracing.phase(names.DATA_REGENERATE):
             path = embedded_regeneration(target, d.heldout_fraction, live_log(log))
         corpus = regenerated_corpus(path, tok, d.heldout_fraction)
+        seed = cfg.run.seed
         train, heldout = datasets_from_corpus(
-            corpus, tok, d.seq_len, rows, cfg.run.seed, d.heldout_fraction,
-            packing=d.packing, log=held,
-        )  # fmt: skip
+            corpus, tok, d.seq_len, rows, seed, d.heldout_fraction, packing=d.packing, log=held
+        )
     else:
-        train, heldout = build_datasets(
-            d.source, tok, d.seq_len, rows, cfg.run.seed, d.heldout_fraction,
-            packing=d.packing, log=held, keep_cut=d.keep_cut_replies,
-            rendering=d.chat_rendering,
-        )  # fmt: skip
+        train, heldout = _file_rows(cfg, tok, held)
     if cfg.drafter.mask_token_id is not None:
         check_mask_token_unused(cfg.drafter.mask_token_id, (train.ids, heldout.ids, heldout.stream))
     elif target.needs_mask_from_data(None):
@@ -409,6 +402,18 @@ def run_datasets(
     check_trainable(train, cfg)
     held.release()
     return train, heldout
+
+
+def _file_rows(
+    cfg: TrainConfig, tokenizer: Tokenizer, log: Callable[[str], None]
+) -> tuple[PackedDataset, PackedDataset]:
+    """The data file's (train, held-out) rows, in batches of --batch-size x --grad-accum."""
+    d = cfg.data
+    rows = d.batch_size * cfg.optim.grad_accum  # the step splits it into micro-batches
+    options = {"packing": d.packing, "keep_cut": d.keep_cut_replies, "rendering": d.chat_rendering}
+    return build_datasets(
+        d.source, tokenizer, d.seq_len, rows, cfg.run.seed, d.heldout_fraction, log=log, **options
+    )
 
 
 def check_trainable(train: PackedDataset, cfg: TrainConfig) -> None:
@@ -490,11 +495,13 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
         run.step, run.next_batch_index = resume.step, resume.next_batch_index
         run.resumed_from = resume.path
         log(f"resumed from {resume.path} at step {resume.step}")
-        later = [p.name for p in list_checkpoints(output_dir / "checkpoints")
-                 if checkpoint_step(p) > resume.step]  # fmt: skip
+        checkpoints = list_checkpoints(output_dir / "checkpoints")
+        later = [p.name for p in checkpoints if checkpoint_step(p) > resume.step]
         if later:
-            log(f"checkpoints of later steps ({', '.join(later)}) are of the continuation "
-                "abandoned here: this run's own replace them as it writes them")  # fmt: skip
+            log(
+                f"checkpoints of later steps ({', '.join(later)}) are of the continuation "
+                "abandoned here: this run's own replace them as it writes them"
+            )
     run.setup_s = time.perf_counter() - start_s
     return run
 
@@ -505,10 +512,8 @@ def save_drafter_dir(run: Run, directory: Path, dtype: torch.dtype | None = None
     extra: dict[str, Any] = {"step": run.step}
     if run.initialized_from is not None:
         extra["initialized_from"] = str(run.initialized_from)
-    return save_drafter(
-        run.drafter, directory, training_config=run.cfg.to_dict(),
-        data_fingerprint=run.data_fingerprint, extra=extra, dtype=dtype,
-    )  # fmt: skip
+    provenance = {"training_config": run.cfg.to_dict(), "data_fingerprint": run.data_fingerprint}
+    return save_drafter(run.drafter, directory, **provenance, extra=extra, dtype=dtype)
 
 
 def save_run_checkpoint(run: Run) -> Path:
@@ -604,13 +609,16 @@ def _measure_with_vllm(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
     cfg = run.cfg.run
     prompts = heldout_prompts(run.heldout_data, cfg.eval_prompts, cfg.eval_prompt_tokens)
     target = TokenizerTarget(run.cfg.target.spec, run.target.tokenizer)
-    served = measure_with_vllm(
-        cfg.vllm_command, target, run.output_dir / "drafter", run.drafter.config.block_size,
-        prompts, cfg.eval_new_tokens, tuple(run.target.stop_token_ids), run.output_dir, log,
-    )  # fmt: skip
-    return {"tau": served["tau"], "tau_pooled": served["tau_pooled"],
-            "acceptance_per_position": served["acceptance_per_position"], "speedup": None,
-            "served": served}  # fmt: skip
+    engine = {
+        "drafter_dir": run.output_dir / "drafter",
+        "block_size": run.drafter.config.block_size,
+        "max_new_tokens": cfg.eval_new_tokens,
+        "stop_token_ids": tuple(run.target.stop_token_ids),
+        "log_dir": run.output_dir,
+    }
+    served = measure_with_vllm(cfg.vllm_command, target, prompts=prompts, log=log, **engine)
+    figures = {key: served[key] for key in ("tau", "tau_pooled", "acceptance_per_position")}
+    return {**figures, "speedup": None, "served": served}
 
 
 def build_summary(

@@ -83,13 +83,15 @@ def write_run_cache(
             rate = done * train.seq_len / max(time.perf_counter() - start_s, 1e-9)
             log(f"cache-hidden: {done}/{of} rows, {rate:,.0f} tokens/s")
 
-        out = write_sample_cache(target, train, heldout, output_dir, layer_ids=layer_ids,
-                                 with_last_layer=True, progress=rows_done)  # fmt: skip
+        options = {"layer_ids": layer_ids, "with_last_layer": True, "progress": rows_done}
+        out = write_sample_cache(target, train, heldout, output_dir, **options)
         files = sample_files(out)
         size = sum(p.stat().st_size for p in files.values())
-        return (f"cache-hidden: {len(files)} samples ({size / 2**20:,.1f} MiB) in speculators' "
-                f"layout in {out / SAMPLES_DIR}; aux_hidden_state_layer_ids "
-                f"{[i + 1 for i in layer_ids]}")  # fmt: skip
+        aux = [i + 1 for i in layer_ids]
+        return (
+            f"cache-hidden: {len(files)} samples ({size / 2**20:,.1f} MiB) in speculators' "
+            f"layout in {out / SAMPLES_DIR}; aux_hidden_state_layer_ids {aux}"
+        )
     total, soft = num_batches or cfg.run.steps, cfg.loss.use_soft_labels
     tokens_per_batch = train.batch_size * train.seq_len
 
@@ -97,14 +99,13 @@ def write_run_cache(
         rate = done * tokens_per_batch / max(time.perf_counter() - start_s, 1e-9)
         log(f"cache-hidden: {done}/{of} batches, {rate:,.0f} tokens/s")
 
-    write_hidden_cache(target, train, output_dir, layer_ids=layer_ids, num_batches=total,
-                       with_final_norm=soft, batches_per_shard=batches_per_shard,
-                       progress=progress, log=log)  # fmt: skip
-    reader = open_hidden_cache(output_dir, target=target, dataset=train, layer_ids=layer_ids,
-                               with_final_norm=soft)  # fmt: skip
+    held = {"layer_ids": layer_ids, "with_final_norm": soft}  # what the cache holds
+    shards = {"num_batches": total, "batches_per_shard": batches_per_shard}
+    write_hidden_cache(target, train, output_dir, **held, **shards, progress=progress, log=log)
+    reader = open_hidden_cache(output_dir, target=target, dataset=train, **held)
     tokens = reader.num_batches * reader.dataset.batch_size * reader.dataset.seq_len
-    return (f"cache-hidden: {reader.num_batches} batches ({tokens:,} tokens, "
-            f"{reader.total_bytes / 2**20:,.1f} MiB) in {output_dir}")  # fmt: skip
+    size = f"{tokens:,} tokens, {reader.total_bytes / 2**20:,.1f} MiB"
+    return f"cache-hidden: {reader.num_batches} batches ({size}) in {output_dir}"
 
 
 def regenerate_data(
@@ -128,8 +129,9 @@ def regenerate_data(
         served = TokenizerTarget(target_spec, tokenizer, dict(chat_template_kwargs or {}))
         client = CompletionClient(server)
         client.connect(served, log)
-        return regenerate(served, source, output, settings=settings, progress=progress,
-                          server=client)  # fmt: skip
+        return regenerate(
+            served, source, output, settings=settings, progress=progress, server=client
+        )
     dev = resolve_device(device, "--device")
     target = target_load.load_target(target_spec, dev, target_load.target_dtype(dev), log=log)
     use_template_kwargs(target, chat_template_kwargs or {}, log)

@@ -169,9 +169,8 @@ def is_run_folder(folder: Path) -> bool:
 
 
 def _owned_name(name: str) -> bool:
-    return name in RUN_FILES or name in RUN_DIRS or name == LOCK_FILE or (
-        name.startswith(_RUN_NAME_PREFIXES)
-    )  # fmt: skip
+    owned = name in RUN_FILES or name in RUN_DIRS or name == LOCK_FILE
+    return owned or name.startswith(_RUN_NAME_PREFIXES)
 
 
 def run_folders_above(path: Path) -> list[Path]:
@@ -280,9 +279,12 @@ def run_inputs(cfg: TrainConfig, config_file: str | None = None) -> list[tuple[s
     where it is compared). --resume is not among them: it names the run's own folder or
     checkpoints, which the run folder's own checks cover."""
     return [
-        ("--config", config_file), ("--data", cfg.data.source), ("--target", cfg.target.spec),
-        ("--hidden-cache", cfg.data.hidden_cache), ("--init-from", cfg.run.init_from),
-    ]  # fmt: skip
+        ("--config", config_file),
+        ("--data", cfg.data.source),
+        ("--target", cfg.target.spec),
+        ("--hidden-cache", cfg.data.hidden_cache),
+        ("--init-from", cfg.run.init_from),
+    ]
 
 
 def run_outputs(cfg: TrainConfig) -> list[Output]:
@@ -299,8 +301,8 @@ def check_run_folder(cfg: TrainConfig, config_file: str | None = None) -> None:
     """--output-dir is no input, no input's content and inside no other run's folder (by
     real path: a link into another run's checkpoints/ is inside it)."""
     out = resolved(cfg.run.output_dir)
-    why = input_clash(Output("--output-dir", cfg.run.output_dir, folder=True),
-                      run_inputs(cfg, config_file))  # fmt: skip
+    output = Output("--output-dir", cfg.run.output_dir, folder=True)
+    why = input_clash(output, run_inputs(cfg, config_file))
     if why is not None:
         raise OutputError(why)
     outer = [folder for folder in run_folders_above(out) if folder != out]

@@ -106,9 +106,16 @@ def run_flops(run: Run) -> FlopsFigures:
 class _StepBook:
     """Losses per step; replica 0 advances the run, reports progress and checkpoints."""
 
-    def __init__(self, run: Run, progress: Progress, info: DistInfo, num_replicas: int,
-                 metrics: StepMetrics, averager: GradAverager,
-                 observer: Observer | None = None):  # fmt: skip
+    def __init__(
+        self,
+        run: Run,
+        progress: Progress,
+        info: DistInfo,
+        num_replicas: int,
+        metrics: StepMetrics,
+        averager: GradAverager,
+        observer: Observer | None = None,
+    ):
         self.run, self.progress, self.info, self.metrics = run, progress, info, metrics
         self.averager, self.observer = averager, observer
         self.rates: StageRates | None = None  # set once the pipeline exists
@@ -137,8 +144,8 @@ class _StepBook:
             run.trainer.check_figures(figures)  # a diverged run stops before it saves
         if self.info.is_main and run.cfg.run.checkpoint_due(run.step):
             # replica 0's weights cannot move while it is here
-            with tracing.phase(names.CHECKPOINT_SAVE, level="step",
-                               attributes={names.STEP: run.step}):  # fmt: skip
+            attributes = {names.STEP: run.step}
+            with tracing.phase(names.CHECKPOINT_SAVE, level="step", attributes=attributes):
                 save_checkpoint_or_fail(run)
 
     def _log_step(self, figures: dict[str, Any]) -> None:
@@ -147,8 +154,8 @@ class _StepBook:
             figures.update(self.rates.figures())
         rates = figures.get("tokens_per_s", {})
         flops = self.flops
-        drafter_mfu = mfu(flops.drafter_per_token, rates.get("drafter", 0.0),
-                          flops.drafter_peak_tflops)  # fmt: skip
+        drafter_rate = rates.get("drafter", 0.0)
+        drafter_mfu = mfu(flops.drafter_per_token, drafter_rate, flops.drafter_peak_tflops)
         if drafter_mfu is not None:
             figures["mfu"] = drafter_mfu
         if self.observer is not None:
@@ -177,10 +184,11 @@ def run_training(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
     Under torchrun the process group starts first: every rank's telemetry carries
     rank 0's run id."""
     start = start_run(cfg)
+    info = start.info
     try:
-        observer = start_observer(cfg.telemetry, start.info.rank, start.info.world_size,
-                                  run_id=shared_run_id(start.info.world_size),
-                                  output_dir=Path(cfg.run.output_dir), log=log)  # fmt: skip
+        output_dir = Path(cfg.run.output_dir)
+        run_info = {"run_id": shared_run_id(info.world_size), "output_dir": output_dir}
+        observer = start_observer(cfg.telemetry, info.rank, info.world_size, **run_info, log=log)
     except BaseException:
         destroy_distributed()
         raise
@@ -190,7 +198,7 @@ def run_training(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
         # Stopped in the start-up, before the run's files: the cumulative table, and in a
         # folder that holds no earlier run the start-up's stats.json (and timeline); one
         # that does stays as it was.
-        if start.info.is_main and not earlier_run(Path(cfg.run.output_dir)):
+        if info.is_main and not earlier_run(output_dir):
             observer.folder_written = True
         raise
     except DFlashError:
@@ -231,9 +239,10 @@ def run_pipeline(
         with tracing.phase(names.RUN_STARTUP, level="step"):  # a trace of its own
             setup = _setup(cfg, log, start, observer, progress_stream)
         if observer is not None:
-            observer.attach(setup.pipe.snapshot, (*placement.targets, *placement.drafters),
-                            setup.book.flops, stream=setup.progress.line_stream(),
-                            read_bytes=setup.run.features.bytes_counter())  # fmt: skip
+            devices = (*placement.targets, *placement.drafters)
+            stream = setup.progress.line_stream()
+            read_bytes = setup.run.features.bytes_counter()
+            observer.attach(setup.pipe.snapshot, devices, setup.book.flops, stream, read_bytes)
         train_start_s, cpu_start_s = time.perf_counter(), time.process_time()
         with SignalStop(setup.pipe.group.stop) as signals:
             try:
@@ -267,14 +276,19 @@ def _share_cpu_cores(placement: Placement, local_world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_threads))
 
 
-def _setup(cfg: TrainConfig, log: Callable[[str], None], start: Start,
-           observer: Observer | None, progress_stream: IO[str] | None) -> _Setup:  # fmt: skip
+def _setup(
+    cfg: TrainConfig,
+    log: Callable[[str], None],
+    start: Start,
+    observer: Observer | None,
+    progress_stream: IO[str] | None,
+) -> _Setup:
     info, placement = start.info, start.placement
     quiet = log if info.is_main else (lambda _: None)
     held = HeldLog(quiet)  # what start-up says, once every check below has passed
     run = build_run(cfg, placement, held)
-    check_same_across_ranks(len(placement.drafters), "the number of drafter devices",
-                            placement.drafter)  # fmt: skip
+    num_drafters = len(placement.drafters)
+    check_same_across_ranks(num_drafters, "the number of drafter devices", placement.drafter)
     check_same_across_ranks(run.step, "the step to resume from", placement.drafter)
     group = StageGroup()
     with tracing.phase(names.DRAFTER_BUILD):
@@ -285,21 +299,25 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], start: Start,
         replica.trainer.grad_sync = averager.hook(i) if averager.needed else None
     ranks = f" x {info.world_size} ranks" if info.enabled else ""
     telemetry_line = observer.describe() if observer is not None else None
-    progress = Progress(cfg.run.steps, run.step, log=None,
-                        stream=progress_stream if info.is_main else io.StringIO())  # fmt: skip
-    metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
-                          Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip
+    stream = progress_stream if info.is_main else io.StringIO()
+    progress = Progress(cfg.run.steps, run.step, log=None, stream=stream)
+    metrics_file = Path(cfg.run.output_dir) / METRICS_FILE
+    metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps, metrics_file)
     book = _StepBook(run, progress, info, len(replicas), metrics, averager, observer)
     window = observer.profile if observer is not None else None
-    indices = rank_batch_indices(cfg.run.steps - run.step, info.rank, info.world_size,
-                                 len(replicas), run.next_batch_index)  # fmt: skip
+    indices = rank_batch_indices(
+        cfg.run.steps - run.step, info.rank, info.world_size, len(replicas), run.next_batch_index
+    )
+    forwards = target_forwards(run, indices[-1] if indices else 0)
+    steps = [
+        (r.device, _step_fn(r, i, metrics, window), mover(r.device)) for i, r in enumerate(replicas)
+    ]
     pipe = Pipeline.build(
         make_batch=run.train_data.batch,
         indices=indices,
-        forwards=target_forwards(run, indices[-1] if indices else 0),
+        forwards=forwards,
         target_phase=run.features.target_phase,
-        steps=[(r.device, _step_fn(r, i, metrics, window), mover(r.device))
-               for i, r in enumerate(replicas)],
+        steps=steps,
         on_step=book.on_step,
         batch_queue_size=cfg.pipeline.batch_queue_size,
         hs_queue_size=cfg.pipeline.hs_queue_size,
@@ -307,7 +325,7 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], start: Start,
         pin_memory=torch.cuda.is_available() and any(d.type == "cuda" for d in placement.targets),
         group=group,
         first_step=run.step,
-    )  # fmt: skip
+    )
     book.rates = StageRates(_stage_tokens(pipe, info.world_size))
     # Every check has passed (the hidden-state cache's among them): the run's lines and
     # files now.
@@ -324,8 +342,10 @@ def _setup(cfg: TrainConfig, log: Callable[[str], None], start: Start,
 def _stage_tokens(pipe: Pipeline, world_size: int) -> Callable[[], tuple[float, dict[str, int]]]:
     def read() -> tuple[float, dict[str, int]]:
         snap = pipe.snapshot()
-        tokens = {"target": snap.target_tokens * world_size,
-                  "drafter": snap.drafter_tokens * world_size}  # fmt: skip
+        tokens = {
+            "target": snap.target_tokens * world_size,
+            "drafter": snap.drafter_tokens * world_size,
+        }
         return snap.elapsed_s, tokens
 
     return read
@@ -371,9 +391,16 @@ def _pipeline_figures(setup: _Setup, world_size: int) -> dict[str, Any]:
     }
 
 
-def _finish(setup: _Setup, info: DistInfo, observer: Observer | None, log: Callable[[str], None],
-            train_s: float, started_s: float, signum: int | None,
-            stuck: list[str]) -> dict[str, Any]:  # fmt: skip
+def _finish(
+    setup: _Setup,
+    info: DistInfo,
+    observer: Observer | None,
+    log: Callable[[str], None],
+    train_s: float,
+    started_s: float,
+    signum: int | None,
+    stuck: list[str],
+) -> dict[str, Any]:
     run, failure = setup.run, setup.pipe.group.failure
     figures = _pipeline_figures(setup, info.world_size)  # now: before evaluation
     close = (lambda: observer.close(log)) if observer is not None else (lambda: None)
@@ -389,8 +416,8 @@ def _finish(setup: _Setup, info: DistInfo, observer: Observer | None, log: Calla
     if signum is not None:
         name = signal.Signals(signum).name
         saved = _checkpoint_after_signal(run, info, name, stuck, log)
-        summary = build_summary(run, stats, started_s, interrupted=name,
-                                extra=_extra(figures, close()))  # fmt: skip
+        extra = _extra(figures, close())
+        summary = build_summary(run, stats, started_s, interrupted=name, extra=extra)
         if saved:
             write_summary(run, summary, log)
         raise TrainingInterrupted(signum, summary if info.is_main else None)
@@ -402,13 +429,14 @@ def _finish(setup: _Setup, info: DistInfo, observer: Observer | None, log: Calla
     try:
         evaluation = complete_run(run, lambda n: tracing.phase(n, level="step"), log)
     except Interrupted as exc:  # during the final save or evaluation: record what is known
-        summary = build_summary(run, stats, started_s, interrupted=exc.describe(),
-                                extra=_extra(figures, close()))  # fmt: skip
+        stopped_in = exc.describe()
+        extra = _extra(figures, close())
+        summary = build_summary(run, stats, started_s, interrupted=stopped_in, extra=extra)
         write_summary(run, summary, log)
         _write_report(run.output_dir, log)
         raise
-    summary = build_summary(run, stats, started_s, evaluation=evaluation,
-                            extra=_extra(figures, close()))  # fmt: skip
+    extra = _extra(figures, close())
+    summary = build_summary(run, stats, started_s, evaluation=evaluation, extra=extra)
     write_summary(run, summary, log)
     _write_report(run.output_dir, log)
     return summary
@@ -440,8 +468,9 @@ def _write_error_log(run_dir: Path, info: DistInfo, failure: StageFailure) -> st
     return str(path)
 
 
-def _checkpoint_after_signal(run: Run, info: DistInfo, name: str, stuck: list[str],
-                             log: Callable[[str], None]) -> bool:  # fmt: skip
+def _checkpoint_after_signal(
+    run: Run, info: DistInfo, name: str, stuck: list[str], log: Callable[[str], None]
+) -> bool:
     """Rank 0 saves where the run stands; True when the summary should be written."""
     if not info.is_main:
         return False

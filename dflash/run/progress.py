@@ -145,10 +145,8 @@ class Progress:
         if self._is_tty():
             from tqdm import tqdm
 
-            self.bar = tqdm(
-                total=total_steps, initial=start_step, file=self.stream, unit="step",
-                dynamic_ncols=True, desc="train",
-            )  # fmt: skip
+            options = {"file": self.stream, "unit": "step", "dynamic_ncols": True, "desc": "train"}
+            self.bar = tqdm(total=total_steps, initial=start_step, **options)
 
     def _is_tty(self) -> bool:
         isatty = getattr(self.stream, "isatty", None)
@@ -163,18 +161,20 @@ class Progress:
         if self.bar is not None:
             self.bar.update(1)
             if figures is not None:
-                self.bar.set_postfix(loss=f"{figures['loss']:.4f}",
-                                     tau=f"{figures['tau_estimate']:.2f}",
-                                     tok_s=f"{tokens_per_s:,.0f}",
-                                     **({"bad": figures["bad_steps"]}
-                                        if figures.get("bad_steps") else {}),
-                                     refresh=False)  # fmt: skip
+                postfix = {
+                    "loss": f"{figures['loss']:.4f}",
+                    "tau": f"{figures['tau_estimate']:.2f}",
+                    "tok_s": f"{tokens_per_s:,.0f}",
+                }
+                if figures.get("bad_steps"):
+                    postfix["bad"] = figures["bad_steps"]
+                self.bar.set_postfix(**postfix, refresh=False)
             return
         if figures is None:
             return
         done = step - self.start_step
-        due = (now_s - self.last_print_s >= self.interval_s
-               or done - self.last_print_done >= self.every_steps)  # fmt: skip
+        by_time = now_s - self.last_print_s >= self.interval_s
+        due = by_time or done - self.last_print_done >= self.every_steps
         if due or step == self.total_steps or done == 1:
             eta_s = (now_s - self.start_time_s) / done * (self.total_steps - step)
             bad = figures.get("bad_steps")

@@ -57,8 +57,8 @@ def _train(
     read = target_forwards(run, last_index, all_devices=False)[0][1]
     start.begin_training(cfg, log)  # every check has passed, the cache's among them
     progress = Progress(cfg.run.steps, run.step, stream=progress_stream, log=None)
-    metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps,
-                          Path(cfg.run.output_dir) / METRICS_FILE)  # fmt: skip
+    metrics_file = Path(cfg.run.output_dir) / METRICS_FILE
+    metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps, metrics_file)
     if run.resumed_from is not None:
         metrics.continue_file()
     losses: list[torch.Tensor] = []

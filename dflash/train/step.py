@@ -129,12 +129,15 @@ class DrafterTrainer:
         gen = torch.Generator(device="cpu").manual_seed(
             anchor_seed(self.cfg.run.seed, host.batch_id)
         )
-        blocks = prepare_blocks(
-            host.input_ids, host.loss_mask, doc_ids=host.doc_ids,
-            num_anchors=self.cfg.loss.num_anchors, block_size=self.block_size,
-            mask_token_id=self.drafter.mask_id, noise=self.noise, step=self.step_count,
-            generator=gen,
-        )  # fmt: skip
+        options = {
+            "num_anchors": self.cfg.loss.num_anchors,
+            "block_size": self.block_size,
+            "mask_token_id": self.drafter.mask_id,
+            "noise": self.noise,
+            "step": self.step_count,
+            "generator": gen,
+        }
+        blocks = prepare_blocks(host.input_ids, host.loss_mask, doc_ids=host.doc_ids, **options)
         return blocks.to(self.device)
 
     def step(
@@ -153,8 +156,8 @@ class DrafterTrainer:
         """Forward, loss and backward per micro-batch, then one (guarded) optimizer step."""
         self.optimizer.zero_grad(set_to_none=True)
         parts = micro_batches(blocks.block_ids.shape[0], self.cfg.optim.grad_accum)
-        outs = [self._micro_step(target_out, blocks, rows, phase, rows is parts[-1])
-                for rows in parts]  # fmt: skip
+        micro = self._micro_step
+        outs = [micro(target_out, blocks, rows, phase, rows is parts[-1]) for rows in parts]
         loss = self.last_loss
         assert loss is not None
         lr = self.scheduler.get_last_lr()[0]
@@ -163,8 +166,8 @@ class DrafterTrainer:
             self.guard.step(self.optimizer, nonfinite(loss, norm), self.step_count + 1)
             self.scheduler.step()
         self.step_count += 1
-        metrics = {**combined_metrics(outs, blocks.valid), "grad_norm": norm.detach(),
-                   "nonfinite": self.guard.state.clone()}  # fmt: skip
+        combined = combined_metrics(outs, blocks.valid)
+        metrics = {**combined, "grad_norm": norm.detach(), "nonfinite": self.guard.state.clone()}
         return StepResult(loss, num_tokens, lr, metrics)
 
     def _micro_step(
@@ -182,10 +185,10 @@ class DrafterTrainer:
             if loss_cfg.use_soft_labels and final is not None:  # None: the loss says what lacks
                 target_states = gather_target_hidden(final[rows], part.anchors, self.block_size)
             labels, in_vocab = self.drafter.draft_labels(part.labels)
+            head = self.drafter.lm_head
             out = chunked_dflash_loss(
-                states, self.drafter.lm_head, labels, part.valid, loss_cfg, target_states,
-                in_vocab=in_vocab,
-            )  # fmt: skip
+                states, head, labels, part.valid, loss_cfg, target_states, in_vocab=in_vocab
+            )
         with phase(names.BACKWARD):
             self.accumulator.backward(out.weighted_sum, out.weight_sum)
             if last:
