@@ -114,9 +114,11 @@ def test_the_checkout_venv_is_its_own_whatever_the_shell_had_active(tmp_path: Pa
     assert (other / ".dflash-stamp").read_text() == "another checkout's stamp\n"  # untouched
 
 
+NO_CHECKOUT = shutil.which("git") is None or not (ROOT / ".git").exists()
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
-                    reason="needs git and a checkout")  # fmt: skip
+@pytest.mark.skipif(NO_CHECKOUT, reason="needs git and a checkout")
 def test_two_clones_bootstrapped_in_turn_each_import_their_own_dflash(tmp_path: Path) -> None:
     """The deps venv is shared (nothing downloads here); each clone gets its own small
     venv, so using one after the other never runs the other's code."""
@@ -129,11 +131,12 @@ def test_two_clones_bootstrapped_in_turn_each_import_their_own_dflash(tmp_path: 
     env["DFLASH_CACHE_DIR"] = str(tmp_path / "cache")
     env["DFLASH_DEPS_VENV"] = os.environ.get("DFLASH_DEPS_VENV") or _deps_of_this_session()
     where = "python -c 'import dflash, sys; print(dflash.__file__, sys.prefix)'"
+    command = ["bash", "-c", f"source scripts/bootstrap.sh && {where}"]
     seen = []
     for clone in (*clones, *clones):  # a, b, then a and b again
-        result = subprocess.run(["bash", "-c", f"source scripts/bootstrap.sh && {where}"],
-                                cwd=clone, env=env, capture_output=True, text=True,
-                                timeout=300)  # fmt: skip
+        result = subprocess.run(
+            command, cwd=clone, env=env, capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 0, result.stderr
         module, prefix = result.stdout.split()
         assert Path(module).is_relative_to(clone), (clone, module)

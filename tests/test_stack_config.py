@@ -17,6 +17,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -574,7 +575,7 @@ def dashboard_problems(stack: Stack) -> list[str]:
     return problems
 
 
-def load_integration_conftest() -> Any:
+def load_integration_conftest() -> ModuleType:
     path = REPO_ROOT / "tests" / "integration" / "conftest.py"
     spec = importlib.util.spec_from_file_location("integration_conftest_for_stack_check", path)
     assert spec is not None and spec.loader is not None

@@ -129,9 +129,9 @@ def _check_shapes(q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout) -> None:
 
 
 def _dense_attention(q: Tensor, k: Tensor, v: Tensor, layout: BlockLayout) -> Tensor:
-    lay = layout
-    mask = block_attention_mask(lay.anchors, lay.keep, lay.context_len, lay.block_size,
-                                lay.ctx_start)  # fmt: skip
+    mask = block_attention_mask(
+        layout.anchors, layout.keep, layout.context_len, layout.block_size, layout.ctx_start
+    )
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -291,9 +291,8 @@ def flex_block_mask(layout: BlockLayout, q_len: int, kv_len: int) -> Any:
         return in_ctx | ((kv_idx >= t) & ((kv_idx - t) // bs == blk))
 
     tile_any, tile_full = _tile_masks(layout, q_len, kv_len)
-    partial_n, partial_idx = _as_indices(tile_any & ~tile_full)
-    full_n, full_idx = _as_indices(tile_full)
+    partial = _as_indices(tile_any & ~tile_full)  # (counts, indices) of the tiles mask_mod decides
+    full = _as_indices(tile_full)  # and of the tiles whose every query sees every key
     return BlockMask.from_kv_blocks(
-        partial_n, partial_idx, full_n, full_idx,
-        BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(q_len, kv_len),
-    )  # fmt: skip
+        *partial, *full, BLOCK_SIZE=FLEX_TILE, mask_mod=mask_mod, seq_lengths=(q_len, kv_len)
+    )

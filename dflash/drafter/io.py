@@ -215,19 +215,21 @@ def check_fits_target(cfg: DrafterConfig, target: TargetModel, where: str) -> No
         )
 
 
-_MUST_MATCH = (
-    "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-    "target_layer_ids", "num_target_layers", "vocab_size", "mask_token_id", "rope", "rms_eps",
-    "attention_bias", "draft_vocab_size",
-)  # fmt: skip
+_MUST_MATCH = (  # the layers' shapes; the target layers and tokens they use; the rest
+    *("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"),
+    *("target_layer_ids", "num_target_layers", "vocab_size", "mask_token_id"),
+    *("rope", "rms_eps", "attention_bias", "draft_vocab_size"),
+)
 
 
 # The flag that sets a field, for the ones a user chooses (the rest come from the target).
 _FLAGS = {
-    "num_layers": "--drafter-layers", "intermediate_size": "--drafter-intermediate-size",
-    "target_layer_ids": "--target-layers", "mask_token_id": "--mask-token-id",
+    "num_layers": "--drafter-layers",
+    "intermediate_size": "--drafter-intermediate-size",
+    "target_layer_ids": "--target-layers",
+    "mask_token_id": "--mask-token-id",
     "draft_vocab_size": "--draft-vocab-size",
-}  # fmt: skip
+}
 
 
 def check_same_geometry(saved: DrafterConfig, fresh: DrafterConfig, where: str) -> None:
@@ -360,15 +362,21 @@ def export_drafter(
     layers = num_target_layers or _target_num_layers(old["target_spec"])
     try:
         cfg = DrafterConfig(
-            hidden_size=old["hidden_size"], num_layers=old["num_layers"],
-            num_heads=old["num_heads"], head_dim=old["head_dim"],
-            intermediate_size=old["intermediate_size"], block_size=old["block_size"],
-            target_layer_ids=list(old["target_layer_ids"]), mask_token_id=old["mask_token_id"],
-            vocab_size=old["vocab_size"], target_spec=old["target_spec"],
+            hidden_size=old["hidden_size"],
+            num_layers=old["num_layers"],
+            num_heads=old["num_heads"],
+            head_dim=old["head_dim"],
+            intermediate_size=old["intermediate_size"],
+            block_size=old["block_size"],
+            target_layer_ids=list(old["target_layer_ids"]),
+            mask_token_id=old["mask_token_id"],
+            vocab_size=old["vocab_size"],
+            target_spec=old["target_spec"],
             num_kv_heads=old.get("num_kv_heads", 0),
             rope=RopeSpec(float(old.get("rope_theta", 10000.0))),
-            rms_eps=old.get("rms_eps", 1e-6), num_target_layers=layers,
-        )  # fmt: skip
+            rms_eps=old.get("rms_eps", 1e-6),
+            num_target_layers=layers,
+        )
     except KeyError as err:
         raise DrafterError(f"{src / CONFIG_FILE} lacks {err.args[0]!r}") from err
     except (TypeError, ValueError) as err:  # e.g. "target_layer_ids": null
@@ -381,9 +389,14 @@ def export_drafter(
         save_file(renamed, str(tmp), metadata={"format": "pt"})
     dtype = next(iter(renamed.values())).dtype
     write_json_atomic(out / CONFIG_FILE, hf_config(cfg, dtype))
-    meta = {"format_version": FORMAT_VERSION, "target": cfg.target_spec,
-            "mask_token_id": cfg.mask_token_id, "mask_token_source": "exported",
-            "exported_from": str(src), "versions": _versions()}  # fmt: skip
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "target": cfg.target_spec,
+        "mask_token_id": cfg.mask_token_id,
+        "mask_token_source": "exported",
+        "exported_from": str(src),
+        "versions": _versions(),
+    }
     write_json_atomic(out / METADATA_FILE, meta)
     warning = last_layer_warning(cfg.target_layer_ids, layers)
     if warning is not None:

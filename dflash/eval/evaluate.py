@@ -124,6 +124,7 @@ def evaluate_tau(
     spec_s, base_s = 0.0, 0.0
     gen = torch.Generator().manual_seed(seed)
     opts = {"stop_token_ids": stops, "temperature": temperature, "use_cache": use_cache}
+    spec_opts = {**opts, "draft_sampling": draft_sampling}
     queue = deque(enumerate(prompts))
     try:
         while queue:
@@ -136,9 +137,8 @@ def evaluate_tau(
                     prompt_base_s.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 output, stats = speculative_generate(
-                    target, drafter, prompt, max_new_tokens, generator=gen,
-                    draft_sampling=draft_sampling, **opts,
-                )  # fmt: skip
+                    target, drafter, prompt, max_new_tokens, generator=gen, **spec_opts
+                )
                 prompt_spec_s.append(time.perf_counter() - t0)
                 if repeat == 0:
                     all_stats.append(stats)
@@ -252,8 +252,8 @@ class _PromptSource:
             if not left[i]:
                 return None
             reply = decode_text(tokenizer, output)
-            so_far[i] += [{"role": "assistant", "content": reply},
-                          {"role": "user", "content": left[i].pop(0)}]  # fmt: skip
+            so_far[i].append({"role": "assistant", "content": reply})
+            so_far[i].append({"role": "user", "content": left[i].pop(0)})
             return render_prompt(tokenizer, so_far[i])
 
         return next_prompt
@@ -269,6 +269,10 @@ class _PromptSource:
         _, heldout = build_datasets(settings.data, tokenizer, max(tokens, 8), 1, 0)
         prompts = heldout_prompts(heldout, settings.num_prompts or 8, tokens)
         return prompts, f"{len(prompts)} held-out prompts"
+
+
+# The EvalSettings fields evaluate_tau takes as keywords of the same names.
+_DECODING = ("max_new_tokens", "temperature", "seed", "timing_repeats", "draft_sampling")
 
 
 def evaluate_drafter_dir(
@@ -289,19 +293,19 @@ def evaluate_drafter_dir(
     torch_dtype = target_mod.target_dtype(dev) if dtype == "auto" else getattr(torch, dtype)
     target = target_mod.load_target(target_spec, dev, torch_dtype, log=log) if target_spec else None
     drafter, target = load_drafter(drafter_dir, target=target, device=dev, dtype=torch_dtype)
-    kwargs = saved_chat_template_kwargs(drafter_dir) if chat_template_kwargs is None else (
-        chat_template_kwargs
-    )  # fmt: skip
+    kwargs = chat_template_kwargs
+    if kwargs is None:
+        kwargs = saved_chat_template_kwargs(drafter_dir)
     if kwargs:
         target.use_chat_template_kwargs(kwargs)
         log(f"chat template arguments: {json.dumps(kwargs, sort_keys=True)}")
     prompts, where = source.prompts(target.tokenizer)
     start_s = time.perf_counter()
+    decoding = {name: getattr(settings, name) for name in _DECODING}
+    follow_up = source.follow_up(target.tokenizer)
     result = evaluate_tau(
-        target, drafter, prompts, settings.max_new_tokens, temperature=settings.temperature,
-        seed=settings.seed, compare_baseline=True, timing_repeats=settings.timing_repeats,
-        draft_sampling=settings.draft_sampling, follow_up=source.follow_up(target.tokenizer),
-    )  # fmt: skip
+        target, drafter, prompts, compare_baseline=True, follow_up=follow_up, **decoding
+    )
     figures = {
         **eval_figures(result),
         "prompts": len(prompts),

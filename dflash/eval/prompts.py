@@ -17,8 +17,7 @@ from typing import Any
 from dflash.data.sources import DataReport
 from dflash.errors import DFlashError
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                   "system": "system"}  # fmt: skip
+_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # any other role is kept as it is
 
 
 _NO_TURNS = "no chat turns (expected 'messages' with a user turn, 'conversations' or 'turns')"

@@ -9,6 +9,7 @@ document-packed rows nothing crosses a document end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -183,23 +184,17 @@ class BlockInputs:
 
     def rows(self, rows: slice) -> BlockInputs:
         """The blocks of a micro-batch of rows."""
-        ctx = None if self.ctx_start is None else self.ctx_start[rows]
-        return BlockInputs(
-            self.anchors[rows], self.keep[rows], self.block_ids[rows], self.labels[rows],
-            self.valid[rows], ctx,
-        )  # fmt: skip
+        return self._map(lambda t: t[rows])
 
     def to(self, device: torch.device | str) -> BlockInputs:
         """The same inputs on `device` (asynchronous copies where the memory allows)."""
+        return self._map(lambda t: t.to(device, non_blocking=True))
 
-        def move(t: Tensor) -> Tensor:
-            return t.to(device, non_blocking=True)
-
-        ctx = None if self.ctx_start is None else move(self.ctx_start)
-        return BlockInputs(
-            move(self.anchors), move(self.keep), move(self.block_ids), move(self.labels),
-            move(self.valid), ctx,
-        )  # fmt: skip
+    def _map(self, fn: Callable[[Tensor], Tensor]) -> BlockInputs:
+        """`fn` of every tensor (ctx_start first, where there is one)."""
+        ctx = None if self.ctx_start is None else fn(self.ctx_start)
+        tensors = (self.anchors, self.keep, self.block_ids, self.labels, self.valid)
+        return BlockInputs(*(fn(t) for t in tensors), ctx)
 
 
 def prepare_blocks(
@@ -217,9 +212,9 @@ def prepare_blocks(
     """Anchors, blocks and labels of a batch; doc_ids[B, T] (None = one document a
     row) keeps every anchor, block position and context inside the anchor's document."""
     anchors, keep = select_anchors(loss_mask, num_anchors, generator, doc_ids=doc_ids)
+    noising = (noise, step, generator)
     block_ids, labels, valid = block_inputs(
-        input_ids, loss_mask, anchors, keep, block_size, mask_token_id, noise, step, generator,
-        doc_ids=doc_ids,
-    )  # fmt: skip
+        input_ids, loss_mask, anchors, keep, block_size, mask_token_id, *noising, doc_ids=doc_ids
+    )
     ctx_start = None if doc_ids is None else anchor_context_start(anchors, doc_ids)
     return BlockInputs(anchors, keep, block_ids, labels, valid, ctx_start)

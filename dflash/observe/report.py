@@ -100,11 +100,14 @@ def timeline_slices(doc: dict[str, Any], num_batches: int = TIMELINE_BATCHES) ->
         t0 = min(e["ts"] for e in ours)
         t1 = max(e["ts"] + e["dur"] for e in ours)
         chosen = [e for e in slices if e["ts"] < t1 and e["ts"] + e["dur"] > t0]
-    return [
-        (names.get(e["tid"], str(e["tid"])), e["name"], e["ts"] / 1e6, e["dur"] / 1e6,
-         e.get("args", {}).get("batch"))
-        for e in chosen
-    ]  # fmt: skip
+    return [_slice(e, names) for e in chosen]
+
+
+def _slice(event: dict[str, Any], thread_names: dict[Any, str]) -> Slice:
+    """One complete ("X") trace event as a timeline slice (times in seconds)."""
+    thread = thread_names.get(event["tid"], str(event["tid"]))
+    phase, start, duration = event["name"], event["ts"] / 1e6, event["dur"] / 1e6
+    return thread, phase, start, duration, event.get("args", {}).get("batch")
 
 
 def phase_table(snap: StatsSnapshot) -> str:
@@ -119,8 +122,8 @@ def phase_table(snap: StatsSnapshot) -> str:
             f'<td data-share="{"" if share is None else f"{share:.4f}"}">'
             f"{'' if share is None else f'{100 * share:.1f}%'}</td></tr>"
         )
-    head = ("<tr><th>phase</th><th>count</th><th>total s</th><th>mean ms</th><th>p50 ms</th>"
-            "<th>p95 ms</th><th>max ms</th><th>share</th></tr>")  # fmt: skip
+    columns = ("phase", "count", "total s", "mean ms", "p50 ms", "p95 ms", "max ms", "share")
+    head = "<tr>" + "".join(f"<th>{column}</th>" for column in columns) + "</tr>"
     return f'<table id="phases">{head}{"".join(rows)}</table>'
 
 
@@ -163,7 +166,7 @@ def render(run_dir: Path) -> str:
             "τ estimate (acceptance length)",
             {"τ estimate": _series(rows, "tau", "tau_estimate")},
             "step",
-        ),  # fmt: skip
+        ),
         bar_chart(
             "acceptance",
             f"Acceptance per block position (τ {_tau_text(summary.get('tau'))})",
@@ -171,17 +174,17 @@ def render(run_dir: Path) -> str:
             acceptance,
             "block position",
             y_max=1.0,
-        ),  # fmt: skip
+        ),
         line_chart("tokens", "Tokens per second per stage", rates, "time s"),
         timeline_chart(
             "timeline",
             f"Timeline of {TIMELINE_BATCHES} batches across threads",
             timeline_slices(doc) if doc else [],
-        ),  # fmt: skip
+        ),
     ]
     verdict = _verdict(summary, snap)
-    keys = ("steps", "final_loss", "tau", "tau_pooled", "tau_without_repeats", "repeated_share",
-            "tau_estimate", "tokens_per_s", "train_s", "wall_s", "target")  # fmt: skip
+    tau_keys = ("tau", "tau_pooled", "tau_without_repeats", "repeated_share", "tau_estimate")
+    keys = ("steps", "final_loss", *tau_keys, "tokens_per_s", "train_s", "wall_s", "target")
     figures = "".join(
         f"<tr><th>{escape(k)}</th><td>{escape(_show(summary[k]))}</td></tr>"
         for k in keys

@@ -13,8 +13,8 @@ from html import escape
 
 WIDTH, HEIGHT = 640, 240
 LEFT, RIGHT, TOP, BOTTOM = 56, 12, 28, 34
-COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-          "#7f7f7f", "#bcbd22", "#17becf")  # fmt: skip
+_TAB10 = "1f77b4 ff7f0e 2ca02c d62728 9467bd 8c564b e377c2 7f7f7f bcbd22 17becf"
+COLORS = tuple(f"#{rgb}" for rgb in _TAB10.split())  # matplotlib's tab10 palette
 Point = tuple[float, float]
 
 
@@ -36,6 +36,11 @@ def _ticks(low: float, high: float, count: int = 5) -> list[float]:
             break
     first = math.ceil(low / step) * step
     return [first + i * step for i in range(int((high - first) / step) + 1)]
+
+
+def _text(x: object, y: object, css_class: str, content: str) -> str:
+    """A <text> mark at (x, y): numbers as given, or strings already formatted."""
+    return f'<text x="{x}" y="{y}" class="{css_class}">{content}</text>'
 
 
 def _frame(name: str, title: str, body: str, legend: Sequence[str] = ()) -> str:
@@ -72,15 +77,12 @@ def _axes(
 
     parts = [f'<rect x="{LEFT}" y="{TOP}" width="{plot_w}" height="{plot_h}" class="plot"/>']
     for y in _ticks(y0, y1):
-        parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
-                     f'class="grid"/><text x="{LEFT - 4}" y="{sy(y) + 4:.1f}" class="ytick">'
-                     f"{_fmt(y)}</text>")  # fmt: skip
+        at = f"{sy(y):.1f}"
+        parts.append(f'<line x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{at}" y2="{at}" class="grid"/>')
+        parts.append(_text(LEFT - 4, f"{sy(y) + 4:.1f}", "ytick", _fmt(y)))
     for x in _ticks(x0, x1) if x_ticks else []:
-        parts.append(f'<text x="{sx(x):.1f}" y="{HEIGHT - BOTTOM + 14}" class="xtick">'
-                     f"{_fmt(x)}</text>")  # fmt: skip
-    parts.append(
-        f'<text x="{WIDTH - RIGHT}" y="{HEIGHT - 4}" class="xlabel">{escape(x_label)}</text>'
-    )
+        parts.append(_text(f"{sx(x):.1f}", HEIGHT - BOTTOM + 14, "xtick", _fmt(x)))
+    parts.append(_text(WIDTH - RIGHT, HEIGHT - 4, "xlabel", escape(x_label)))
     return "".join(parts), sx, sy
 
 
@@ -96,18 +98,27 @@ def line_chart(name: str, title: str, series: Mapping[str, Sequence[Point]], x_l
     for index, (label, values) in enumerate(series.items()):
         color = COLORS[index % len(COLORS)]
         path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in values)  # type: ignore[operator]
-        body.append(f'<polyline data-series="{escape(label)}" points="{path}" stroke="{color}" '
-                    f'fill="none" stroke-width="1.8"/>')  # fmt: skip
-        body.append("".join(
+        body.append(
+            f'<polyline data-series="{escape(label)}" points="{path}" stroke="{color}" '
+            'fill="none" stroke-width="1.8"/>'
+        )
+        circles = (
             f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2" fill="{color}" '  # type: ignore[operator]
             f'data-series="{escape(label)}" data-x="{x:g}" data-y="{y:g}"/>'
             for x, y in values
-        ))  # fmt: skip
+        )
+        body.append("".join(circles))
     return _frame(name, title, "".join(body), list(series))
 
 
-def bar_chart(name: str, title: str, labels: Sequence[str], values: Sequence[float],
-              x_label: str, y_max: float | None = None) -> str:  # fmt: skip
+def bar_chart(
+    name: str,
+    title: str,
+    labels: Sequence[str],
+    values: Sequence[float],
+    x_label: str,
+    y_max: float | None = None,
+) -> str:
     """Vertical bars, each with its value printed above it and in data-value."""
     if not values:
         return _frame(name, title, '<text x="320" y="120" class="empty">no data</text>')
@@ -118,12 +129,14 @@ def bar_chart(name: str, title: str, labels: Sequence[str], values: Sequence[flo
     for i, (label, value) in enumerate(zip(labels, values, strict=True)):
         x, y = LEFT + i * slot + slot * 0.15, sy(value)  # type: ignore[operator]
         height = sy(0.0) - y  # type: ignore[operator]
-        body.append(f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{slot * 0.7:.1f}" '
-                    f'height="{max(height, 0.0):.1f}" fill="{COLORS[0]}" '
-                    f'data-label="{escape(label)}" '
-                    f'data-value="{value:g}"/><text x="{x + slot * 0.35:.1f}" y="{y - 3:.1f}" '
-                    f'class="barvalue">{_fmt(value)}</text><text x="{x + slot * 0.35:.1f}" '
-                    f'y="{HEIGHT - BOTTOM + 14}" class="xtick">{escape(label)}</text>')  # fmt: skip
+        body.append(
+            f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{slot * 0.7:.1f}" '
+            f'height="{max(height, 0.0):.1f}" fill="{COLORS[0]}" '
+            f'data-label="{escape(label)}" data-value="{value:g}"/>'
+        )
+        middle = f"{x + slot * 0.35:.1f}"
+        body.append(_text(middle, f"{y - 3:.1f}", "barvalue", _fmt(value)))
+        body.append(_text(middle, HEIGHT - BOTTOM + 14, "xtick", escape(label)))
     return _frame(name, title, "".join(body))
 
 
@@ -147,20 +160,21 @@ def timeline_chart(name: str, title: str, slices: Sequence[Slice]) -> str:
     levels = {t: 1 + max(depth[i] for i, s in enumerate(slices) if s[0] == t) for t in threads}
     body = []
     for row, thread in enumerate(threads):
-        body.append(f'<text x="{left - 4}" y="{TOP + (row + 0.6) * row_h:.1f}" class="ytick">'
-                    f"{escape(thread)}</text>")  # fmt: skip
+        body.append(_text(left - 4, f"{TOP + (row + 0.6) * row_h:.1f}", "ytick", escape(thread)))
     for index, (thread, phase, start, duration, batch) in enumerate(slices):
         level_h = (row_h - 4) / levels[thread]  # nested phases stack downwards
         y = TOP + threads.index(thread) * row_h + 2 + depth[index] * level_h
         color = COLORS[phases.index(phase) % len(COLORS)]
-        body.append(f'<rect class="slice" x="{left + (start - t0) * scale:.2f}" '
-                    f'y="{y:.1f}" width="{max(duration * scale, 0.5):.2f}" '
-                    f'height="{level_h - 1:.1f}" fill="{color}" data-thread="{escape(thread)}" '
-                    f'data-phase="{escape(phase)}" data-batch="{"" if batch is None else batch}" '
-                    f'data-duration-ms="{duration * 1e3:.3f}"><title>{escape(phase)} '
-                    f"{duration * 1e3:.2f} ms</title></rect>")  # fmt: skip
-    body.append(f'<text x="{WIDTH - RIGHT}" y="{HEIGHT - 20}" class="xlabel">'
-                f"{(t1 - t0) * 1e3:.1f} ms shown</text>")  # fmt: skip
+        x, ms = left + (start - t0) * scale, duration * 1e3
+        batch_id = "" if batch is None else batch
+        body.append(
+            f'<rect class="slice" x="{x:.2f}" y="{y:.1f}" width="{max(duration * scale, 0.5):.2f}" '
+            f'height="{level_h - 1:.1f}" fill="{color}" data-thread="{escape(thread)}" '
+            f'data-phase="{escape(phase)}" data-batch="{batch_id}" data-duration-ms="{ms:.3f}">'
+            f"<title>{escape(phase)} {ms:.2f} ms</title></rect>"
+        )
+    shown = f"{(t1 - t0) * 1e3:.1f} ms shown"
+    body.append(_text(WIDTH - RIGHT, HEIGHT - 20, "xlabel", shown))
     return _frame(name, title, "".join(body), phases)
 
 

@@ -183,8 +183,8 @@ def generate_padded(
     out: list[list[int]] = [[] for _ in prompts]
     step_ids, step_pos = ids, positions
     for _ in range(max_new_tokens):
-        logits = target.model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                              past_key_values=cache, use_cache=True).logits[:, -1]  # fmt: skip
+        inputs = {"input_ids": step_ids, "attention_mask": mask, "position_ids": step_pos}
+        logits = target.model(**inputs, past_key_values=cache, use_cache=True).logits[:, -1]
         token = _next_tokens(logits.float(), temperature, generator)  # [n]
         for row, new in zip(rows, token.tolist(), strict=True):  # one host read per token
             out[row].append(new)

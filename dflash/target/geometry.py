@@ -67,12 +67,11 @@ def geometry_from_hf_config(config: Any) -> TargetGeometry:
     def need(key: str) -> int:
         value = get(key)
         if value is None:
-            kind = get("model_type")
-            raise TargetError(
-                f"target config has no {key!r}"
-                + (f": a {kind!r} model is not a Llama/Qwen-style decoder a DFlash drafter "
-                   "can follow" if kind else "")
-            )  # fmt: skip
+            message = f"target config has no {key!r}"
+            if kind := get("model_type"):
+                unfit = "is not a Llama/Qwen-style decoder a DFlash drafter can follow"
+                message += f": a {kind!r} model {unfit}"
+            raise TargetError(message)
         return int(value)
 
     heads, hidden = need("num_attention_heads"), need("hidden_size")

@@ -186,9 +186,10 @@ def load_hf_head(spec: str, dtype: torch.dtype | None) -> TargetModel:
         head.weight = embed.weight
     geometry = geometry_from_hf_config(model.config)
     layers = _find_decoder_layers(model, geometry.num_layers)
-    target = TargetModel(model, layers, spec=spec, tokenizer=tokenizer, geometry=geometry,
-                         stop_token_ids=hf_stop_token_ids(tokenizer, getattr(
-                             model, "generation_config", None)))  # fmt: skip
+    stops = hf_stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    target = TargetModel(
+        model, layers, spec=spec, tokenizer=tokenizer, geometry=geometry, stop_token_ids=stops
+    )
     target.head_only = True
     return target
 

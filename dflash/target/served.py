@@ -107,10 +107,9 @@ class CompletionClient:
                     return payload if text else json.loads(payload)
             except urllib.error.HTTPError as err:
                 detail = err.read().decode(errors="replace")[:200]
-                if err.code != 429 and err.code < 500:
-                    raise ServerError(f"--server {url}: HTTP {err.code}: {detail}",
-                                      err.code) from None  # fmt: skip
                 why = f"HTTP {err.code}: {detail}"
+                if err.code != 429 and err.code < 500:
+                    raise ServerError(f"--server {url}: {why}", err.code) from None
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
                 why = first_line(getattr(err, "reason", err))
             except ValueError as err:
@@ -163,8 +162,10 @@ class CompletionClient:
         if theirs is None:
             served, named = PurePosixPath(self.model).name, PurePosixPath(target.spec).name
             if served.lower() != named.lower():
-                log(f"{command}: {self.settings.base} has no /tokenize to compare tokenizers; "
-                    f"it serves {self.model!r} for --target {target.spec}")  # fmt: skip
+                log(
+                    f"{command}: {self.settings.base} has no /tokenize to compare tokenizers; "
+                    f"it serves {self.model!r} for --target {target.spec}"
+                )
             return
         if theirs != ours:
             raise ServerError(
@@ -181,8 +182,9 @@ class CompletionClient:
         """The server's ids of `text` without special tokens, or None without /tokenize.
         One body for both dialects: llama.cpp reads content/add_special, vLLM and SGLang
         model/prompt/add_special_tokens; each ignores the other's keys."""
-        body = {"content": text, "add_special": False, "model": self.model, "prompt": text,
-                "add_special_tokens": False}  # fmt: skip
+        llama_cpp = {"content": text, "add_special": False}
+        vllm_sglang = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        body = {**llama_cpp, **vllm_sglang}
         try:
             reply = self._request("POST", "/tokenize", body)
         except ServerError as err:
@@ -196,14 +198,19 @@ class CompletionClient:
 
     # -- completions
 
-    def complete(self, prompt: list[int], *, max_tokens: int, temperature: float, seed: int,
-                 stop_token_ids: tuple[int, ...]) -> Completion:  # fmt: skip
-        body: dict[str, Any] = {
-            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": temperature, "seed": seed, "stream": False,
-            # Plain sampling, as in-process: no top-k/top-p/min-p a server defaults to.
-            "top_p": 1.0, "top_k": 0, "min_p": 0.0,
-        }  # fmt: skip
+    def complete(
+        self,
+        prompt: list[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        seed: int,
+        stop_token_ids: tuple[int, ...],
+    ) -> Completion:
+        body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens}
+        body.update(temperature=temperature, seed=seed, stream=False)
+        # Plain sampling, as in-process: no top-k/top-p/min-p a server defaults to.
+        body.update(top_p=1.0, top_k=0, min_p=0.0)
         if stop_token_ids:
             body["stop_token_ids"] = list(stop_token_ids)  # vLLM/SGLang; EOS ends it anyway
         reply = self._request("POST", "/v1/completions", body)
@@ -222,8 +229,10 @@ class CompletionClient:
         """Every prompt, `concurrency` in flight; results in prompt order."""
         seed = int(kwargs.pop("seed"))
         with ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="regen") as pool:
-            futures = [pool.submit(self.complete, p, seed=seed + i, **kwargs)
-                       for i, p in enumerate(prompts)]  # fmt: skip
+            futures = [
+                pool.submit(self.complete, p, seed=seed + i, **kwargs)
+                for i, p in enumerate(prompts)
+            ]
             try:
                 return [f.result() for f in futures]
             except BaseException:

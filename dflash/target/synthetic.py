@@ -18,17 +18,29 @@ from dflash.target.hf import hf_stop_token_ids
 from dflash.target.model import TargetModel
 
 QWEN3_8B = TargetGeometry(
-    hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
-    intermediate_size=12_288, vocab_size=151_936, rope=RopeSpec(1_000_000.0),
+    hidden_size=4096,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=12_288,
+    vocab_size=151_936,
+    rope=RopeSpec(1_000_000.0),
     max_position_embeddings=40_960,
-)  # fmt: skip
+)
 QWEN3_8B_MASK_TOKEN_ID = 151_669  # first row past the Qwen3 tokenizer's vocabulary
 # The 32,768-row target of the memory benchmark: tiny layers, a real-sized LM head share.
 TINY_QWEN3 = TargetGeometry(
-    hidden_size=128, num_layers=6, num_heads=4, num_kv_heads=2, head_dim=32,
-    intermediate_size=352, vocab_size=32_768, rope=RopeSpec(1_000_000.0),
+    hidden_size=128,
+    num_layers=6,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    intermediate_size=352,
+    vocab_size=32_768,
+    rope=RopeSpec(1_000_000.0),
     max_position_embeddings=4096,
-)  # fmt: skip
+)
 
 # Hub ids whose geometry `--dry-run` knows without fetching their config.json.
 KNOWN_SHAPES = {"Qwen/Qwen3-8B": QWEN3_8B}

@@ -64,11 +64,10 @@ def write_corpus(directory):
 
 
 def small_options(tmp_path, output_dir=None):
-    return {
-        "steps": 6, "batch_size": 2, "seq_len": 32, "drafter_layers": 1, "block_size": 4,
-        "num_anchors": 4, "warmup_steps": 2, "eval_prompts": 0,
-        "output_dir": str(output_dir or tmp_path), "data": str(write_corpus(tmp_path)),
-    }  # fmt: skip
+    sizes = {"steps": 6, "batch_size": 2, "seq_len": 32, "drafter_layers": 1, "block_size": 4}
+    cheap = {"num_anchors": 4, "warmup_steps": 2, "eval_prompts": 0}
+    paths = {"output_dir": str(output_dir or tmp_path), "data": str(write_corpus(tmp_path))}
+    return {**sizes, **cheap, **paths}
 
 
 def cpu_run(cfg) -> Run:

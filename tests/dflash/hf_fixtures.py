@@ -17,10 +17,8 @@ def save_word_tokenizer(directory: Path):
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "<s>", "</s>"])
     raw.train_from_iterator([" ".join(WORDS)], trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=raw, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>",
-        eos_token="</s>",
-    )  # fmt: skip
+    specials = dict(unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>", eos_token="</s>")
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, **specials)
     tok.chat_template = (
         "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
         "{% if add_generation_prompt %}<s> assistant {% endif %}"
@@ -29,15 +27,17 @@ def save_word_tokenizer(directory: Path):
     return tok
 
 
+# Both transformers targets: 4 layers, hidden 64 and heads of 32.
+_SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, head_dim=32)
+
+
 def qwen3_config(vocab_size: int, **overrides):
     """head_dim 32 with hidden 64 and 4 heads (head_dim != hidden/heads), 2 KV heads."""
     from transformers import Qwen3Config
 
-    kwargs = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-5,
-    )  # fmt: skip
+    kwargs = dict(vocab_size=vocab_size, **_SHAPE, num_attention_heads=4, num_key_value_heads=2)
+    kwargs.update(max_position_embeddings=512, rms_norm_eps=1e-5)
+    kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
     return Qwen3Config(**{**kwargs, **overrides})
 
 
@@ -45,13 +45,10 @@ def llama3_config(vocab_size: int, **overrides):
     """Llama with GQA, head_dim != hidden/heads and a `llama3` rope scaling."""
     from transformers import LlamaConfig
 
-    scaling = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
-    kwargs = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
-        rope_parameters=scaling, attention_bias=True,
-    )  # fmt: skip
+    scaling = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0}
+    scaling |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    kwargs = dict(vocab_size=vocab_size, **_SHAPE, num_attention_heads=4, num_key_value_heads=1)
+    kwargs.update(max_position_embeddings=1024, rope_parameters=scaling, attention_bias=True)
     return LlamaConfig(**{**kwargs, **overrides})
 
 
@@ -75,10 +72,10 @@ def save_tiny_hf_model(directory) -> None:
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+        vocab_size=300, special_tokens=["<s>", "</s>", "<pad>"], initial_alphabet=alphabet
+    )
     raw.train_from_iterator(["def f(x):\n    return x + 1\n" * 20, "hello there"], trainer)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=raw, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
@@ -89,9 +86,8 @@ def save_tiny_hf_model(directory) -> None:
     )
     tok.save_pretrained(directory)
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok) + 8, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4)
+    attention = dict(num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256)
+    ends = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = LlamaConfig(vocab_size=len(tok) + 8, **sizes, **attention, **ends)
     LlamaForCausalLM(config).save_pretrained(directory)

@@ -60,8 +60,8 @@ def metrics_run(
             tokens["target"] += 512
             tokens["drafter"] += 512
             step += 1
-            record_step(metrics, loss=5.0 / step**0.5, tau=1.0 + step / 100, lr=1e-3,
-                        grad_norm=0.5, mfu=0.01)  # fmt: skip
+            loss, tau = 5.0 / step**0.5, 1.0 + step / 100
+            record_step(metrics, loss=loss, tau=tau, lr=1e-3, grad_norm=0.5, mfu=0.01)
 
     thread = threading.Thread(target=stage_threads, name="fake-stages", daemon=True)
     thread.start()

@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -36,7 +37,7 @@ from dflash.observe.bottleneck import WaitShares
 COLLECTOR_CONFIG = REPO_ROOT / "docker" / "otel-collector" / "config.yaml"
 
 
-def load_stack_checks() -> Any:
+def load_stack_checks() -> ModuleType:
     path = REPO_ROOT / "tests" / "test_stack_config.py"
     spec = importlib.util.spec_from_file_location("stack_checks_for_collector_test", path)
     assert spec is not None and spec.loader is not None

@@ -215,8 +215,8 @@ DRAFTER_RATE_RE = re.compile(r"throughput: .*?drafter ([\d,.]+) tok/s")
 def interval_drafter_rates(output: str) -> list[float]:
     """Drafter tokens/s of each interval table (the final cumulative one excluded)."""
     intervals = output.split("interval: total")[0].split("interval: last")[1:]
-    return [float(m[1].replace(",", "")) for block in intervals
-            if (m := DRAFTER_RATE_RE.search(block))]  # fmt: skip
+    found = (DRAFTER_RATE_RE.search(block) for block in intervals)
+    return [float(m[1].replace(",", "")) for m in found if m]
 
 
 def test_collector_outage_loses_spans_but_not_training(
@@ -224,10 +224,8 @@ def test_collector_outage_loses_spans_but_not_training(
 ) -> None:
     service = f"dflash-train-outage-{uuid.uuid4().hex[:6]}"
     # Far more steps than the test lasts: SIGTERM ends the run (checkpoint + summary).
-    process = train(
-        tmp_path, service, "--otlp-endpoint", own_jaeger.otlp_grpc_endpoint,
-        "--otlp-protocol", "grpc", "--profile-interval", "2", steps=1_000_000,
-    )  # fmt: skip
+    otlp = ["--otlp-endpoint", own_jaeger.otlp_grpc_endpoint, "--otlp-protocol", "grpc"]
+    process = train(tmp_path, service, *otlp, "--profile-interval", "2", steps=1_000_000)
     try:
         wait_for_batches(own_jaeger, service, 2)  # training runs and exports
         own_jaeger.stop()
@@ -236,16 +234,18 @@ def test_collector_outage_loses_spans_but_not_training(
         assert process.poll() is None, "training ended during the outage"
         own_jaeger.start()
         back_at_us = time.time_ns() // 1000
+
         # Traces cut by the outage may arrive in part, and so may the first ones after the
         # return: the exporter's channel may still be in its reconnect backoff, and while
         # the spans queued during the outage drain, a full queue drops new ones. Once a
         # whole trace has arrived and the backlog had time to drain, every trace is whole.
+        def whole_since_back() -> list[dict[str, Any]]:
+            traces = batch_traces(own_jaeger.traces(service))
+            later = [t for t in traces if root_of(t)["startTime"] > back_at_us]
+            return [t for t in later if not batch_tree_problems(t)]
+
         first_whole = own_jaeger.wait_for(
-            lambda: [
-                t
-                for t in batch_traces(own_jaeger.traces(service))
-                if root_of(t)["startTime"] > back_at_us and not batch_tree_problems(t)
-            ],  # fmt: skip
+            whole_since_back,
             bool,
             timeout_s=60,
             waiting_for="a whole batch trace begun after Jaeger came back",
@@ -258,11 +258,8 @@ def test_collector_outage_loses_spans_but_not_training(
         window = own_jaeger.traces(
             service, limit=5000, start=recovered_at_us, end=settled_before_us
         )
-        after = [
-            t
-            for t in batch_traces(window)
-            if recovered_at_us <= root_of(t)["startTime"] < settled_before_us
-        ]  # fmt: skip
+        started = [(root_of(t)["startTime"], t) for t in batch_traces(window)]
+        after = [t for start, t in started if recovered_at_us <= start < settled_before_us]
         process.send_signal(signal.SIGTERM)
     finally:
         output = finish(process, tmp_path, returncode=143)  # kills it if still running

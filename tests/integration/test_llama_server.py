@@ -22,27 +22,36 @@ import pytest
 from conftest import REPO_ROOT, die_with_parent, free_port
 
 TOOLS = REPO_ROOT / "tools" / "llama_server"
-PROMPTS = ["Write a Python function that adds two numbers.", "What is a prime number?",
-           "Name three colors.", "Explain recursion in one sentence.",
-           "How do I reverse a list in Python?", "What does HTTP stand for?",
-           "Give me a haiku about the sea.", "What is 12 times 12?",
-           "Describe a cat.", "Why is the sky blue?", "What is a linked list?",
-           "Say hello in French."]  # fmt: skip
+PROMPTS = [
+    "Write a Python function that adds two numbers.",
+    "What is a prime number?",
+    "Name three colors.",
+    "Explain recursion in one sentence.",
+    "How do I reverse a list in Python?",
+    "What does HTTP stand for?",
+    "Give me a haiku about the sea.",
+    "What is 12 times 12?",
+    "Describe a cat.",
+    "Why is the sky blue?",
+    "What is a linked list?",
+    "Say hello in French.",
+]
 HELDOUT = 0.01
 
 
 def _unavailable(reason: str) -> None:
     if os.environ.get("DFLASH_REQUIRE_LLAMA_SERVER") == "1":
-        pytest.fail(f"{reason} (DFLASH_REQUIRE_LLAMA_SERVER=1: these tests must run)",
-                    pytrace=False)  # fmt: skip
+        why = f"{reason} (DFLASH_REQUIRE_LLAMA_SERVER=1: these tests must run)"
+        pytest.fail(why, pytrace=False)
     pytest.skip(reason)
 
 
 def _tool(script: str, timeout_s: float) -> list[str]:
-    env = {**os.environ, "PYTHON": sys.executable}
+    command, env = ["bash", str(TOOLS / script)], {**os.environ, "PYTHON": sys.executable}
     try:
-        done = subprocess.run(["bash", str(TOOLS / script)], capture_output=True, text=True,
-                              timeout=timeout_s, env=env, check=False)  # fmt: skip
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False
+        )
     except subprocess.TimeoutExpired:
         _unavailable(f"tools/llama_server/{script} took longer than {timeout_s:.0f} s")
     if done.returncode != 0:
@@ -60,13 +69,12 @@ def model() -> tuple[Path, Path]:
 def server(model: tuple[Path, Path]) -> Iterator[str]:
     binary = os.environ.get("DFLASH_LLAMA_SERVER_BIN") or _tool("build.sh", 1800)[-1]
     port = free_port()
-    proc = subprocess.Popen(
-        [binary, "-m", str(model[0]), "--host", "127.0.0.1", "--port", str(port),
-         "-np", "8", "-c", "8192", "--threads", str(os.cpu_count() or 2)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent,
-        # OpenMP threads that spin while the suite loads the cores slow decoding tenfold.
-        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
-    )  # fmt: skip
+    command = [binary, "-m", str(model[0]), "--host", "127.0.0.1", "--port", str(port)]
+    command += ["-np", "8", "-c", "8192", "--threads", str(os.cpu_count() or 2)]
+    # OpenMP threads that spin while the suite loads the cores slow decoding tenfold.
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    pipes = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, **pipes, preexec_fn=die_with_parent, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -105,13 +113,14 @@ def _prompts(path: Path, count: int = len(PROMPTS)) -> Path:
     return path
 
 
-def _regenerate(url: str, tokenizer: Path, data: Path, out: Path, *extra: str,
-                **popen: object) -> subprocess.Popen:  # fmt: skip
-    args = [sys.executable, "-m", "dflash.cli", "regenerate", "--server", url, "--target",
-            str(tokenizer), "--data", str(data), "--output", str(out), "--max-new-tokens", "16",
-            "--heldout-fraction", str(HELDOUT), *extra]  # fmt: skip
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            **popen)  # type: ignore[call-overload]  # fmt: skip
+def _regenerate(
+    url: str, tokenizer: Path, data: Path, out: Path, *extra: str, **popen: object
+) -> subprocess.Popen:
+    command = [sys.executable, "-m", "dflash.cli", "regenerate", "--server", url]
+    paths = ["--target", str(tokenizer), "--data", str(data), "--output", str(out)]
+    settings = ["--max-new-tokens", "16", "--heldout-fraction", str(HELDOUT)]
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([*command, *paths, *settings, *extra], **pipes, **popen)  # type: ignore[call-overload]
 
 
 @pytest.mark.slow
@@ -129,8 +138,8 @@ def test_regenerate_through_llama_server_answers_every_prompt(server, model, tmp
     again = tmp_path / "again.jsonl"
     proc = _regenerate(server, model[1], data, again, "--concurrency", "1", "--chunk-lines", "4")
     assert proc.communicate(timeout=600)[0] is not None and proc.returncode == 0
-    same = sum(a == b for a, b in zip(out.read_text().splitlines(),
-                                      again.read_text().splitlines(), strict=True))  # fmt: skip
+    pairs = zip(out.read_text().splitlines(), again.read_text().splitlines(), strict=True)
+    same = sum(a == b for a, b in pairs)
     assert same >= len(records) - 2, f"{same}/{len(records)} equal at concurrency 1 and 4"
 
 
@@ -160,8 +169,8 @@ def test_bad_servers_are_one_line(server, model, tmp_path):
     data = _prompts(tmp_path / "prompts.jsonl", 2)
 
     def error(*extra: str, url: str = server) -> str:
-        proc = _regenerate(url, model[1], data, tmp_path / f"o{time.monotonic_ns()}.jsonl",
-                           *extra)  # fmt: skip
+        out = tmp_path / f"o{time.monotonic_ns()}.jsonl"
+        proc = _regenerate(url, model[1], data, out, *extra)
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 2, stderr[-2000:]
         lines = [s for s in stderr.splitlines() if s.startswith("Error:")]

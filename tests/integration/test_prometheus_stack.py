@@ -78,11 +78,11 @@ def prometheus(
     config.write_text(yaml.safe_dump(loopback_prometheus_config(ports)))
     port = free_port()
     log = (tmp_path / "prometheus.log").open("wb")
-    process = subprocess.Popen(
-        [str(prometheus_binary), f"--config.file={config}",
-         f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
-    )  # fmt: skip
+    flags = {"config.file": config, "storage.tsdb.path": tmp_path / "tsdb"}
+    flags["web.listen-address"] = f"127.0.0.1:{port}"
+    command = [str(prometheus_binary), *(f"--{k}={v}" for k, v in flags.items())]
+    pipes = dict(stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    process = subprocess.Popen(command, **pipes, preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -156,10 +156,8 @@ def test_dashboard_queries_return_series_and_the_verdict(
             if not query(prometheus, grafana_to_promql(expr, service, ".*")):
                 empty.append(where)
         assert empty == [], f"dashboard queries without series: {empty}"
-        panel = next(
-            p for d in stack["dashboards"].values() for p in d["panels"]
-            if p["title"].startswith("Bottleneck")
-        )  # fmt: skip
+        panels = [p for d in stack["dashboards"].values() for p in d["panels"]]
+        panel = next(p for p in panels if p["title"].startswith("Bottleneck"))
         for run, shares in SCENARIOS.items():
             (series,) = query(
                 prometheus, grafana_to_promql(panel["targets"][0]["expr"], service, run)
@@ -191,17 +189,20 @@ def test_a_real_training_run_fills_every_dashboard_query(
     stack = checks.load_stack()
     # Trace-to-metrics links of the datasources are filled per span by Grafana ($__tags);
     # a healthy run has no error spans to count.
-    dashboard_queries = [(w, e) for w, e in checks.prometheus_queries(stack)
-                         if "$__tags" not in e and "STATUS_CODE_ERROR" not in e]  # fmt: skip
+    queries = checks.prometheus_queries(stack)
+    per_span = ("$__tags", "STATUS_CODE_ERROR")
+    dashboard_queries = [(w, e) for w, e in queries if not any(s in e for s in per_span)]
+
+    def has_series(expr: str) -> bool:
+        return bool(query(prometheus, grafana_to_promql(expr, service, ".*")))
+
     monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "500")  # train() copies the environment
-    endpoint = f"http://127.0.0.1:{ports['grpc']}"
-    process = train(tmp_path, service, "--otlp-endpoint", endpoint, "--otlp-protocol", "grpc",
-                    "--profile-interval", "5", steps=1_000_000)  # fmt: skip
+    otlp = ["--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}", "--otlp-protocol", "grpc"]
+    process = train(tmp_path, service, *otlp, "--profile-interval", "5", steps=1_000_000)
     try:
         deadline = time.monotonic() + 90
         while True:
-            empty = [where for where, expr in dashboard_queries
-                     if not query(prometheus, grafana_to_promql(expr, service, ".*"))]  # fmt: skip
+            empty = [where for where, expr in dashboard_queries if not has_series(expr)]
             if not empty or process.poll() is not None or time.monotonic() > deadline:
                 break
             time.sleep(1.0)

@@ -71,8 +71,8 @@ def run_in_pty(args: list[str], cwd: Path) -> str:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", ROWS, COLUMNS, 0, 0))
     env = checkout_env(COLUMNS=str(COLUMNS), LINES=str(ROWS), TERM="xterm")
-    process = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=env,
-                               close_fds=True)  # fmt: skip
+    terminal = dict(stdin=slave, stdout=slave, stderr=slave)
+    process = subprocess.Popen(args, **terminal, cwd=cwd, env=env, close_fds=True)
     os.close(slave)
     chunks: list[bytes] = []
     deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -104,8 +104,8 @@ TABLE = re.compile(r"^(interval: |phase +count|throughput: |verdict: )")
 
 
 def test_interval_tables_never_share_a_line_with_the_bar(tmp_path: Path) -> None:
-    args = [*dflash_train(), "train", "--steps", "400", "--output-dir", str(tmp_path / "run"),
-            "--profile-interval", "1", *FAST_FLAGS]  # fmt: skip
+    run = ["--output-dir", str(tmp_path / "run"), "--profile-interval", "1"]
+    args = [*dflash_train(), "train", "--steps", "400", *run, *FAST_FLAGS]
     lines = screen_lines(run_in_pty(args, tmp_path))
     tables = [line for line in lines if TABLE.search(line)]
     assert sum(line.startswith("interval: last") for line in tables) >= 2, "\n".join(lines)

@@ -239,19 +239,18 @@ def test_vllm_serves_every_drafter_as_saved_with_our_acceptance(recipe, vllm_pyt
     agreed = recipe["root"] / "prompts-bf16.jsonl"
     agreed.write_text("".join(lines[i] for i in agree))
     evals = dict(recipe["evals"])
-    evals["bf16"] = _eval(recipe["drafters"]["bf16"], recipe["target"], agreed, "bfloat16",
-                          recipe["root"] / "bf16")  # fmt: skip
+    drafters, root = recipe["drafters"], recipe["root"]
+    evals["bf16"] = _eval(drafters["bf16"], recipe["target"], agreed, "bfloat16", root / "bf16")
     prompts_of = {"float32": recipe["ids"], "bfloat16": [recipe["ids"][i] for i in agree]}
     alone = {
         "float32": alone_fp32["outputs"],
         "bfloat16": [alone_bf16["outputs"][i] for i in agree],
     }
     requests = [
-        {**common, "prompts": prompts_of[dtype], "drafter": str(recipe["drafters"][name]),
-         "dtype": dtype}
+        {**common, "prompts": prompts_of[dtype], "drafter": str(drafters[name]), "dtype": dtype}
         for name, (_, dtype) in DRAFTERS.items()
-    ]  # fmt: skip
-    results = _offline(vllm_python, requests, recipe["root"])
+    ]
+    results = _offline(vllm_python, requests, root)
     for (name, (_, dtype)), served in zip(DRAFTERS.items(), results, strict=True):
         assert served["outputs"] == alone[dtype], f"{name}: outputs differ from the target's"
         ours = evals[name]

@@ -26,9 +26,11 @@ NO_SYSTEM = (  # as Gemma's: no system role, `model` for the assistant
     "+ m['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-            "<|end_header_id|>", "<|eot_id|>", "<start_of_turn>", "<end_of_turn>",
-            "<bos>"]  # fmt: skip
+SPECIALS = [  # the special tokens of qwen3.jinja, LLAMA3 and NO_SYSTEM
+    *("<|im_start|>", "<|im_end|>"),
+    *("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    *("<start_of_turn>", "<end_of_turn>", "<bos>"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +42,10 @@ def byte_tokenizer():
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIALS, initial_alphabet=alphabet
+    )
     raw.train_from_iterator(["user assistant system think hello how are you"] * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<|im_end|>")
 
@@ -80,7 +84,7 @@ def with_template(tokenizer, template: str):
         ((TEMPLATES / "qwen3.jinja").read_text(), "<|im_end|>"),
         (LLAMA3, "<|eot_id|>"),
         (NO_SYSTEM, "<end_of_turn>"),
-    ],  # fmt: skip
+    ],
     ids=["qwen3", "llama3", "no-system-role"],
 )
 def test_the_whole_conversation_once_with_each_reply_and_its_end_of_turn_learned(
@@ -91,8 +95,8 @@ def test_the_whole_conversation_once_with_each_reply_and_its_end_of_turn_learned
     full = tok.apply_chat_template(CHAT, tokenize=False)
     assert tok.decode(rendered.ids.tolist()) == full  # the rendering of the whole, once
     assert full.count("first question") == 1
-    assert learned_text(tok, rendered) == [f"first answer{end_of_turn}",
-                                          f"second answer{end_of_turn}"]  # fmt: skip
+    replies = [f"first answer{end_of_turn}", f"second answer{end_of_turn}"]
+    assert learned_text(tok, rendered) == replies
     assert rendered.turn_ends[-1] <= len(rendered.ids) and np.all(np.diff(rendered.turn_ends) > 0)
 
 
@@ -176,8 +180,8 @@ def test_no_eos_is_learned_after_the_templates_end_of_turn(byte_tokenizer) -> No
 
     tok = with_template(byte_tokenizer, (TEMPLATES / "qwen3.jinja").read_text())
     rendered = render_chat(tok, CHAT)
-    doc = frame(Document("chat", rendered.ids, rendered.mask, True, rendered.turn_ends),
-                None, tok.eos_token_id)  # fmt: skip
+    document = Document("chat", rendered.ids, rendered.mask, True, rendered.turn_ends)
+    doc = frame(document, None, tok.eos_token_id)
     assert tok.decode(doc.ids.tolist()).endswith("second answer<|im_end|>\n")
     assert doc.ids.tolist() == rendered.ids.tolist()  # nothing appended
 
@@ -193,8 +197,9 @@ def test_chat_template_kwargs_reach_every_rendering_of_the_target(tmp_path) -> N
     prompt = [{"role": "user", "content": "x"}]
 
     def rendered() -> str:
-        return target.tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                    add_generation_prompt=True)  # fmt: skip
+        return target.tokenizer.apply_chat_template(
+            prompt, tokenize=False, add_generation_prompt=True
+        )
 
     thinking = rendered()
     target.use_chat_template_kwargs({"enable_thinking": False})
@@ -220,12 +225,14 @@ def test_inspect_data_shows_learned_spans_and_writes_documents(tmp_path) -> None
 
     target = save_hf_target(tmp_path / "t")
     chats = tmp_path / "chats.jsonl"
-    messages = [{"role": "user", "content": "def add a b"},
-                {"role": "assistant", "content": "return a"}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "def add a b"},
+        {"role": "assistant", "content": "return a"},
+    ]
     chats.write_text(json.dumps({"messages": messages}) + "\n")
     out = tmp_path / "docs.json"
-    args = ["inspect-data", "--target", str(target), "--data", str(chats), "--seq-len", "32",
-            "--rows", "1", "--json", str(out)]  # fmt: skip
+    paths = ["--target", str(target), "--data", str(chats)]
+    args = ["inspect-data", *paths, "--seq-len", "32", "--rows", "1", "--json", str(out)]
     result = CliRunner().invoke(cli.cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "⟦return a </s>⟧" in result.output.replace("  ", " ")

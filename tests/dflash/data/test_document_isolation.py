@@ -33,17 +33,15 @@ def _hf_target(arch: str) -> TargetModel:
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[arch]
-    cfg = cfg_cls(
-        vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
-        attn_implementation="sdpa",
-    )  # fmt: skip
+    sizes = dict(vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=3)
+    heads = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    cfg = cfg_cls(**sizes, **heads, max_position_embeddings=128, attn_implementation="sdpa")
     torch.manual_seed(0)
     model = model_cls(cfg).eval()
+    layers, geometry = _find_decoder_layers(model, 3), geometry_from_hf_config(cfg)
     return TargetModel(
-        model, _find_decoder_layers(model, 3), spec=f"test-{arch}", tokenizer=ByteTokenizer(),
-        geometry=geometry_from_hf_config(cfg),
-    )  # fmt: skip
+        model, layers, spec=f"test-{arch}", tokenizer=ByteTokenizer(), geometry=geometry
+    )
 
 
 def _row(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,10 +76,8 @@ def _block_losses(target, drafter, ids, doc_ids, use_docs: bool) -> tuple[torch.
     hidden = target.capture(ids, LAYERS, with_logits=False, doc_ids=docs).hidden
     loss_mask = torch.ones_like(ids, dtype=torch.bool)
     gen = torch.Generator().manual_seed(0)
-    blocks = prepare_blocks(
-        ids, loss_mask, doc_ids=docs, num_anchors=12, block_size=BLOCK,
-        mask_token_id=drafter.mask_id, generator=gen,
-    )  # fmt: skip
+    opts = dict(num_anchors=12, block_size=BLOCK, mask_token_id=drafter.mask_id)
+    blocks = prepare_blocks(ids, loss_mask, doc_ids=docs, generator=gen, **opts)
     logits = drafter(hidden, blocks.block_ids, blocks.anchors, blocks.keep, blocks.ctx_start)
     ce = F.cross_entropy(logits.flatten(0, 2), blocks.labels.flatten(), reduction="none")
     w = blocks.valid.flatten().float()

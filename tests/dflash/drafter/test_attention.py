@@ -13,8 +13,7 @@ from dflash.drafter.attention import (
 T, BS = 150, 8
 
 
-def make_case(seed: int, b: int = 2, n: int = 10, h: int = 4, hkv: int = 2, hd: int = 8,
-              doc_starts: bool = True):  # fmt: skip
+def make_case(seed: int, b=2, n=10, h=4, hkv=2, hd=8, doc_starts=True):
     gen = torch.Generator().manual_seed(seed)
     anchors = torch.sort(torch.randint(1, T, (b, n), generator=gen), dim=1).values
     anchors[0, -1] = T - 1  # a block running past the end of the row

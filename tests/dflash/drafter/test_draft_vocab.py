@@ -52,10 +52,9 @@ def target():
 def pruned(target, kept: list[int], seed: int = 3) -> DFlashDrafter:
     vocab_size = target.embed_tokens.num_embeddings
     ids = torch.tensor([kept])
-    vocab = select_draft_vocab(ids, torch.ones_like(ids, dtype=torch.bool), len(kept),
-                               vocab_size, required=())  # fmt: skip
-    cfg = DrafterConfig.for_target(target, num_layers=1, block_size=4,
-                                   draft_vocab_size=vocab.size)  # fmt: skip
+    learnable = torch.ones_like(ids, dtype=torch.bool)
+    vocab = select_draft_vocab(ids, learnable, len(kept), vocab_size, required=())
+    cfg = DrafterConfig.for_target(target, num_layers=1, block_size=4, draft_vocab_size=vocab.size)
     torch.manual_seed(seed)
     return DFlashDrafter(cfg, target.embed_tokens, target.lm_head, vocab)
 
@@ -145,9 +144,12 @@ def test_training_with_a_draft_vocabulary_saves_and_says_it(tmp_path):
 @pytest.mark.usefixtures("tiny_target")
 @pytest.mark.parametrize(
     ("size", "fragment"),
-    [("261", "larger than the target's vocabulary of 260"), ("1", "cannot hold the 2 tokens"),
-     ("0", "--draft-vocab-size")],
-)  # fmt: skip
+    [
+        ("261", "larger than the target's vocabulary of 260"),
+        ("1", "cannot hold the 2 tokens"),
+        ("0", "--draft-vocab-size"),
+    ],
+)
 def test_bad_sizes_are_one_line_before_any_work(tmp_path, size, fragment):
     result = invoke(tmp_path, tmp_path / "run", draft_vocab_size=size)
     assert result.exit_code == 2, result.output

@@ -116,8 +116,8 @@ def test_save_and_load_round_trip(target: TargetModel, tmp_path) -> None:
     loaded, same_target = load_drafter(tmp_path / "d", target=target)
     assert same_target is target
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(5))
-    assert torch.equal(_forward_case(target, drafter, ids)[0],
-                       _forward_case(target, loaded, ids)[0])  # fmt: skip
+    before, after = (_forward_case(target, d, ids)[0] for d in (drafter, loaded))
+    assert torch.equal(before, after)
     with pytest.raises(DrafterError, match="not a DFlash checkpoint"):
         load_drafter(tmp_path / "missing", target=target)
 
@@ -154,8 +154,8 @@ def test_cached_drafting_matches_the_cache_less_draft(target: TargetModel) -> No
     hidden = target.capture(ids, drafter.config.target_layer_ids, False).hidden
     cache = KVCache()
     for start, anchor in ((0, 6), (6, 9), (9, 15)):  # growing context, as decoding does
-        cached = drafter.draft_logits_cached(hidden[:, start:anchor], int(ids[0, anchor]),
-                                             anchor, cache)  # fmt: skip
-        full = drafter.draft_logits(hidden, int(ids[0, anchor]), anchor)
+        token = int(ids[0, anchor])
+        cached = drafter.draft_logits_cached(hidden[:, start:anchor], token, anchor, cache)
+        full = drafter.draft_logits(hidden, token, anchor)
         assert torch.allclose(cached, full, atol=1e-5)
         assert cache.seq_len() == anchor  # the block's own keys/values were dropped

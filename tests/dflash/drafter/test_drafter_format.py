@@ -71,9 +71,8 @@ def test_saved_qwen3_drafter_matches_the_spec_and_reloads_bit_identically(qwen3,
     drafter = make_drafter(qwen3)
     out = save_drafter(drafter, tmp_path / "drafter", training_config={"steps": 1})
     # Readable by all: an engine that serves it may run as another user.
-    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
-        "config.json": 0o644, "model.safetensors": 0o644, "dflash_train.json": 0o644,
-    }  # fmt: skip
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert modes == {"config.json": 0o644, "model.safetensors": 0o644, "dflash_train.json": 0o644}
     config = json.loads((out / "config.json").read_text())
     assert set(config) == {row[0] for row in spec_block("config-keys")}
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
@@ -84,9 +83,9 @@ def test_saved_qwen3_drafter_matches_the_spec_and_reloads_bit_identically(qwen3,
     assert config["torch_dtype"] == "float32"
     weights = load_file(str(out / "model.safetensors"))
     c = config
-    env = {"D": c["hidden_size"], "K": len(c["dflash_config"]["target_layer_ids"]),
-           "Hq": c["num_attention_heads"], "Hkv": c["num_key_value_heads"],
-           "Hd": c["head_dim"], "I": c["intermediate_size"]}  # fmt: skip
+    env = {"D": c["hidden_size"], "K": len(c["dflash_config"]["target_layer_ids"])}
+    env |= {"Hq": c["num_attention_heads"], "Hkv": c["num_key_value_heads"]}
+    env |= {"Hd": c["head_dim"], "I": c["intermediate_size"]}
     expected = {}
     for pattern, shape in spec_block("weights"):
         for n in range(c["num_hidden_layers"]) if "{N}" in pattern else [None]:
@@ -114,11 +113,15 @@ def test_transformers_reads_the_saved_config_with_the_same_rope(qwen3, tmp_path)
     assert torch.allclose(cos, drafter.rope(positions)[0], atol=1e-6)
 
 
+def _tiny_target(num_layers: int) -> TargetModel:
+    torch.manual_seed(0)
+    config = TinyLMConfig(hidden_size=32, num_layers=num_layers, num_heads=2, intermediate_size=64)
+    return wrap_tiny(TinyLM(config))
+
+
 @pytest.fixture(scope="module")
 def small() -> TargetModel:
-    torch.manual_seed(0)
-    return wrap_tiny(TinyLM(TinyLMConfig(hidden_size=32, num_layers=6, num_heads=2,
-                                         intermediate_size=64)))  # fmt: skip
+    return _tiny_target(6)
 
 
 def test_not_a_dflash_checkpoint_and_mismatches_are_one_line_errors(small, tmp_path) -> None:
@@ -134,9 +137,7 @@ def test_not_a_dflash_checkpoint_and_mismatches_are_one_line_errors(small, tmp_p
     deeper = make_drafter(small, layers=3)
     with pytest.raises(DrafterError, match="checkpoint has num_layers=2, this run 3"):
         init_drafter_from(deeper, out)
-    torch.manual_seed(0)
-    other = wrap_tiny(TinyLM(TinyLMConfig(hidden_size=32, num_layers=8, num_heads=2,
-                                          intermediate_size=64)))  # fmt: skip
+    other = _tiny_target(8)
     with pytest.raises(DrafterError, match="num_target_layers is 6, the target .* has 8"):
         load_drafter(out, target=other)
 
@@ -180,11 +181,10 @@ def test_export_converts_the_first_layout(small, tmp_path) -> None:
     old_dir.mkdir()
     save_file(state, str(old_dir / "model.safetensors"))
     c = drafter.config
-    old_cfg = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "head_dim": 16,
-               "intermediate_size": 64, "block_size": 4, "target_layer_ids": c.target_layer_ids,
-               "mask_token_id": c.mask_token_id, "vocab_size": c.vocab_size,
-               "target_spec": "builtin:tiny", "num_kv_heads": 2, "rope_theta": 10000.0,
-               "rms_eps": 1e-6}  # fmt: skip
+    old_cfg = dict(hidden_size=32, num_layers=2, num_heads=2, head_dim=16, intermediate_size=64)
+    old_cfg.update(block_size=4, target_layer_ids=c.target_layer_ids)
+    old_cfg.update(mask_token_id=c.mask_token_id, vocab_size=c.vocab_size)
+    old_cfg.update(target_spec="builtin:tiny", num_kv_heads=2, rope_theta=10000.0, rms_eps=1e-6)
     (old_dir / "config.json").write_text(json.dumps(old_cfg))
     with pytest.raises(DrafterError, match="older dflash-train drafter"):
         read_drafter_config(old_dir)
@@ -211,18 +211,23 @@ def test_export_converts_the_first_layout(small, tmp_path) -> None:
     assert len(result.output.strip().splitlines()) == 1
 
     # Damaged old folders: one line each, naming what is wrong.
+    def config_json(value):  # the damage: config.json holds `value`
+        return lambda d: (d / "config.json").write_text(json.dumps(value))
+
+    def layer_ids(ids):
+        return config_json({**old_cfg, "target_layer_ids": ids})
+
+    def truncated(d):
+        weights = d / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+
     damages = {
-        "a list as config.json": (lambda d: (d / "config.json").write_text("[1, 2]"),
-                                  "not a drafter config"),
-        "target_layer_ids null": (lambda d: (d / "config.json").write_text(
-            json.dumps({**old_cfg, "target_layer_ids": None})), "unusable value"),
-        "truncated weights": (lambda d: (d / "model.safetensors").write_bytes(
-            (old_dir / "model.safetensors").read_bytes()[:100]), "damaged"),
-        "layers out of order": (lambda d: (d / "config.json").write_text(
-            json.dumps({**old_cfg, "target_layer_ids": [3, 1]})), "ids must be ascending"),
-        "a layer twice": (lambda d: (d / "config.json").write_text(
-            json.dumps({**old_cfg, "target_layer_ids": [3, 3]})), "layer 3 is named twice"),
-    }  # fmt: skip
+        "a list as config.json": (config_json([1, 2]), "not a drafter config"),
+        "target_layer_ids null": (layer_ids(None), "unusable value"),
+        "truncated weights": (truncated, "damaged"),
+        "layers out of order": (layer_ids([3, 1]), "ids must be ascending"),
+        "a layer twice": (layer_ids([3, 3]), "layer 3 is named twice"),
+    }
     for name, (damage, fragment) in damages.items():
         broken = tmp_path / name.replace(" ", "-")
         shutil.copytree(old_dir, broken)

@@ -67,18 +67,19 @@ def test_speculators_reads_the_files_cache_hidden_writes(tmp_path, monkeypatch):
     from tests.dflash.app_fixtures import _small_target_loader, write_corpus
 
     monkeypatch.setattr(target_load, "load_target", _small_target_loader(target_load.load_target))
-    opts = ["--data", str(write_corpus(tmp_path)), "--seq-len", "32", "--batch-size", "2",
-            "--drafter-layers", "1"]  # fmt: skip
+    sizes = "--seq-len 32 --batch-size 2 --drafter-layers 1".split()
+    opts = ["--data", str(write_corpus(tmp_path)), *sizes]
     cache = tmp_path / "cache"
-    result = CliRunner().invoke(cli, ["cache-hidden", "--format", "speculators", "--output",
-                                      str(cache), *opts], catch_exceptions=False)  # fmt: skip
+    args = ["cache-hidden", "--format", "speculators", "--output", str(cache), *opts]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     files = sorted((cache / "hidden_states").glob("hs_*.safetensors"))
     for path in files:
         sample = load_file(str(path))
         check_hidden_states(sample, sample["token_ids"].tolist())
-    dataset = ArrowDataset(max_len=32, datapath=str(cache), on_missing="raise",
-                           hidden_states_dtype=torch.float32)  # fmt: skip
+    dataset = ArrowDataset(
+        max_len=32, datapath=str(cache), on_missing="raise", hidden_states_dtype=torch.float32
+    )
     assert len(dataset) == len(files)
     item, ours = dataset[2], load_file(str(cache / "hidden_states" / "hs_2.safetensors"))
     assert torch.equal(item["hidden_states"], ours["hidden_states"][:, :-1].flatten(1))
@@ -89,9 +90,9 @@ def test_speculators_reads_the_files_cache_hidden_writes(tmp_path, monkeypatch):
     for path in files:
         sample = load_file(str(path))
         save_file({k: v for k, v in sample.items() if k != "loss_mask"}, str(path))
-    result = CliRunner().invoke(cli, ["train", "--hidden-cache", str(cache), *opts,
-                                      "--target-layers", "3", "--steps", "3", "--block-size",
-                                      "4", "--eval-prompts", "0", "--output-dir",
-                                      str(tmp_path / "run")], catch_exceptions=False)  # fmt: skip
+    run_dir = tmp_path / "run"
+    flags = "--target-layers 3 --steps 3 --block-size 4 --eval-prompts 0".split()
+    args = ["train", "--hidden-cache", str(cache), *opts, *flags, "--output-dir", str(run_dir)]
+    result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     assert "speculators' layout" in result.output

@@ -82,8 +82,8 @@ def test_acceptance_counts_follow_the_drafts(target: TargetModel, use_cache: boo
     assert stats.target_forwards == 5 and stats.new_tokens == n
     if use_cache:  # the prompt, then the anchor plus the accepted drafts of each cycle
         assert oracle.seen == [len(prompt), 4, 2, 4]
-    result = evaluate_tau(target, OracleDrafter(reference, oracle.config), [prompt], n,
-                          stop_token_ids=NO_STOP, use_cache=use_cache)  # type: ignore[arg-type]  # fmt: skip
+    fresh = OracleDrafter(reference, oracle.config)
+    result = evaluate_tau(target, fresh, [prompt], n, stop_token_ids=NO_STOP, use_cache=use_cache)  # type: ignore[arg-type]
     assert result.tau == result.tau_pooled == (4 + 2 + 4 + 2) / 4
     assert result.acceptance_per_position == [1.0, 0.5, 0.5]
 
@@ -106,8 +106,8 @@ def test_speculative_equals_greedy_with_an_untrained_drafter(target, use_cache) 
         tokens, stats = speculative_generate(target, drafter, prompt, 12, use_cache=use_cache)
         assert tokens == greedy_generate(target, prompt, 12, use_cache=False)
         assert stats.target_forwards == 1 + len(stats.accepted_per_cycle)
-    result = evaluate_tau(target, drafter, PROMPTS, 12, stop_token_ids=NO_STOP,
-                          use_cache=use_cache, compare_baseline=True)  # fmt: skip
+    opts = {"stop_token_ids": NO_STOP, "use_cache": use_cache, "compare_baseline": True}
+    result = evaluate_tau(target, drafter, PROMPTS, 12, **opts)
     assert 1.0 <= result.tau <= BS
     assert len(result.acceptance_per_position) == BS - 1
     assert result.num_cycles > 0 and result.new_tokens == 3 * 12
@@ -133,8 +133,8 @@ def test_generation_stops_after_a_stop_token(target: TargetModel) -> None:
     stop = free[4]
     first = free.index(stop)
     assert greedy_generate(target, PROMPTS[0], 12, stop_token_ids=[stop]) == free[: first + 1]
-    tokens, _ = speculative_generate(target, make_drafter(target), PROMPTS[0], 12,
-                                     stop_token_ids=[stop])  # fmt: skip
+    drafter = make_drafter(target)
+    tokens, _ = speculative_generate(target, drafter, PROMPTS[0], 12, stop_token_ids=[stop])
     assert tokens == free[: first + 1]
 
 
@@ -199,8 +199,8 @@ def test_sampling_keeps_the_targets_output_distribution(draft_sampling) -> None:
     sampled drafts accepted with min(1, p/q) both decode the target's own law."""
     vocab, n, runs, temp = 5, 3, 3000, 0.8
     torch.manual_seed(0)
-    tiny = TinyLM(TinyLMConfig(vocab_size=vocab + 1, hidden_size=16, num_layers=2,
-                               num_heads=2, intermediate_size=32))  # fmt: skip
+    sizes = dict(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32)
+    tiny = TinyLM(TinyLMConfig(vocab_size=vocab + 1, **sizes))
     with torch.no_grad():
         tiny.lm_head.weight.mul_(40.0)  # peaked, distinct distributions per context
         tiny.lm_head.weight[vocab] = -1e4  # row 5 is the mask row: never produced
@@ -211,19 +211,9 @@ def test_sampling_keeps_the_targets_output_distribution(draft_sampling) -> None:
     prompt = [1, 2]
     exact = _exact_distribution(target, prompt, n, vocab, temp)
     gen = torch.Generator().manual_seed(0)
+    opts = {"temperature": temp, "generator": gen, "draft_sampling": draft_sampling}
     counts = Counter(
-        tuple(
-            speculative_generate(
-                target,
-                drafter,
-                prompt,
-                n,
-                temperature=temp,
-                generator=gen,
-                draft_sampling=draft_sampling,
-            )[0]
-        )  # fmt: skip
-        for _ in range(runs)
+        tuple(speculative_generate(target, drafter, prompt, n, **opts)[0]) for _ in range(runs)
     )
     tv = 0.5 * sum(abs(counts[s] / runs - p) for s, p in exact.items())
     assert tv < 0.06, f"total variation {tv:.3f} from the target's distribution"
@@ -242,13 +232,14 @@ def test_sampling_keeps_the_targets_output_distribution(draft_sampling) -> None:
 def test_chat_prompts_cut_at_the_last_user_turn(tmp_path) -> None:
     from dflash.data.tokenizer import BOS_ID, ByteTokenizer
 
-    rows = [
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
-                      {"role": "user", "content": "2+2?"},
-                      {"role": "assistant", "content": "4"}]},
-        {"turns": ["first", "second"]},
-        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
-    ]  # fmt: skip
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
+    sharegpt = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    rows = [{"messages": chat}, {"turns": ["first", "second"]}, {"conversations": sharegpt}]
     path = tmp_path / "eval.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     tok = ByteTokenizer()
@@ -304,8 +295,8 @@ def test_eval_of_a_saved_drafter_on_chat_prompts(target, tmp_path, monkeypatch) 
 
     monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: target)
     saved = save_drafter(make_drafter(target), tmp_path / "drafter")
-    rows = [{"messages": [{"role": "user", "content": "hi"}]}, {"text": "skipped"},
-            {"turns": ["def f(x):"]}]  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    rows = [chat, {"text": "skipped"}, {"turns": ["def f(x):"]}]
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines: list[str] = []
@@ -317,8 +308,8 @@ def test_eval_of_a_saved_drafter_on_chat_prompts(target, tmp_path, monkeypatch) 
     direct = evaluate_tau(target, drafter, prompts, 12)
     assert (figures["tau"], figures["tau_pooled"]) == (direct.tau, direct.tau_pooled)
     assert figures["speedup"] == pytest.approx(figures["greedy_s"] / figures["speculative_s"])
-    assert any("skipped 1 unusable JSONL lines" in line and "chats.jsonl:2" in line
-               for line in lines)  # fmt: skip
+    skipped = "skipped 1 unusable JSONL lines"
+    assert any(skipped in line and "chats.jsonl:2" in line for line in lines)
     assert any("pooled" in line and "vs greedy" in line for line in lines)
     with pytest.raises(GenerationError, match="--max-new-tokens 0"):
         EvalSettings(max_new_tokens=0)
@@ -357,19 +348,22 @@ def test_every_turn_of_a_turns_file_is_evaluated_after_the_targets_reply(
     monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: target)
     saved = save_drafter(make_drafter(target), tmp_path / "drafter")
     chats = tmp_path / "turns.jsonl"
-    chats.write_text(json.dumps({"turns": ["def f(x):", "and g?"]}) + "\n"
-                     + json.dumps({"turns": ["import os"]}) + "\n")  # fmt: skip
+    turns = [["def f(x):", "and g?"], ["import os"]]
+    chats.write_text("".join(json.dumps({"turns": t}) + "\n" for t in turns))
     settings = EvalSettings(eval_data=str(chats), num_prompts=None, max_new_tokens=8)
     figures = evaluate_drafter_dir(saved, "builtin:tiny", settings, "cpu", log=lambda _: None)
     assert (figures["prompts"], figures["turns"]) == (2, 3)
     # The second turn's prompt holds the target's greedy answer to the first.
     tok = target.tokenizer
-    first = render_prompt(tok, [{"role": "user", "content": "def f(x):"}])
+
+    def user(content: str) -> dict[str, str]:
+        return {"role": "user", "content": content}
+
+    first = render_prompt(tok, [user("def f(x):")])
     answer = greedy_generate(target, first, 8, stop_token_ids=target.stop_token_ids)
-    second = render_prompt(tok, [{"role": "user", "content": "def f(x):"},
-                                 {"role": "assistant", "content": decode_text(tok, answer)},
-                                 {"role": "user", "content": "and g?"}])  # fmt: skip
+    reply = {"role": "assistant", "content": decode_text(tok, answer)}
+    second = render_prompt(tok, [user("def f(x):"), reply, user("and g?")])
     drafter = make_drafter(target)
-    direct = evaluate_tau(target, drafter, [first, render_prompt(tok, [
-        {"role": "user", "content": "import os"}]), second], 8)  # fmt: skip
+    one_turn = render_prompt(tok, [user("import os")])
+    direct = evaluate_tau(target, drafter, [first, one_turn, second], 8)
     assert figures["tau_pooled"] == pytest.approx(direct.tau_pooled)

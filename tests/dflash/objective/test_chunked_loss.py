@@ -110,8 +110,8 @@ def test_soft_labels_from_the_targets_final_norm_equal_those_from_its_logits() -
     valid[..., 0] = False
     hidden = torch.randn(B, N, BS, 32)
     cfg = LossConfig(use_soft_labels=True, kl_weight=1.0)  # the KL alone
-    ref = dflash_loss(head(hidden), labels, valid, cfg,
-                      gather_target_logits(with_logits.logits, anchors, BS))  # fmt: skip
+    target_logits = gather_target_logits(with_logits.logits, anchors, BS)
+    ref = dflash_loss(head(hidden), labels, valid, cfg, target_logits)
     target_hidden = gather_target_hidden(with_final.final_hidden, anchors, BS)
     out = chunked_dflash_loss(hidden, head, labels, valid, cfg, target_hidden, 5)
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)

@@ -213,8 +213,13 @@ def test_noise_schedule_specs() -> None:
     assert NoiseSchedule.parse("all", 100) == NoiseSchedule()
     lin = NoiseSchedule.parse("linear:0.5:1", 100)
     assert (lin.mask_ratio(0), lin.mask_ratio(50), lin.mask_ratio(100)) == (0.5, 0.75, 1.0)
-    for bad, why in (("linear:0.5", "expected 'all'"), ("cosine:0:1", "expected 'all'"),
-                     ("linear:a:1", "numbers"), ("linear:0.5:1.5", "1.5 is outside")):  # fmt: skip
+    bad_specs = {
+        "linear:0.5": "expected 'all'",
+        "cosine:0:1": "expected 'all'",
+        "linear:a:1": "numbers",
+        "linear:0.5:1.5": "1.5 is outside",
+    }
+    for bad, why in bad_specs.items():
         with pytest.raises(ObjectiveError, match=why):
             NoiseSchedule.parse(bad, 10)
 

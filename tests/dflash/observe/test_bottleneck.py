@@ -56,8 +56,16 @@ class FakeBatch:
     num_tokens: int = 64
 
 
-def run_stages(*, targets: int, drafters: int, make_s: float, forward_s: float, step_s: float,
-               batches: int, hs_queue_size: int = 4) -> tracing.StatsSnapshot:  # fmt: skip
+def run_stages(
+    *,
+    targets: int,
+    drafters: int,
+    make_s: float,
+    forward_s: float,
+    step_s: float,
+    batches: int,
+    hs_queue_size: int = 4,
+) -> tracing.StatsSnapshot:
     """Runs the real pipeline threads on sleeps; the cumulative snapshot of its phases."""
 
     def make_batch(index: int) -> FakeBatch:
@@ -100,8 +108,8 @@ def spans() -> Iterator[InMemorySpanExporter]:
 @pytest.mark.parametrize("targets", [8, 2])
 def test_input_bound_with_many_target_threads(targets: int, spans: InMemorySpanExporter) -> None:
     # Prefetch 50 ms per batch, forward 5 ms: every target thread idles ~90 % or more.
-    snap = run_stages(targets=targets, drafters=1, make_s=0.05, forward_s=0.005,
-                      step_s=0.002, batches=16)  # fmt: skip
+    costs = dict(make_s=0.05, forward_s=0.005, step_s=0.002)
+    snap = run_stages(targets=targets, drafters=1, batches=16, **costs)
     shares = wait_shares(snap)
     assert shares.target_input_wait > 0.6, shares
     line = snapshot_verdict(snap)
@@ -113,8 +121,8 @@ def test_input_bound_with_many_target_threads(targets: int, spans: InMemorySpanE
 
 
 def test_drafter_bound_with_two_drafters() -> None:
-    snap = run_stages(targets=1, drafters=2, make_s=0.001, forward_s=0.005, step_s=0.04,
-                      batches=24, hs_queue_size=1)  # fmt: skip
+    costs = dict(make_s=0.001, forward_s=0.005, step_s=0.04)
+    snap = run_stages(targets=1, drafters=2, batches=24, hs_queue_size=1, **costs)
     shares = wait_shares(snap)
     assert shares.target_output_wait > 0.4, shares
     line = snapshot_verdict(snap)

@@ -78,18 +78,16 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     finally:
         telemetry.shutdown(timeout_s=1.0)
     timeline.close()
-    rows = [
-        {"step": s, "loss": 5.0 / s**0.5, "tau": 1.0 + s / 40, "lr": 1e-3, "grad_norm": 0.9,
-         "accuracy": [0.5, 0.3], "time_s": 0.1 * s,
-         "tokens_per_s": {"target": 16000.0 + s, "drafter": 15000.0 + s}}
-        for s in range(1, NUM_STEPS + 1)
-    ]  # fmt: skip
+    rows = []
+    for s in range(1, NUM_STEPS + 1):
+        rates = {"target": 16000.0 + s, "drafter": 15000.0 + s}
+        row = {"step": s, "loss": 5.0 / s**0.5, "tau": 1.0 + s / 40, "lr": 1e-3, "grad_norm": 0.9}
+        rows.append({**row, "accuracy": [0.5, 0.3], "time_s": 0.1 * s, "tokens_per_s": rates})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    summary = {"steps": NUM_STEPS, "final_loss": rows[-1]["loss"], "tau": 1.34,
-               "tau_pooled": 1.3, "repeated_share": 0.25, "tau_without_repeats": 1.21,
-               "tau_estimate": 1.5,
-               "acceptance_per_position": ACCEPTANCE, "tokens_per_s": 16687.5,
-               "train_s": 0.61, "wall_s": 1.9, "target": "builtin:tiny"}  # fmt: skip
+    summary = {"steps": NUM_STEPS, "final_loss": rows[-1]["loss"], "tau": 1.34, "tau_pooled": 1.3}
+    summary |= {"repeated_share": 0.25, "tau_without_repeats": 1.21, "tau_estimate": 1.5}
+    summary |= {"acceptance_per_position": ACCEPTANCE, "tokens_per_s": 16687.5}
+    summary |= {"train_s": 0.61, "wall_s": 1.9, "target": "builtin:tiny"}
     (run / "summary.json").write_text(json.dumps(summary))
     (run / "config.json").write_text("{}")
     return run
@@ -116,8 +114,9 @@ def test_report_on_a_folder_that_is_not_a_run_names_what_is_missing(tmp_path: Pa
         (lambda run: (run / "metrics.jsonl").write_text('[{"step": 1}]\n'), "not a dflash-train"),
     ],
 )
-def test_a_run_folder_of_the_wrong_shape_is_one_line(run_dir: Path, tmp_path: Path, damage,
-                                                     fragment) -> None:  # fmt: skip
+def test_a_run_folder_of_the_wrong_shape_is_one_line(
+    run_dir: Path, tmp_path: Path, damage, fragment
+) -> None:
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
     (copy / "report.html").unlink(missing_ok=True)
@@ -177,8 +176,8 @@ class DomReader(HTMLParser):
             self.text.append(data.strip())
 
     def values(self, chart: str, tag: str, key: str, **match: str) -> list[float]:
-        return [float(a[key]) for c, t, a in self.marks if c == chart and t == tag and key in a
-                and all(a.get(k) == v for k, v in match.items())]  # fmt: skip
+        marks = [a for c, t, a in self.marks if c == chart and t == tag and key in a]
+        return [float(a[key]) for a in marks if all(a.get(k) == v for k, v in match.items())]
 
 
 def chromium() -> str:
@@ -191,10 +190,9 @@ def chromium() -> str:
 
 
 def headless(*args: str) -> subprocess.CompletedProcess[str]:
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             "--disable-dev-shm-usage", "--hide-scrollbars"]  # fmt: skip
-    return subprocess.run([chromium(), *flags, *args], capture_output=True, text=True,
-                          timeout=120, check=False)  # fmt: skip
+    flags = "--headless --no-sandbox --disable-gpu --no-first-run --disable-dev-shm-usage".split()
+    command = [chromium(), *flags, "--hide-scrollbars", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_chromium_draws_every_chart_with_the_run_numbers(run_dir: Path) -> None:

@@ -206,13 +206,13 @@ def test_one_file_per_rank_and_unwritable_path_is_one_line(tmp_path: Path) -> No
 
 
 def test_format_check_catches_broken_nesting_and_flows() -> None:
-    doc = {"traceEvents": [
+    events = [
         {"ph": "X", "name": "a", "ts": 0.0, "dur": 10.0, "pid": 1, "tid": 1},
         {"ph": "X", "name": "b", "ts": 5.0, "dur": 10.0, "pid": 1, "tid": 1},
         {"ph": "s", "id": 1, "ts": 50.0, "pid": 1, "tid": 1},
         {"ph": "X", "name": "c", "ts": 1.0, "dur": 1.0, "pid": 1, "tid": 2},
-    ]}  # fmt: skip
-    problems = format_problems(doc)
+    ]
+    problems = format_problems({"traceEvents": events})
     assert any("overlaps a without nesting" in p for p in problems)
     assert any("binds to no slice" in p for p in problems)
     assert any("is not s t* f" in p for p in problems)

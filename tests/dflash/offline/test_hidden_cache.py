@@ -45,18 +45,18 @@ def _losses(cfg, target, source, steps: int) -> list[float]:
 def test_training_from_the_cache_gives_the_online_losses(tmp_path, soft) -> None:
     cfg = small_cfg(tmp_path, use_soft_labels=soft)
     target, data = _target(), _data(tmp_path)
-    out = write_hidden_cache(
-        target, data, tmp_path / "cache", layer_ids=LAYERS, num_batches=5,
-        with_final_norm=soft, batches_per_shard=2,
-    )  # fmt: skip
-    reader = open_hidden_cache(out, target=target, dataset=data, layer_ids=LAYERS,
-                               with_final_norm=soft)  # fmt: skip
+    layout = dict(layer_ids=LAYERS, with_final_norm=soft)  # of the cache, written and read
+    shards = dict(num_batches=5, batches_per_shard=2)
+    out = write_hidden_cache(target, data, tmp_path / "cache", **layout, **shards)
+    reader = open_hidden_cache(out, target=target, dataset=data, **layout)
 
     def online(i):
         batch = data.batch(i)
         docs = batch.doc_ids
-        return batch, target.capture(batch.input_ids, LAYERS, with_logits=False,
-                                     with_final_hidden=soft, doc_ids=docs)  # fmt: skip
+        states = target.capture(
+            batch.input_ids, LAYERS, with_logits=False, with_final_hidden=soft, doc_ids=docs
+        )
+        return batch, states
 
     def cached(i):
         return reader.get(i)
@@ -78,12 +78,12 @@ def test_training_from_the_cache_gives_the_online_losses(tmp_path, soft) -> None
 
 def test_an_interrupted_cache_is_continued(tmp_path) -> None:
     target, data = _target(), _data(tmp_path)
-    full = write_hidden_cache(target, data, tmp_path / "full", layer_ids=LAYERS, num_batches=5,
-                              batches_per_shard=2)  # fmt: skip
+    shards = dict(layer_ids=LAYERS, batches_per_shard=2)
+    full = write_hidden_cache(target, data, tmp_path / "full", num_batches=5, **shards)
     part = tmp_path / "part"
-    write_hidden_cache(target, data, part, layer_ids=LAYERS, num_batches=3, batches_per_shard=2)
+    write_hidden_cache(target, data, part, num_batches=3, **shards)
     (part / ".shard-00002.safetensors.tmp").write_bytes(b"half a shard")  # a killed write
-    write_hidden_cache(target, data, part, layer_ids=LAYERS, num_batches=5, batches_per_shard=2)
+    write_hidden_cache(target, data, part, num_batches=5, **shards)
     shards = json.loads((part / "index.json").read_text())["shards"]
     assert [s["first_batch"] for s in shards] == [0, 2, 3] and shards[-1]["num_batches"] == 2
     a = open_hidden_cache(full, target=target, dataset=data, layer_ids=LAYERS)
@@ -126,8 +126,8 @@ def test_truncated_or_corrupt_shards_are_refused(tmp_path) -> None:
 
 
 def _cache_cli(tmp_path, cache, *extra):
-    opts = ["--data", str(write_corpus(tmp_path)), "--seq-len", "32", "--batch-size", "2",
-            "--drafter-layers", "1", "--steps", "6"]  # fmt: skip
+    sizes = "--seq-len 32 --batch-size 2 --drafter-layers 1 --steps 6".split()
+    opts = ["--data", str(write_corpus(tmp_path)), *sizes]
     args = ["cache-hidden", "--output", str(cache), *opts, *map(str, extra)]
     return CliRunner().invoke(cli, args, catch_exceptions=False)
 
@@ -160,8 +160,8 @@ def test_train_from_the_cache_gives_the_online_losses_through_the_pipeline(
     assert "cache-hidden: 6 batches (384 tokens" in result.output
     seen = record_losses(monkeypatch)
     opts = {"steps": 6, "use_soft_labels": soft, "log_every": 1}
-    online, online_spans = _traced(lambda: pipeline.run_pipeline(
-        small_cfg(tmp_path, tmp_path / "online", **opts), log=lambda _: None))  # fmt: skip
+    online_cfg = small_cfg(tmp_path, tmp_path / "online", **opts)
+    online, online_spans = _traced(lambda: pipeline.run_pipeline(online_cfg, log=lambda _: None))
     online_losses, seen[:] = list(seen), []
     cfg = small_cfg(tmp_path, tmp_path / "cached", hidden_cache=str(cache), **opts)
     cached, cached_spans = _traced(lambda: pipeline.run_pipeline(cfg, log=lambda _: None))
@@ -170,8 +170,8 @@ def test_train_from_the_cache_gives_the_online_losses_through_the_pipeline(
     assert names.TARGET_READ in cached_spans and names.TARGET_FORWARD not in cached_spans
     assert names.TARGET_FORWARD in online_spans and names.TARGET_READ not in online_spans
     seen[:] = []
-    reference = train_reference(dataclasses.replace(cfg, run=dataclasses.replace(
-        cfg.run, output_dir=str(tmp_path / "cached-reference"))), log=lambda _: None)  # fmt: skip
+    run = dataclasses.replace(cfg.run, output_dir=str(tmp_path / "cached-reference"))
+    reference = train_reference(dataclasses.replace(cfg, run=run), log=lambda _: None)
     assert seen == online_losses and reference["final_loss"] == online["final_loss"]
 
 
@@ -181,10 +181,10 @@ def test_train_refuses_a_cache_of_another_run_or_too_short(tmp_path) -> None:
     assert _cache_cli(tmp_path, cache, "--num-batches", 3).exit_code == 0
 
     def train(*extra):
-        args = ["train", "--hidden-cache", str(cache), "--data", str(write_corpus(tmp_path)),
-                "--seq-len", "32", "--batch-size", "2", "--drafter-layers", "1",
-                "--block-size", "4", "--eval-prompts", "0", "--output-dir", str(tmp_path / "o"),
-                *map(str, extra)]  # fmt: skip
+        paths = ["--hidden-cache", str(cache), "--data", str(write_corpus(tmp_path))]
+        sizes = "--seq-len 32 --batch-size 2 --drafter-layers 1 --block-size 4".split()
+        out = ["--eval-prompts", "0", "--output-dir", str(tmp_path / "o")]
+        args = ["train", *paths, *sizes, *out, *map(str, extra)]
         result = CliRunner().invoke(cli, args, catch_exceptions=False)
         assert result.exit_code == 2, result.output
         errors = [line for line in result.output.splitlines() if line.startswith("Error:")]

@@ -11,14 +11,19 @@ from dflash.target.load import load_target, wrap_tiny
 from dflash.target.tiny import TinyLM, TinyLMConfig
 
 WORDS = "hello how are you fine thanks what is the weather sunny and cold tell me more".split()
+U, A, S = "user", "assistant", "system"
 CONVERSATIONS = [
-    [("user", "hello how are you"), ("assistant", "fine thanks"), ("user", "what is the weather"),
-     ("assistant", "sunny and cold")],
-    [("system", "tell me"), ("user", "how are you"), ("assistant", "fine")],
-    [("user", "what is the weather"), ("assistant", "cold")],
-    [("user", "tell me more"), ("assistant", "the weather is sunny"), ("user", "and")],
-    [("user", "hello"), ("assistant", "hello")],
-]  # fmt: skip
+    [
+        (U, "hello how are you"),
+        (A, "fine thanks"),
+        (U, "what is the weather"),
+        (A, "sunny and cold"),
+    ],
+    [(S, "tell me"), (U, "how are you"), (A, "fine")],
+    [(U, "what is the weather"), (A, "cold")],
+    [(U, "tell me more"), (A, "the weather is sunny"), (U, "and")],
+    [(U, "hello"), (A, "hello")],
+]
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> "
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
@@ -35,16 +40,15 @@ def hf_dir(tmp_path_factory):
     vocab |= {r: len(vocab) + i for i, r in enumerate(["user", "assistant", "system"])}
     raw = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=raw, unk_token="[UNK]", eos_token="<|im_end|>", pad_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"],
-    )  # fmt: skip
+    specials = dict(unk_token="[UNK]", eos_token="<|im_end|>", pad_token="<|im_end|>")
+    specials["additional_special_tokens"] = ["<|im_start|>"]
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, **specials)
     tok.chat_template = TEMPLATE
-    cfg = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-        eos_token_id=vocab["<|im_end|>"], bos_token_id=None, pad_token_id=vocab["<|im_end|>"],
-    )  # fmt: skip
+    end = vocab["<|im_end|>"]
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    attention = dict(num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
+    ends = dict(eos_token_id=end, bos_token_id=None, pad_token_id=end)
+    cfg = LlamaConfig(vocab_size=len(vocab), **sizes, **attention, **ends)
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("hf")
     LlamaForCausalLM(cfg).save_pretrained(out)
@@ -53,8 +57,8 @@ def hf_dir(tmp_path_factory):
 
 
 def _write_chats(path, conversations=CONVERSATIONS, extra_lines=()):
-    lines = [json.dumps({"messages": [{"role": r, "content": c} for r, c in conv]})
-             for conv in conversations]  # fmt: skip
+    chats = [[{"role": r, "content": c} for r, c in conv] for conv in conversations]
+    lines = [json.dumps({"messages": messages}) for messages in chats]
     path.write_text("\n".join([*lines, *extra_lines]) + "\n")
     return path
 
@@ -66,12 +70,12 @@ SETTINGS = RegenerateSettings(max_new_tokens=6, batch_size=4, chunk_lines=2, hel
 def _reference_reply(target, messages, settings) -> str:
     """transformers' own greedy `generate` on the templated conversation so far."""
     tok, model = target.tokenizer, target.model
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                  return_dict=False)  # fmt: skip
-    out = model.generate(
-        torch.tensor([ids]), max_new_tokens=settings.max_new_tokens, do_sample=False,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
-    )[0, len(ids) :].tolist()  # fmt: skip
+    ids = tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    greedy = dict(do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    new = model.generate(torch.tensor([ids]), max_new_tokens=settings.max_new_tokens, **greedy)
+    out = new[0, len(ids) :].tolist()
     if tok.eos_token_id in out:
         out = out[: out.index(tok.eos_token_id)]
     return tok.decode(out, skip_special_tokens=True)
@@ -81,11 +85,11 @@ def test_regenerated_replies_are_transformers_greedy_generate(hf_dir, tmp_path) 
     target = load_target(str(hf_dir))
     data = _write_chats(tmp_path / "chats.jsonl", extra_lines=['{"messages": "x"}'])
     progress = []
-    report = regenerate(target, str(data), tmp_path / "regen.jsonl", settings=SETTINGS,
-                        progress=progress.append)  # fmt: skip
+    out = tmp_path / "regen.jsonl"
+    report = regenerate(target, str(data), out, settings=SETTINGS, progress=progress.append)
     assert report.skipped.skipped_lines == 1 and progress[-1].lines_done == report.lines
     assert progress[-1].tokens_per_s > 0
-    written = [json.loads(line) for line in (tmp_path / "regen.jsonl").read_text().splitlines()]
+    written = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(written) == len(CONVERSATIONS) and report.new_tokens > 0
     for conv, record in zip(CONVERSATIONS, written, strict=True):
         so_far = []
@@ -125,8 +129,8 @@ def test_text_continuations_are_greedy_generate(hf_dir, tmp_path) -> None:
 
 def test_tiny_cached_generation_is_the_uncached_greedy_decoding() -> None:
     torch.manual_seed(0)
-    target = wrap_tiny(TinyLM(TinyLMConfig(hidden_size=32, num_layers=3, num_heads=2,
-                                           intermediate_size=64)))  # fmt: skip
+    config = TinyLMConfig(hidden_size=32, num_layers=3, num_heads=2, intermediate_size=64)
+    target = wrap_tiny(TinyLM(config))
     prompts = torch.randint(0, 256, (3, 7), generator=torch.Generator().manual_seed(1)).tolist()
     cached = generate_batch(target, prompts, max_new_tokens=10, stop_token_ids=())
     assert cached == [greedy_generate(target, p, 10) for p in prompts]
@@ -213,8 +217,8 @@ def test_regenerate_command_writes_resumes_and_refuses(hf_dir, tmp_path, monkeyp
     settings = dataclasses.replace(SETTINGS, heldout_fraction=0.01)  # as the command's flag
     regenerate(target, str(data), reference, settings=settings)
     out = tmp_path / "regen.jsonl"
-    flags = ["--target", hf_dir, "--data", data, "--max-new-tokens", 6, "--batch-size", 4,
-             "--chunk-lines", 2, "--heldout-fraction", 0.01, "--device", "cpu"]  # fmt: skip
+    recipe = "--max-new-tokens 6 --batch-size 4 --chunk-lines 2 --heldout-fraction 0.01".split()
+    flags = ["--target", hf_dir, "--data", data, *recipe, "--device", "cpu"]
     result = _cli(*flags, "--output", out)
     assert result.exit_code == 0, result.output
     assert out.read_text() == reference.read_text()
@@ -237,8 +241,8 @@ def test_regenerate_command_writes_resumes_and_refuses(hf_dir, tmp_path, monkeyp
     for flag, value in (("--max-new-tokens", 0), ("--temperature", -1), ("--prefix-tokens", 0)):
         error = _one_error_line(_cli(*flags, "--output", tmp_path / "x.jsonl", flag, value))
         assert f"{flag} {value}" in error
-    error = _one_error_line(_cli(*flags, "--output", tmp_path / "y.jsonl",
-                                 "--stop-token-ids", "3,99999999"))  # fmt: skip
+    stops = ["--stop-token-ids", "3,99999999"]
+    error = _one_error_line(_cli(*flags, "--output", tmp_path / "y.jsonl", *stops))
     assert "--stop-token-ids 99999999: not in the vocabulary" in error
     assert not (tmp_path / "y.jsonl").exists()
 
@@ -253,12 +257,13 @@ def test_the_embedded_default_is_regenerated_once_per_target_and_recipe(
     from dflash.run.lifecycle import run_datasets
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
-    recipe = RegenerateSettings(max_new_tokens=4, prefix_tokens=16, windows_per_document=1,
-                                batch_size=256, chunk_lines=512)  # fmt: skip
+    recipe = RegenerateSettings(
+        max_new_tokens=4, prefix_tokens=16, windows_per_document=1, batch_size=256, chunk_lines=512
+    )
     monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", recipe)
     torch.manual_seed(0)
-    target = wrap_tiny(TinyLM(TinyLMConfig(hidden_size=16, num_layers=2, num_heads=2,
-                                           intermediate_size=32)))  # fmt: skip
+    config = TinyLMConfig(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32)
+    target = wrap_tiny(TinyLM(config))
     lines: list[str] = []
     path = regen_mod.embedded_regeneration(target, 0.05, lines.append)
     assert any("generated once" in line for line in lines) and path.parent.name == "regen"
@@ -268,8 +273,8 @@ def test_the_embedded_default_is_regenerated_once_per_target_and_recipe(
     held_in = [t for t in embedded_corpus("train") if len(t.encode()) >= 16]
     written = [json.loads(line)["text"] for line in path.read_text().splitlines()]
     assert len(written) == len(held_in)
-    assert all(w.startswith(t.encode()[:16].decode(errors="ignore")[:8])
-               for w, t in zip(written, held_in, strict=True))  # fmt: skip
+    prefixes = [t.encode()[:16].decode(errors="ignore")[:8] for t in held_in]
+    assert all(w.startswith(p) for w, p in zip(written, prefixes, strict=True))
     monkeypatch.setattr(regen_mod, "regenerate", lambda *a, **k: pytest.fail("not cached"))
     assert regen_mod.embedded_regeneration(target, 0.05, lines.append) == path
     monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", dataclasses.replace(recipe, max_new_tokens=5))
@@ -315,18 +320,9 @@ def test_replies_cut_at_the_budget_are_marked_and_left_out_of_training(hf_dir, t
     cut = [any(m.get(CUT_KEY) for m in r["messages"]) for r in written]
     tok = target.tokenizer
     assert any(cut)  # two tokens: most replies run out before their stop token
+    whole = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine"}]
     with (tmp_path / "cut.jsonl").open("a") as f:  # and one conversation of whole replies
-        f.write(
-            json.dumps(
-                {
-                    "messages": [
-                        {"role": "user", "content": "hello"},
-                        {"role": "assistant", "content": "fine"},
-                    ]
-                }
-            )
-            + "\n"
-        )
+        f.write(json.dumps({"messages": whole}) + "\n")
     written.append({})
     cut.append(False)
     kept = load_corpus(str(tmp_path / "cut.jsonl"), tok, 0.0)
@@ -341,10 +337,11 @@ def test_padded_rows_leave_the_batch_at_their_stop_and_equal_generate_alone(hf_d
     model = target.model
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [6], [9, 9, 8, 7, 6]]
 
+    plain = dict(max_new_tokens=12, do_sample=False, top_k=None, top_p=None, temperature=None)
+
     def alone(prompt, stop):
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                             eos_token_id=stop, pad_token_id=0, top_k=None, top_p=None,
-                             temperature=None)[0, len(prompt) :].tolist()  # fmt: skip
+        new = model.generate(torch.tensor([prompt]), eos_token_id=stop, pad_token_id=0, **plain)
+        out = new[0, len(prompt) :].tolist()
         return out[: out.index(stop)] if stop in out else out
 
     free = alone(prompts[3], -1)  # -1: no stop (transformers warns, and decodes on)

@@ -65,8 +65,8 @@ def test_single_rank_single_replica_is_the_reference_order() -> None:
     # Every (step, slot) in order, as batch_index numbers them:
     for world, replicas, start in ((1, 1, 0), (2, 3, 5), (4, 2, 9)):
         for rank in range(world):
-            expected = [batch_index(s, k, rank, world, replicas, start)
-                        for s in range(5) for k in range(replicas)]  # fmt: skip
+            slots = [(s, k) for s in range(5) for k in range(replicas)]
+            expected = [batch_index(s, k, rank, world, replicas, start) for s, k in slots]
             assert list(rank_batch_indices(5, rank, world, replicas, start)) == expected
     # Any number of steps is free until the batches are drawn (it was a list).
     huge = rank_batch_indices(10**22, 1, 2, 2)

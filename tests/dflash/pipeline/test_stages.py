@@ -24,8 +24,9 @@ class FakeBatch:
     num_tokens: int = 10
 
 
-def build(n: int = 8, forward=None, step=None, make_batch=FakeBatch, targets=1, drafters=1,
-          record=None) -> Pipeline:  # fmt: skip
+def build(
+    n: int = 8, forward=None, step=None, make_batch=FakeBatch, targets=1, drafters=1, record=None
+) -> Pipeline:
     def default_step(batch, target_out, phase):
         with phase("drafter.loss"):
             return target_out
@@ -157,11 +158,13 @@ def test_one_trace_per_batch_with_waits_under_the_batch_they_received(spans) -> 
         parents = {s.name: by_id[s.parent.span_id].name for s in trace if s.parent is not None}
         # The trainer's phases are opened without a parent: they nest under drafter.step.
         assert parents == {
-            names.DATA_BATCH: names.BATCH, names.BATCH_QUEUE_WAIT: names.BATCH,
+            names.DATA_BATCH: names.BATCH,
+            names.BATCH_QUEUE_WAIT: names.BATCH,
             names.TARGET_FORWARD: names.BATCH,
-            names.HS_QUEUE_WAIT: names.BATCH, names.DRAFTER_STEP: names.BATCH,
+            names.HS_QUEUE_WAIT: names.BATCH,
+            names.DRAFTER_STEP: names.BATCH,
             names.LOSS: names.DRAFTER_STEP,
-        }  # fmt: skip
+        }
         named = {s.name: s for s in trace}
         for wait in (names.BATCH_QUEUE_WAIT, names.HS_QUEUE_WAIT):
             assert names.QUEUE_DEPTH in named[wait].attributes

@@ -22,11 +22,9 @@ def _module():
 
 
 def _save(directory, step, keep=3):
-    module = _module()
-    return save_checkpoint(
-        directory, weights=trainable_weights(module), trainer_state={"x": torch.ones(2)},
-        step=step, next_batch_index=step + 10, config={"run": {"steps": 9}}, keep=keep,
-    )  # fmt: skip
+    contents = dict(weights=trainable_weights(_module()), trainer_state={"x": torch.ones(2)})
+    progress = dict(step=step, next_batch_index=step + 10, config={"run": {"steps": 9}})
+    return save_checkpoint(directory, **contents, **progress, keep=keep)
 
 
 def test_round_trip_keeps_only_trainable_weights(tmp_path) -> None:
@@ -57,9 +55,8 @@ def test_a_run_resumed_from_an_earlier_checkpoint_keeps_and_resumes_its_own(tmp_
     ckpts = tmp_path / "checkpoints"
     for step in (2, 4, 6, 3, 5):
         _save(ckpts, step, keep=3)
-    assert [p.name for p in list_checkpoints(ckpts)] == [
-        "step-00000006", "step-00000003", "step-00000005",
-    ]  # fmt: skip
+    kept = [p.name for p in list_checkpoints(ckpts)]
+    assert kept == ["step-00000006", "step-00000003", "step-00000005"]
     assert resolve_checkpoint("latest", tmp_path).name == "step-00000005"
 
 

@@ -43,9 +43,8 @@ def test_qwen3_8b_has_its_published_parameter_count() -> None:
 
 def test_the_paper_recipe_fits_one_h200_with_the_chunked_loss_not_with_the_dense_one() -> None:
     shape = paper_shape()
-    assert (shape.batch_size, shape.num_anchors, shape.seq_len, shape.block_size) == (
-        4, 512, 3072, 16,
-    )  # fmt: skip
+    sizes = (shape.batch_size, shape.num_anchors, shape.seq_len, shape.block_size)
+    assert sizes == (4, 512, 3072, 16)
     chunked = estimate_step(shape)
     dense = estimate_step(paper_shape(loss_chunk_size=None, soft_labels=True))
     h200 = 141e9
@@ -112,13 +111,12 @@ def test_dry_run_of_the_paper_config_prints_the_estimate_and_loads_nothing(monke
 
 def test_target_geometry_without_weights(tmp_path) -> None:
     assert geometry_for_spec("Qwen/Qwen3-8B")[0] == QWEN3_8B
-    hf_config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500}  # fmt: skip
+    hf_config = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3}
+    hf_config |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 500}
     (tmp_path / "config.json").write_text(json.dumps({"text_config": hf_config}))
-    assert geometry_for_spec(str(tmp_path))[0] == TargetGeometry(
-        hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
-        intermediate_size=96, vocab_size=500,
-    )  # fmt: skip
+    sizes = dict(hidden_size=64, num_layers=3, intermediate_size=96, vocab_size=500)
+    heads = dict(num_heads=4, num_kv_heads=2, head_dim=16)
+    assert geometry_for_spec(str(tmp_path))[0] == TargetGeometry(**sizes, **heads)
     tiny, _ = geometry_for_spec("builtin:tiny")
     assert tiny.vocab_size > 256 and tiny.num_layers >= 4
     with pytest.raises(EstimateError, match="'/no/such/model'"):

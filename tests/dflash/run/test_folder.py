@@ -183,8 +183,8 @@ def test_a_final_save_that_cannot_be_written_keeps_the_last_complete_checkpoint(
     limit = (complete / "trainer.pt").stat().st_size // 2
     args = train_args(tmp_path, run, steps=8, resume="latest")[1:]
     code = textwrap.dedent(_LIMITED_RUN).format(root=str(ROOT), limit=limit, args=["train", *args])
-    child = subprocess.run([sys.executable, "-c", code], env=script_env(), capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
+    command = [sys.executable, "-c", code]
+    child = subprocess.run(command, env=script_env(), capture_output=True, text=True, timeout=300)
     assert child.returncode == 2, child.stdout + child.stderr
     errors = [line for line in child.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "Traceback" not in child.stderr, child.stderr
@@ -258,8 +258,8 @@ def test_a_signal_outside_the_training_loop_is_one_line_and_keeps_what_is_known(
         root=str(ROOT), function=function, signal_name=signal_name, args=args
     )
     started = time.monotonic()
-    child = subprocess.run([sys.executable, "-c", source], env=script_env(),
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    command = [sys.executable, "-c", source]
+    child = subprocess.run(command, env=script_env(), capture_output=True, text=True, timeout=300)
     assert child.returncode == code, child.stderr
     assert time.monotonic() - started < 60
     errors = [line for line in child.stderr.splitlines() if line.startswith("Error:")]
@@ -299,22 +299,13 @@ def test_a_run_too_big_for_the_machine_is_refused_before_any_work(tmp_path, extr
 def test_a_target_position_limit_is_checked_before_loading(tmp_path) -> None:
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(
-        json.dumps(
-            {
-                "model_type": "qwen3",
-                "hidden_size": 64,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "intermediate_size": 128,
-                "vocab_size": 1000,
-                "max_position_embeddings": 256,
-            }
-        )
-    )  # fmt: skip  (no weights: a load would fail, the check comes first)
-    line = one_error_line(invoke(train_args(tmp_path, tmp_path / "run", target=str(target),
-                                            seq_len=512)))  # fmt: skip
+    # A config.json and no weights: a load would fail, the check comes first.
+    config = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2}
+    config |= {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}
+    config |= {"vocab_size": 1000, "max_position_embeddings": 256}
+    (target / "config.json").write_text(json.dumps(config))
+    args = train_args(tmp_path, tmp_path / "run", target=str(target), seq_len=512)
+    line = one_error_line(invoke(args))
     assert "--seq-len 512" in line and "max_position_embeddings 256" in line
 
 
@@ -324,8 +315,8 @@ def test_data_that_cannot_train_stops_before_step_one(tmp_path) -> None:
     long_reply = "a reply far longer than one row of the run " * 4
     with chats.open("w") as out:
         for i in range(20):
-            messages = [{"role": "user", "content": f"question {i}"},
-                        {"role": "assistant", "content": long_reply}]  # fmt: skip
+            question = {"role": "user", "content": f"question {i}"}
+            messages = [question, {"role": "assistant", "content": long_reply}]
             out.write(json.dumps({"messages": messages}) + "\n")
     run = tmp_path / "run"
     line = one_error_line(invoke(train_args(tmp_path, run, data=str(chats), seq_len=32)))

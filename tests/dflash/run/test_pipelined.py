@@ -126,10 +126,10 @@ def test_trainer_failure_is_one_line_with_a_traceback_file(
 
 def _run_script(mode: str, out_dir: Path, launcher: list[str]) -> subprocess.Popen:
     env = script_env(PYTHONUNBUFFERED="1")
+    command = [*launcher, __file__, mode, str(out_dir)]
     return subprocess.Popen(
-        [*launcher, __file__, mode, str(out_dir)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 @pytest.mark.slow
@@ -198,8 +198,8 @@ def _script(mode: str, out_dir: Path) -> None:
     real_build = pipeline.build_replicas
     pipeline.build_replicas = lambda run: replicas.extend(real_build(run)) or replicas
     # Through the command's path: tracing, cross-rank interval tables, the final gather.
-    cfg = small_cfg(data_dir, out_dir / f"out{info.rank}", steps=4, profile_interval=0.2,
-                    log_every=1)  # fmt: skip
+    out = out_dir / f"out{info.rank}"
+    cfg = small_cfg(data_dir, out, steps=4, profile_interval=0.2, log_every=1)
     pipeline.run_training(cfg, log=print)
     (out_dir / f"rank{info.rank}.sha256").write_text(weights_digest(replicas[0].drafter))
     (out_dir / f"batches-rank{info.rank}.json").write_text(json.dumps(batches))

@@ -45,17 +45,23 @@ def test_bar_on_a_terminal() -> None:
         ({"block_size": 16}, ["γ 7 (by block size)", "streak weighting off"]),
         ({"block_size": 16, "loss_decay_gamma": 3.0}, ["γ 3 (set)"]),
         # Streak weights already decay over block positions: they replace γ ...
-        ({"block_size": 16, "streak_alpha": 0.3}, ["no γ decay (streak weights replace it",
-                                                   "streak α 0.3"]),
+        (
+            {"block_size": 16, "streak_alpha": 0.3},
+            ["no γ decay (streak weights replace it", "streak α 0.3"],
+        ),
         # ... unless the user sets both.
-        ({"block_size": 16, "streak_alpha": 0.3, "loss_decay_gamma": 7.0},
-         ["γ 7 (set, applied on top of the streak weights)", "streak α 0.3"]),
+        (
+            {"block_size": 16, "streak_alpha": 0.3, "loss_decay_gamma": 7.0},
+            ["γ 7 (set, applied on top of the streak weights)", "streak α 0.3"],
+        ),
         ({"use_soft_labels": True, "kl_temperature": 2.0}, ["KL T=2", "soft labels on"]),
         ({}, ["block size 8", "up to 16 anchors", "noise: all non-anchor masked"]),
-        ({"noise_schedule": "linear:0.5:1", "steps": 40},
-         ["noise: masked share 0.5 -> 1 over 40 steps"]),
+        (
+            {"noise_schedule": "linear:0.5:1", "steps": 40},
+            ["noise: masked share 0.5 -> 1 over 40 steps"],
+        ),
     ],
-)  # fmt: skip
+)
 def test_loss_line_names_every_setting(options, fragments) -> None:
     line = format_loss_config(config_from_options(options))
     for fragment in fragments:

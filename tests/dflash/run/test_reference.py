@@ -43,10 +43,8 @@ def test_step_runs_the_five_phases_and_trains_only_the_drafter(tmp_path) -> None
     batch = run.train_data.batch(0)
     out = run.target.capture(batch.input_ids, run.layer_ids, with_logits=False)
     result = run.trainer.step(batch, out, phase=phase)
-    assert seen == [
-        "drafter.anchor_selection", "drafter.block_prediction", "drafter.loss",
-        "drafter.backward", "drafter.optimizer",
-    ]  # fmt: skip
+    phases = ("anchor_selection", "block_prediction", "loss", "backward", "optimizer")
+    assert seen == [f"drafter.{p}" for p in phases]
     assert synced == ["drafter.backward"]
     assert math.isfinite(float(result.loss)) and result.num_tokens == 2 * 32
     assert result.loss.device == run.drafter_device and result.figures is None
@@ -149,10 +147,9 @@ def test_tiny_hugging_face_target_on_chat_data_end_to_end(tmp_path) -> None:
     chats = tmp_path / "chats.jsonl"
     turn = [{"role": "user", "content": "add one"}, {"role": "assistant", "content": "x + 1"}]
     chats.write_text("\n".join(json.dumps({"messages": turn}) for _ in range(60)) + "\n")
-    cfg = small_cfg(
-        tmp_path, tmp_path / "out", target=str(model_dir), data=str(chats), steps=3,
-        eval_prompts=1, eval_new_tokens=6, eval_prompt_tokens=6, use_soft_labels=True,
-    )  # fmt: skip
+    options = dict(target=str(model_dir), data=str(chats), steps=3, use_soft_labels=True)
+    evaluation = dict(eval_prompts=1, eval_new_tokens=6, eval_prompt_tokens=6)
+    cfg = small_cfg(tmp_path, tmp_path / "out", **options, **evaluation)
     summary = train_reference(cfg, log=lambda s: None)
     assert summary["steps"] == 3 and math.isfinite(summary["final_loss"])
     assert 1.0 <= summary["tau"] <= cfg.drafter.block_size

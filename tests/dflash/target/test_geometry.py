@@ -23,18 +23,16 @@ def _hf_rotary(config):
 
 def _drafter_for_geometry(config) -> DFlashDrafter:
     geo = geometry_from_hf_config(config)
-    cfg = DrafterConfig(
-        hidden_size=config.hidden_size, num_layers=1, num_heads=geo.num_heads,
-        head_dim=geo.head_dim, intermediate_size=32, block_size=4, target_layer_ids=[1],
-        mask_token_id=0, vocab_size=8, num_kv_heads=geo.num_kv_heads, rope=geo.rope,
-        rms_eps=geo.rms_norm_eps, max_position_embeddings=geo.max_position_embeddings,
-    )  # fmt: skip
+    sizes = dict(hidden_size=config.hidden_size, num_layers=1, intermediate_size=32, block_size=4)
+    heads = dict(num_heads=geo.num_heads, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim)
+    positions = dict(rope=geo.rope, max_position_embeddings=geo.max_position_embeddings)
+    vocab = dict(target_layer_ids=[1], mask_token_id=0, vocab_size=8)
+    cfg = DrafterConfig(**sizes, **heads, **positions, **vocab, rms_eps=geo.rms_norm_eps)
     return DFlashDrafter(cfg, torch.nn.Embedding(8, config.hidden_size), torch.nn.Linear(64, 8))
 
 
-YARN = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
-        "original_max_position_embeddings": 128}  # fmt: skip
-LINEAR = {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
+YARN = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=128)
+LINEAR = dict(rope_type="linear", rope_theta=1e4, factor=2.0)
 
 
 @pytest.mark.parametrize(

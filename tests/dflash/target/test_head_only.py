@@ -35,12 +35,14 @@ def test_training_from_files_with_the_head_alone_gives_the_whole_targets_losses(
 ):
     directory = save_hf_target(tmp_path / "target", "qwen3")
     corpus = tmp_path / "chats.jsonl"
-    chats = [{"messages": [{"role": "user", "content": " ".join(WORDS[i % 7: i % 7 + 5])},
-                           {"role": "assistant", "content": " ".join(WORDS[i % 5: i % 5 + 9])}]}
-             for i in range(40)]  # fmt: skip
+    chats = []
+    for i in range(40):
+        question, answer = " ".join(WORDS[i % 7 : i % 7 + 5]), " ".join(WORDS[i % 5 : i % 5 + 9])
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        chats.append({"messages": messages})
     corpus.write_text("".join(json.dumps(c) + "\n" for c in chats))
-    opts = ["--target", str(directory), "--data", str(corpus), "--seq-len", "48",
-            "--batch-size", "2", "--drafter-layers", "1", "--use-soft-labels"]  # fmt: skip
+    paths = ["--target", str(directory), "--data", str(corpus)]
+    opts = [*paths, *"--seq-len 48 --batch-size 2 --drafter-layers 1 --use-soft-labels".split()]
     cache = tmp_path / "cache"
     args = ["cache-hidden", "--format", "speculators", "--output", str(cache), *opts]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
@@ -48,9 +50,9 @@ def test_training_from_files_with_the_head_alone_gives_the_whole_targets_losses(
 
     def train(out: str):
         seen = record_losses(monkeypatch)
-        args = ["train", "--hidden-cache", str(cache), *opts, "--steps", "5", "--eval-prompts",
-                "2", "--output-dir", str(tmp_path / out), "--log-every", "1",
-                "--block-size", "4"]  # fmt: skip
+        run = ["--steps", "5", "--eval-prompts", "2", "--output-dir", str(tmp_path / out)]
+        rest = "--log-every 1 --block-size 4".split()
+        args = ["train", "--hidden-cache", str(cache), *opts, *run, *rest]
         result = CliRunner().invoke(cli, args, catch_exceptions=False)
         assert result.exit_code == 0, result.output
         return [loss for _, loss in seen], result.output

@@ -144,17 +144,16 @@ def save_hf_model(directory: Path, num_layers: int = 6, with_mask: bool = False)
     raw = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     raw.pre_tokenizer = pre_tokenizers.Whitespace()
     raw.train_from_iterator(CORPUS, trainers.WordLevelTrainer(special_tokens=specials))
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=raw, unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>",
-        eos_token="</s>", **({"mask_token": "[MASK]"} if with_mask else {}),
-    )  # fmt: skip
+    named = dict(unk_token="[UNK]", pad_token="[PAD]", bos_token="<s>", eos_token="</s>")
+    if with_mask:
+        named["mask_token"] = "[MASK]"
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, **named)
     tok.chat_template = (
         "{% for m in messages %}<s> {{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
     )
-    cfg = LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=num_layers)
+    attention = dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    cfg = LlamaConfig(vocab_size=len(tok), **sizes, **attention)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(directory)
     tok.save_pretrained(directory)

@@ -267,8 +267,8 @@ def test_drafter_intermediate_size_defaults_to_the_targets(tmp_path) -> None:
     assert meta["training_config"]["drafter"]["intermediate_size"] == 40
     assert meta["training_config"] == json.loads((tmp_path / "config.json").read_text())
     assert meta["data_fingerprint"] == cpu_run(small_cfg(tmp_path)).train_data.fingerprint()
-    assert_one_line_error(invoke(train_args(tmp_path, drafter_intermediate_size=0)),
-                          "--drafter-intermediate-size")  # fmt: skip
+    result = invoke(train_args(tmp_path, drafter_intermediate_size=0))
+    assert_one_line_error(result, "--drafter-intermediate-size")
 
 
 @pytest.mark.usefixtures("tiny_target")

@@ -121,8 +121,8 @@ def test_non_finite_steps_are_skipped_without_host_syncs(tmp_path, monkeypatch) 
 @pytest.mark.usefixtures("tiny_target")
 def test_the_cli_stops_a_diverging_run_with_one_line(tmp_path) -> None:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in small_options(tmp_path).items()]
-    args = ["train", *flags, "--lr", "1e30", "--warmup-steps", "0", "--max-bad-steps", "2",
-            "--log-every", "1", "--steps", "12"]  # fmt: skip
+    diverging = "--lr 1e30 --warmup-steps 0 --max-bad-steps 2 --log-every 1 --steps 12".split()
+    args = ["train", *flags, *diverging]  # --steps 12 after small_options' --steps=6
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 1
     error = [line for line in result.output.splitlines() if line.startswith("Error:")]
