@@ -33,11 +33,9 @@ print(" ".join(f"{s.context.trace_id:032x}" for s in exporter.get_finished_spans
 def test_processes_that_seed_random_get_disjoint_trace_ids() -> None:
     here = str(Path(__file__).parent)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(here).parents[1]), here])}
-    runs = [
-        subprocess.run([sys.executable, "-c", _SEEDED_CHILD, here], capture_output=True,
-                       text=True, timeout=120, env=env, check=True).stdout.split()
-        for _ in range(2)
-    ]  # fmt: skip
+    child = [sys.executable, "-c", _SEEDED_CHILD, here]
+    options = {"capture_output": True, "text": True, "timeout": 120, "env": env, "check": True}
+    runs = [subprocess.run(child, **options).stdout.split() for _ in range(2)]
     assert len(runs[0]) == len(runs[1]) == 5
     assert not set(runs[0]) & set(runs[1])
 

@@ -52,10 +52,10 @@ def test_instruments_carry_namespace_units_and_values() -> None:
     metrics.observe(
         "counter", "tokens", lambda: tokens["b"], unit="{token}", attributes={"stage": "b"}
     )
-    metrics.observe("updowncounter", "queue.size", lambda: 1 / 0, unit="{item}",
-                    attributes={"queue": "x"})  # fmt: skip
-    metrics.observe("updowncounter", "queue.size", lambda: 3, unit="{item}",
-                    attributes={"queue": "y"})  # fmt: skip
+    for queue, depth in (("x", lambda: 1 / 0), ("y", lambda: 3)):  # x's callback raises
+        metrics.observe(
+            "updowncounter", "queue.size", depth, unit="{item}", attributes={"queue": queue}
+        )
     metrics.gauge("train.loss", unit="{nat}")
     metrics.record({"train.loss": 2.5, "unknown": 1.0, "train.loss_none": None})
     assert metrics.force_flush()
@@ -80,8 +80,8 @@ def test_otlp_request_holds_instruments_and_stats_histogram() -> None:
     from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
 
     memory = MemoryMetricExporter()
-    metrics = start_metrics(MetricsConfig(export_interval_s=3600), tracing.TracingConfig(),
-                            exporters=[memory])  # fmt: skip
+    hourly = MetricsConfig(export_interval_s=3600)
+    metrics = start_metrics(hourly, tracing.TracingConfig(), exporters=[memory])
     metrics.observe("gauge", "depth", lambda: 1, unit="{item}")
     stats = tracing.ProfileStats()
     stats.add("p", 0.01)
