@@ -15,13 +15,13 @@ import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from types import FrameType
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _phase = "start-up"
 
 
-def _exit_now(signum: int, frame: Any) -> None:
+def _exit_now(signum: int, frame: FrameType | None) -> None:
     os.write(2, f"Error: stopped by {signal.Signals(signum).name} during {_phase}\n".encode())
     os._exit(128 + signum)  # no interpreter teardown: it could raise in half-imported modules
 

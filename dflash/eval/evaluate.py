@@ -21,7 +21,7 @@ from dflash.config.settings import RunConfig
 from dflash.data.chat import use_template_kwargs
 from dflash.data.datasets import PackedDataset, build_datasets, heldout_prompts
 from dflash.data.sources import DataReport
-from dflash.data.tokenizer import decode_text
+from dflash.data.tokenizer import Tokenizer, decode_text
 from dflash.drafter.io import load_drafter, read_drafter_config, saved_chat_template_kwargs
 from dflash.drafter.model import DFlashDrafter
 from dflash.eval.prompts import PromptError, read_conversations, render_prompt
@@ -240,7 +240,9 @@ class _PromptSource:
             for line in report.lines(0):
                 log(line.replace("data:", "eval:", 1))
 
-    def follow_up(self, tokenizer: Any) -> Callable[[int, list[int]], list[int] | None] | None:
+    def follow_up(
+        self, tokenizer: Tokenizer
+    ) -> Callable[[int, list[int]], list[int] | None] | None:
         """The next turn of conversation i once the target has answered the one before:
         the conversation so far, the reply, the next user turn."""
         if self.conversations is None or not any(self.followups):
@@ -258,7 +260,7 @@ class _PromptSource:
 
         return next_prompt
 
-    def prompts(self, tokenizer: Any) -> tuple[list[list[int]], str]:
+    def prompts(self, tokenizer: Tokenizer) -> tuple[list[list[int]], str]:
         """(prompts, a phrase saying where they come from)."""
         settings = self.settings
         if self.conversations is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.data.sources import DataReport
+from dflash.data.tokenizer import Tokenizer
 from dflash.errors import DFlashError
 
 _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}  # any other role is kept as it is
@@ -60,7 +61,7 @@ def conversation_to_prompt(obj: Any) -> list[dict[str, str]] | None:
     return None if last_user is None else messages[: last_user + 1]
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def render_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of `messages` followed by the assistant's generation prompt."""
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template(
@@ -115,7 +116,7 @@ def read_conversations(
 
 def load_chat_prompts(
     path: Path | str,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     limit: int | None = None,
     report: DataReport | None = None,
 ) -> list[list[int]]:

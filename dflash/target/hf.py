@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from dflash.data.tokenizer import Tokenizer
 from dflash.errors import first_line
 from dflash.target.geometry import TargetError, geometry_from_hf_config
 from dflash.target.model import TargetModel
@@ -258,14 +259,14 @@ def _as_ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def hf_stop_token_ids(tokenizer: Any, generation_config: Any) -> tuple[int, ...]:
+def hf_stop_token_ids(tokenizer: Tokenizer, generation_config: Any) -> tuple[int, ...]:
     """EOS of the tokenizer plus the generation config's EOS ids (chat models list several)."""
     ids = _as_ids(getattr(tokenizer, "eos_token_id", None))
     ids += _as_ids(getattr(generation_config, "eos_token_id", None))
     return tuple(dict.fromkeys(ids))
 
 
-def load_stop_token_ids(spec: str, tokenizer: Any) -> tuple[int, ...]:
+def load_stop_token_ids(spec: str, tokenizer: Tokenizer) -> tuple[int, ...]:
     """The stop tokens of a target whose weights do not load here (a served one): its
     tokenizer's EOS and its generation config's, where it has one."""
     generation_config = None

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from dflash.config import checks
 from dflash.data.chat import use_template_kwargs
 from dflash.data.documents import document_positions
+from dflash.data.tokenizer import Tokenizer
 from dflash.nn.kvcache import KVCache, crop_hf_cache
 from dflash.target.geometry import TargetError, TargetGeometry, text_config
 from dflash.target.tiny import TinyLM
@@ -63,7 +64,7 @@ class NoMaskToken(TargetError):
 
 
 def unused_special_token(
-    tokenizer: Any, num_embeddings: int, token_ids: Iterable[Any]
+    tokenizer: Tokenizer, num_embeddings: int, token_ids: Iterable[Any]
 ) -> MaskToken | None:
     """The first special token (by id) that occurs in none of `token_ids` (arrays of the
     training and held-out data, padding included): a row of the target's embedding the
@@ -84,7 +85,7 @@ def unused_special_token(
     return _unused_unk(tokenizer, num_embeddings, arrays)
 
 
-def _unused_unk(tokenizer: Any, num_embeddings: int, arrays: list[Any]) -> MaskToken | None:
+def _unused_unk(tokenizer: Tokenizer, num_embeddings: int, arrays: list[Any]) -> MaskToken | None:
     """The last resort (Llama-2, Mistral-7B-v0.1, TinyLlama: BOS, EOS, UNK and nothing
     else): the unknown token, when it is no token the pipeline writes itself (padding,
     document ends and starts) and the data does not hold it."""
@@ -102,11 +103,11 @@ def _unused(token_id: int, arrays: list[Any]) -> bool:
     return not any(bool((ids == token_id).any()) for ids in arrays)
 
 
-def _token_text(tokenizer: Any, token_id: int) -> str:
+def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return str(tokenizer.convert_ids_to_tokens(token_id) or tokenizer.decode([token_id]))
 
 
-def tokenizer_vocab_size(tokenizer: Any) -> int:
+def tokenizer_vocab_size(tokenizer: Tokenizer) -> int:
     """Ids the tokenizer can produce (added tokens included)."""
     try:
         return len(tokenizer)
@@ -115,7 +116,7 @@ def tokenizer_vocab_size(tokenizer: Any) -> int:
 
 
 def resolve_mask_token(
-    tokenizer: Any, num_embeddings: int, explicit_id: int | None = None
+    tokenizer: Tokenizer, num_embeddings: int, explicit_id: int | None = None
 ) -> MaskToken:
     """An explicit id when given; else the tokenizer's mask token; else the first spare row."""
     if explicit_id is not None:
@@ -233,7 +234,7 @@ class TargetModel(nn.Module):
         layers: nn.ModuleList,
         *,
         spec: str,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         geometry: TargetGeometry,
         stop_token_ids: tuple[int, ...] = (),
     ) -> None:

@@ -28,7 +28,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from dflash.config.commands import ServerConfig
-from dflash.data.tokenizer import encode_texts, tokenizer_fingerprint
+from dflash.data.tokenizer import Tokenizer, encode_texts, tokenizer_fingerprint
 from dflash.errors import DFlashError, first_line
 
 PROBE = "Speculative decoding drafts 16 tokens; the target checks them all at once."
@@ -78,7 +78,7 @@ class TokenizerTarget:
     """What regeneration needs of a target it does not run: its tokenizer and name."""
 
     spec: str
-    tokenizer: Any
+    tokenizer: Tokenizer
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
