@@ -124,7 +124,7 @@ def test_batch_variables_the_sdk_refuses_leave_its_defaults(clean_env, caplog) -
 @pytest.mark.parametrize(
     ("variables", "flags", "expected"),
     [
-        ({}, {}, "unknown_service:"),
+        ({}, {}, "unknown_service"),  # then ":<executable>" from SDK 1.4x on
         ({}, {"default_service_name": "app"}, "app"),
         ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=res"}, {"default_service_name": "app"}, "res"),
         (
