@@ -74,6 +74,10 @@ class FeatureSource:
 
     runs_target = True
     """The target's decoder runs while training (its FLOPs count, its stage forwards)."""
+    head_only = False
+    """Only the target's embedding, LM head and final norm are ever used."""
+    has_rows = False
+    """The source holds the training rows itself (`rows`), not the data file."""
     target_phase = names.TARGET_FORWARD
 
     def __init__(self, cfg: TrainConfig) -> None:
@@ -82,16 +86,6 @@ class FeatureSource:
     def load_device(self, placement: Placement) -> torch.device:
         """Where the target's weights load."""
         return placement.target
-
-    @property
-    def head_only(self) -> bool:
-        """Only the embedding, LM head and final norm are ever used."""
-        return False
-
-    @property
-    def has_rows(self) -> bool:
-        """The source holds the training rows itself (`rows`), not the data file."""
-        return False
 
     def open(self, target: TargetModel, log: Log) -> None:
         """Checks the source against the loaded target and says what it is."""
@@ -193,6 +187,8 @@ class SampleFiles(_FromDisk):
     --format speculators`): the samples are the rows, only the target's embedding, LM
     head and final norm load, and its decoder never runs."""
 
+    head_only = has_rows = True
+
     def __init__(self, cfg: TrainConfig, directory: Path) -> None:
         super().__init__(cfg, directory)
         if cfg.data.packing != "docs":
@@ -202,14 +198,6 @@ class SampleFiles(_FromDisk):
             )
         self._cache: SampleCache | None = None
         self._rows: SampleRows | None = None
-
-    @property
-    def head_only(self) -> bool:
-        return True
-
-    @property
-    def has_rows(self) -> bool:
-        return True
 
     @property
     def cache(self) -> SampleCache:

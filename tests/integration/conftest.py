@@ -25,6 +25,22 @@ from typing import Any
 import pytest
 import requests
 
+# Short chat prompts the serving tests send (llama-server all of them, vLLM the first 8).
+CHAT_PROMPTS = [
+    "Write a Python function that adds two numbers.",
+    "What is a prime number?",
+    "Name three colors.",
+    "Explain recursion in one sentence.",
+    "How do I reverse a list in Python?",
+    "What does HTTP stand for?",
+    "Give me a haiku about the sea.",
+    "What is 12 times 12?",
+    "Describe a cat.",
+    "Why is the sky blue?",
+    "What is a linked list?",
+    "Say hello in French.",
+]
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 JAEGER_CONFIG = REPO_ROOT / "docker" / "jaeger" / "config.yaml"
 BUILD_SCRIPT = REPO_ROOT / "tools" / "jaeger" / "build.sh"

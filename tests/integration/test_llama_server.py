@@ -19,23 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import CHAT_PROMPTS as PROMPTS
 from conftest import REPO_ROOT, die_with_parent, free_port
 
 TOOLS = REPO_ROOT / "tools" / "llama_server"
-PROMPTS = [
-    "Write a Python function that adds two numbers.",
-    "What is a prime number?",
-    "Name three colors.",
-    "Explain recursion in one sentence.",
-    "How do I reverse a list in Python?",
-    "What does HTTP stand for?",
-    "Give me a haiku about the sea.",
-    "What is 12 times 12?",
-    "Describe a cat.",
-    "Why is the sky blue?",
-    "What is a linked list?",
-    "Say hello in French.",
-]
 HELDOUT = 0.01
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO_ROOT, die_with_parent
+from conftest import CHAT_PROMPTS, REPO_ROOT, die_with_parent
 from vllm_fixtures import (  # noqa: F401
     dflash_cli,
     dflash_ok,
@@ -42,16 +42,7 @@ from vllm_fixtures import (  # noqa: F401
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.vllm]
 
-PROMPTS = [
-    "Write a Python function that adds two numbers.",
-    "What is a prime number?",
-    "Name three colors.",
-    "Explain recursion in one sentence.",
-    "How do I reverse a list in Python?",
-    "What does HTTP stand for?",
-    "Give me a haiku about the sea.",
-    "What is 12 times 12?",
-]
+PROMPTS = CHAT_PROMPTS[:8]
 NEW_TOKENS = 32
 HELDOUT = "0.001"  # every prompt is trained on: the drafters are meant to accept
 TOLERANCE = 0.02
