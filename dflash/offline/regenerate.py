@@ -19,8 +19,11 @@ import fcntl
 import hashlib
 import json
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,11 +231,12 @@ class _ServerDecoder:
         settings: RegenerateSettings,
         chunk: int,
         on_batch: Callable[[int], None] | None = None,
+        on_queued: Callable[[], None] | None = None,
     ) -> None:
         self.target, self.client, self.settings, self.chunk = target, client, settings, chunk
         self.stops = settings.stop_token_ids
         self.new_tokens = 0
-        self.on_batch = on_batch
+        self.on_batch, self.on_queued = on_batch, on_queued
         self._wave = 0
 
     def replies(self, prompts: list[list[int]]) -> list[Reply]:
@@ -240,7 +244,14 @@ class _ServerDecoder:
         settings = self.settings
         sampling = {"max_tokens": settings.max_new_tokens, "temperature": settings.temperature}
         seed = settings.seed * 1_000_003 + self.chunk * 1_009 + self._wave * 65_537
-        done = self.client.complete_all(prompts, **sampling, stop_token_ids=self.stops, seed=seed)
+        done = self.client.complete_all(
+            prompts,
+            **sampling,
+            stop_token_ids=self.stops,
+            seed=seed,
+            priority=(self.chunk, self._wave),
+            on_queued=self.on_queued if prompts else None,
+        )
         self.new_tokens += sum(c.tokens for c in done)
         if self.on_batch is not None:
             self.on_batch(self.new_tokens)
@@ -379,32 +390,80 @@ def regenerate(
         done = first_line = _resume_point(out, record, settings.chunk_lines)
     except OSError as exc:
         raise write_failure(exc, out, 0) from None
+    lock = threading.Lock()
+    written, sent = done, 0  # lines in the file; new tokens of every chunk, written or not
+
+    def decode(begin: int, queued: threading.Event | None = None) -> tuple[list[dict], int]:
+        chunk, seen = begin // settings.chunk_lines, 0
+
+        def batch_done(chunk_tokens: int) -> None:
+            nonlocal seen, sent
+            with lock:  # chunks decoded ahead report from their own thread
+                sent, seen = sent + chunk_tokens - seen, chunk_tokens
+                if progress is not None:  # tokens/s between chunks, lines at their ends
+                    rate = sent / max(time.perf_counter() - start_s, 1e-9)
+                    progress(RegenProgress(written, len(items), sent, rate))
+
+        decoder: _Decoder | _ServerDecoder
+        if server is not None:
+            queued_fn = None if queued is None else queued.set
+            decoder = _ServerDecoder(target, server, settings, chunk, batch_done, queued_fn)  # type: ignore[arg-type]
+        else:
+            decoder = _Decoder(target, settings, chunk, batch_done)  # type: ignore[arg-type]
+        try:
+            records = regenerate_chunk(decoder, items[begin : begin + settings.chunk_lines])
+        finally:
+            if queued is not None:
+                queued.set()
+        return records, decoder.new_tokens
+
     new_tokens = 0
+    begins = range(done, len(items), settings.chunk_lines)
     # Unbuffered: a chunk that cannot be written is cut off again at once (`append_lines`),
     # with nothing left in a buffer for closing the file to fail on once more.
-    with open(out, "ab", buffering=0) as f:
-        for begin in range(done, len(items), settings.chunk_lines):
-
-            def batch_done(chunk_tokens: int, done: int = done, so_far: int = new_tokens) -> None:
-                if progress is not None:  # tokens/s between chunks, lines at their ends
-                    rate = (so_far + chunk_tokens) / max(time.perf_counter() - start_s, 1e-9)
-                    progress(RegenProgress(done, len(items), so_far + chunk_tokens, rate))
-
-            chunk = begin // settings.chunk_lines
-            decoder: _Decoder | _ServerDecoder
-            if server is not None:
-                decoder = _ServerDecoder(target, server, settings, chunk, batch_done)  # type: ignore[arg-type]
-            else:
-                decoder = _Decoder(target, settings, chunk, batch_done)  # type: ignore[arg-type]
-            records = regenerate_chunk(decoder, items[begin : begin + settings.chunk_lines])
+    chunks = contextlib.closing(_in_order(begins, decode, server))  # closed on any error
+    with open(out, "ab", buffering=0) as f, chunks as decoded:
+        for begin, (records, tokens) in decoded:
             text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
             append_lines(f.fileno(), text.encode("utf-8"), out, begin)
-            done, new_tokens = begin + len(records), new_tokens + decoder.new_tokens
-            if progress is not None:
-                rate = new_tokens / max(time.perf_counter() - start_s, 1e-9)
-                progress(RegenProgress(done, len(items), new_tokens, rate))
+            with lock:
+                written, new_tokens = begin + len(records), new_tokens + tokens
+                if progress is not None:
+                    rate = sent / max(time.perf_counter() - start_s, 1e-9)
+                    progress(RegenProgress(written, len(items), new_tokens, rate))
     wall_s = time.perf_counter() - start_s
     return RegenReport(out, len(items), first_line, new_tokens, wall_s, report)
+
+
+def _in_order(
+    begins: range,
+    decode: Callable[[int, threading.Event | None], tuple[list[dict], int]],
+    server: CompletionClient | None,
+) -> Iterator[tuple[int, tuple[list[dict], int]]]:
+    """Each chunk's records, in order. With a server the next chunk is decoded while the
+    last replies of one come in, so `--concurrency` requests stay in flight across chunk
+    boundaries (without, a chunk's slowest reply left the server half idle); its requests
+    queue behind the earlier chunk's (CompletionClient's priorities)."""
+    if server is None:
+        for begin in begins:
+            yield begin, decode(begin, None)
+        return
+    pending: deque[tuple[int, Future[tuple[list[dict], int]]]] = deque()
+    with ThreadPoolExecutor(2, thread_name_prefix="regen-chunk") as pool:
+        try:
+            for begin in begins:
+                queued = threading.Event()
+                pending.append((begin, pool.submit(decode, begin, queued)))
+                queued.wait()  # so that the chunk after it is queued behind its first prompts
+                if len(pending) == 2:
+                    first, future = pending.popleft()
+                    yield first, future.result()
+            while pending:
+                first, future = pending.popleft()
+                yield first, future.result()
+        finally:
+            if pending:  # the run stops: the chunk ahead sends nothing more
+                server.stop()
 
 
 def append_lines(fd: int, data: bytes, path: Path, lines_before: int) -> None:

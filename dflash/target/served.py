@@ -17,13 +17,17 @@ name.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -82,12 +86,57 @@ class TokenizerTarget:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
+class _Requests:
+    """`workers` threads that send requests, the lowest priority first (a regeneration's
+    chunk and wave, then arrival), so requests sent ahead never delay the chunk that is
+    written next. Daemon threads: a run that stops does not wait for replies in flight."""
+
+    def __init__(self, workers: int) -> None:
+        self._workers = workers
+        self._queue: list[tuple[tuple[int, int], int, Future[Any], Callable[[], Any]]] = []
+        self._changed = threading.Condition()
+        self._arrival = itertools.count()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, priority: tuple[int, int], call: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._changed:
+            heapq.heappush(self._queue, (priority, next(self._arrival), future, call))
+            if len(self._threads) < self._workers:
+                worker = threading.Thread(target=self._work, name="server-request", daemon=True)
+                self._threads.append(worker)
+                worker.start()
+            self._changed.notify()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            with self._changed:
+                while not self._queue:
+                    self._changed.wait()
+                *_, future, call = heapq.heappop(self._queue)
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while it waited
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # handed to whoever waits on it
+                future.set_exception(exc)
+
+
 class CompletionClient:
-    """Requests to one server; thread-safe (each call opens its own connection)."""
+    """Requests to one server; thread-safe (each call opens its own connection). At most
+    `concurrency` completions are in flight, however many callers ask at once, so that a
+    regeneration can send the next chunk's prompts while the last replies of one come."""
 
     def __init__(self, settings: ServerSettings, sleep: Callable[[float], None] = time.sleep):
         self.settings, self._sleep = settings, sleep
         self.model = settings.model or ""
+        self._requests = _Requests(settings.concurrency)
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        """Send no completion from now on: each one not yet sent raises ServerError."""
+        self._stopped.set()
 
     # -- HTTP
 
@@ -213,6 +262,8 @@ class CompletionClient:
         body.update(top_p=1.0, top_k=0, min_p=0.0)
         if stop_token_ids:
             body["stop_token_ids"] = list(stop_token_ids)  # vLLM/SGLang; EOS ends it anyway
+        if self._stopped.is_set():
+            raise ServerError(f"--server {self.settings.base}: the run stopped")
         reply = self._request("POST", "/v1/completions", body)
         try:
             choice = reply["choices"][0]
@@ -225,20 +276,32 @@ class CompletionClient:
         usage = reply.get("usage") or {}
         return Completion(text, int(usage.get("completion_tokens") or 0), reason == "length")
 
-    def complete_all(self, prompts: list[list[int]], **kwargs: Any) -> list[Completion]:
-        """Every prompt, `concurrency` in flight; results in prompt order."""
+    def complete_all(
+        self,
+        prompts: list[list[int]],
+        *,
+        priority: tuple[int, int] = (0, 0),
+        on_queued: Callable[[], None] | None = None,
+        **kwargs: Any,
+    ) -> list[Completion]:
+        """Every prompt, with at most `concurrency` in flight over all callers, those of
+        the lowest `priority` first; results in prompt order. The first failure ends it at
+        once, and this call's prompts not yet sent are not sent. `on_queued` is called once
+        they are all queued."""
         seed = int(kwargs.pop("seed"))
-        with ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="regen") as pool:
-            futures = [
-                pool.submit(self.complete, p, seed=seed + i, **kwargs)
-                for i, p in enumerate(prompts)
-            ]
-            try:
-                return [f.result() for f in futures]
-            except BaseException:
-                for future in futures:  # the run stops: send nothing more
-                    future.cancel()
-                raise
+        futures = [
+            self._requests.submit(priority, partial(self.complete, p, seed=seed + i, **kwargs))
+            for i, p in enumerate(prompts)
+        ]
+        if on_queued is not None:
+            on_queued()
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+            return [f.result() for f in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
 
     def identity(self, target: TokenizerTarget) -> str:
         """What a resumed regeneration must find again: the served model and tokenizer."""

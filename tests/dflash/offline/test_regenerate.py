@@ -350,3 +350,112 @@ def test_padded_rows_leave_the_batch_at_their_stop_and_equal_generate_alone(hf_d
     assert len(expected[3]) == 2 and max(map(len, expected)) == 12, expected
     got = generate_padded(target, prompts, max_new_tokens=12, stop_token_ids=[stop])
     assert got == expected
+
+
+class _StubEngine:
+    """An OpenAI-compatible endpoint that answers prompt i with WORDS[-1 - i] after
+    `delays[i]` seconds (or with HTTP 400 for `refused`), and records when each request
+    was in flight: what the scheduling of `regenerate --server` is judged by."""
+
+    def __init__(self, prompts: list[list[int]], delays: dict[int, float], refused=()):
+        import threading
+        import time
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.spans: dict[int, tuple[float, float]] = {}
+        self.most, lock, in_flight = 0, threading.Lock(), [0]
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _send(self, status: int, body: dict) -> None:
+                raw = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self) -> None:  # noqa: N802 - the http.server hook name
+                self._send(200, {"data": [{"id": "stub"}]})
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path != "/v1/completions":
+                    self._send(404, {})
+                    return
+                which = prompts.index(body["prompt"])
+                with lock:
+                    in_flight[0] += 1
+                    engine.most = max(engine.most, in_flight[0])
+                start = time.perf_counter()
+                time.sleep(delays.get(which, 0.0))
+                with lock:
+                    in_flight[0] -= 1
+                    engine.spans[which] = (start, time.perf_counter())
+                if which in refused:
+                    self._send(400, {"error": "refused"})
+                    return
+                choice = {"text": WORDS[-1 - which], "finish_reason": "stop"}
+                self._send(200, {"choices": [choice], "usage": {"completion_tokens": 1}})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _regenerate_served(hf_dir, tmp_path, delays, refused=()):
+    """Eight one-turn prompts in chunks of 4, two requests in flight, through a stub."""
+    from dflash.data.chat import chat_prompt_ids
+    from dflash.target.served import CompletionClient, ServerSettings, TokenizerTarget
+
+    tok = load_target(str(hf_dir)).tokenizer
+    data = _write_chats(tmp_path / "prompts.jsonl", [[(U, word)] for word in WORDS[:8]])
+    prompts = [chat_prompt_ids(tok, [{"role": U, "content": w}]) for w in WORDS[:8]]
+    engine = _StubEngine(prompts, delays, refused)
+    out = tmp_path / "answers.jsonl"
+    try:
+        client = CompletionClient(ServerSettings(engine.url, concurrency=2, retries=0))
+        target = TokenizerTarget(str(hf_dir), tok)
+        client.connect(target, log=lambda line: None)
+        settings = dataclasses.replace(SETTINGS, chunk_lines=4)
+        regenerate(target, str(data), out, settings=settings, server=client)
+    finally:
+        engine.close()
+    return engine, out
+
+
+def test_a_server_gets_the_next_chunk_while_one_reply_is_slow(hf_dir, tmp_path) -> None:
+    """--concurrency stays full across chunk boundaries, the earlier chunk first in line,
+    and the file keeps the input's order: one slow reply no longer idles the server."""
+    delays = {0: 0.8} | {i: 0.05 for i in range(1, 8)}
+    engine, out = _regenerate_served(hf_dir, tmp_path, delays)
+    written = [json.loads(line)["messages"] for line in out.read_text().splitlines()]
+    assert [m[0]["content"] for m in written] == WORDS[:8]
+    assert [m[1]["content"] for m in written] == [WORDS[-1 - i] for i in range(8)]
+    spans = engine.spans
+    assert engine.most == 2
+    # The second chunk began while the first's slow reply was still coming ...
+    assert spans[4][0] < spans[0][1]
+    # ... and only once every request of the first chunk had been sent.
+    assert max(spans[i][0] for i in range(4)) <= min(spans[i][0] for i in range(4, 8))
+
+
+def test_a_refused_request_ends_the_run_at_once_and_the_chunk_ahead_sends_no_more(
+    hf_dir, tmp_path
+) -> None:
+    import time
+
+    from dflash.target.served import ServerError
+
+    start = time.perf_counter()
+    with pytest.raises(ServerError, match="HTTP 400"):
+        _regenerate_served(hf_dir, tmp_path, {0: 1.0} | {i: 0.2 for i in range(2, 8)}, {1})
+    # Only the slow request already in flight is waited for, not the prompts after it.
+    assert time.perf_counter() - start < 5
+    assert not (tmp_path / "answers.jsonl").read_text()
