@@ -287,6 +287,15 @@ def _layers(
     """Our layer ids of the files' auxiliary layers, and whether the last layer follows."""
     if manifest is not None:
         ids, has_last = [int(i) for i in manifest["layer_ids"]], bool(manifest["last_layer"])
+        # Without this a cache whose files were replaced (or cut) fails mid-run in the reader.
+        stacked_last = has_last and header.stacked
+        no_last = has_last and not header.stacked and not header.has_verifier
+        if header.layers != len(ids) + stacked_last or no_last:
+            then = " and the last" if has_last else ""
+            raise SampleCacheError(
+                f"--hidden-cache {path}: {MANIFEST} names target layers {ids}{then}, the "
+                f"files hold {header.layers} layers" + (" and no last" if no_last else "")
+            )
     elif wanted is None:
         raise SampleCacheError(
             f"--hidden-cache {path}: speculators' files do not record their layers: pass "

@@ -198,6 +198,12 @@ def test_bad_sample_files_are_one_line_or_a_counted_skip(tmp_path):
     summary = json.loads((tmp_path / "nan" / "summary.json").read_text())
     assert summary["hidden_cache_skipped"]["nonfinite"] >= 1
     assert summary["final_loss"] == summary["final_loss"]  # not NaN: nothing learned from it
+    # Files alike but not those the manifest describes: one line before any step.
+    for file in files.glob("hs_*.safetensors"):
+        sample = load_file(str(file))
+        fewer = sample["hidden_states"][:, 1:].contiguous()
+        save_file({**sample, "hidden_states": fewer}, str(file))
+    assert "names target layers" in _one_error(_train(tmp_path, cache))
 
 
 def test_a_directory_of_neither_format_is_named(tmp_path):
