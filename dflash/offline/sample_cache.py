@@ -287,15 +287,7 @@ def _layers(
     """Our layer ids of the files' auxiliary layers, and whether the last layer follows."""
     if manifest is not None:
         ids, has_last = [int(i) for i in manifest["layer_ids"]], bool(manifest["last_layer"])
-        # Without this a cache whose files were replaced (or cut) fails mid-run in the reader.
-        stacked_last = has_last and header.stacked
-        no_last = has_last and not header.stacked and not header.has_verifier
-        if header.layers != len(ids) + stacked_last or no_last:
-            then = " and the last" if has_last else ""
-            raise SampleCacheError(
-                f"--hidden-cache {path}: {MANIFEST} names target layers {ids}{then}, the "
-                f"files hold {header.layers} layers" + (" and no last" if no_last else "")
-            )
+        named = f"{MANIFEST} names target layers {ids}" + (" and the last" if has_last else "")
     elif wanted is None:
         raise SampleCacheError(
             f"--hidden-cache {path}: speculators' files do not record their layers: pass "
@@ -306,13 +298,17 @@ def _layers(
         # speculators' trainer always takes a [t, L, D] file's last slice for the
         # verifier's last layer (vLLM runs with it included): so do we.
         has_last = header.stacked or header.has_verifier
-        count = header.layers - 1 if header.stacked else header.layers
-        if count != len(ids):
-            then = " (then the last layer)" if header.stacked else ""
-            raise SampleCacheError(
-                f"--hidden-cache {path}: the files hold {count} auxiliary layers{then}, "
-                f"--target-layers names {len(ids)} ({ids})"
-            )
+        named = f"--target-layers names {len(ids)} ({ids})"
+    # Files unlike their manifest (replaced or cut) would otherwise fail mid-run in the reader.
+    count = header.layers - 1 if header.stacked and has_last else header.layers
+    no_last = has_last and not header.stacked and not header.has_verifier
+    if count != len(ids) or no_last:
+        then = " (then the last layer)" if header.stacked and has_last else ""
+        if no_last:
+            then = " and no last layer"
+        raise SampleCacheError(
+            f"--hidden-cache {path}: the files hold {count} auxiliary layers{then}, {named}"
+        )
     if wanted is not None and list(wanted) != ids:
         raise SampleCacheError(
             f"--hidden-cache {path} holds target layers {ids}, --target-layers names {list(wanted)}"
