@@ -1,10 +1,10 @@
-"""A signal in the first seconds of a command, as a user's Ctrl-C or a scheduler's SIGTERM
-meets it: `train`, `eval` and `regenerate` are started as real processes and signalled
+"""A signal in the first seconds of a command, as a user's Ctrl-C, a scheduler's SIGTERM or
+a closed terminal's SIGHUP meets it: `train`, `eval` and `regenerate` are started as real processes and signalled
 0.1, 0.3, 0.8, 1.5 and 5 s after start (during the interpreter's start-up, the command
 line's imports, torch's import, the target's load, the work). Every time: exit code 130
-(SIGINT) or 143 (SIGTERM), exactly one `stopped by` line, no traceback.
+(SIGINT), 143 (SIGTERM) or 129 (SIGHUP), exactly one `stopped by` line, no traceback.
 
-Usage: python bench/signal_timing.py [--keep DIR] [--delays 0.1,0.3] [--signals INT,TERM]
+Usage: python bench/signal_timing.py [--keep DIR] [--delays 0.1,0.3] [--signals INT,TERM,HUP]
 (needs the built-in tiny target, prepared once and cached; about 30 runs of a few seconds)
 """
 
@@ -88,7 +88,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="work in this folder and keep it")
     parser.add_argument("--delays", default=",".join(map(str, DELAYS_S)))
-    parser.add_argument("--signals", default="INT,TERM")
+    parser.add_argument("--signals", default="INT,TERM,HUP")
     parser.add_argument("--commands", default="train,eval,regenerate")
     args = parser.parse_args()
     work = Path(args.keep or tempfile.mkdtemp(prefix="signal-timing-"))
@@ -113,7 +113,7 @@ def main() -> int:
                     print(err[-3000:], file=sys.stderr)
                 good += not found
                 total += 1
-    print(f"{good} of {total} signalled runs: one line, exit 130/143, no traceback")
+    print(f"{good} of {total} signalled runs: one line, exit 130/143/129, no traceback")
     return 0 if good == total else 1
 
 

@@ -22,7 +22,7 @@ __all__ = ["cli", "main"]
 
 def main() -> None:
     """`dflash-train` (and `python -m dflash.cli`): a signal from the first millisecond
-    on is one line and exit code 130/143."""
+    on is one line and exit code 130/143/129."""
     install_startup_handlers()
     from dflash.cli.app import main as run_command  # deferred: after the handlers
 

@@ -12,7 +12,7 @@ import sys
 import click
 
 from dflash.cli import data, results, train
-from dflash.pipeline.queues import Interrupted, StopSignals, TrainingInterrupted
+from dflash.signals import Interrupted, StopSignals, TrainingInterrupted
 
 
 class _DefaultGroup(click.Group):
@@ -27,7 +27,7 @@ class _DefaultGroup(click.Group):
         signals = StopSignals(_main_phase).install()
         try:
             return super().invoke(ctx)
-        except Interrupted as exc:  # one line, and the exit code (130, 143) it carries
+        except Interrupted as exc:  # one line, and the exit code (130, 143, 129) it carries
             click.echo(f"Error: {exc.describe()}", err=True)
             raise
         except TrainingInterrupted as exc:  # the checkpoint and summary are written: the line

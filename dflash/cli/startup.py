@@ -1,11 +1,11 @@
-"""The first milliseconds of `dflash-train`: SIGINT/SIGTERM handlers before any heavy import.
+"""The first milliseconds of `dflash-train`: stop-signal handlers before any heavy import.
 
 Importing the command line (click, numpy, the config tree) takes most of a second, and a
 command's own imports (torch) take more. A signal in that time would otherwise end the
 process with a KeyboardInterrupt traceback (SIGINT) or silently (SIGTERM). Until a
-command installs its own handlers (dflash.pipeline.queues.StopSignals), a signal ends the
+command installs its own handlers (dflash.signals.StopSignals), a signal ends the
 process at once with one line: nothing has been written yet, so nothing needs saving.
-Only the standard library is imported here.
+Only the standard library (and dflash.signals, which imports nothing else) is imported here.
 """
 
 from __future__ import annotations
@@ -17,19 +17,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from dflash.signals import STOP_SIGNALS
+
 _phase = "start-up"
 
 
 def _exit_now(signum: int, frame: FrameType | None) -> None:
-    os.write(2, f"Error: stopped by {signal.Signals(signum).name} during {_phase}\n".encode())
+    try:  # after SIGHUP the terminal may be gone
+        os.write(2, f"Error: stopped by {signal.Signals(signum).name} during {_phase}\n".encode())
+    except OSError:
+        pass
     os._exit(128 + signum)  # no interpreter teardown: it could raise in half-imported modules
 
 
 def install_startup_handlers() -> None:
-    """SIGINT and SIGTERM end the process with one line and exit code 130/143."""
+    """SIGINT, SIGTERM and SIGHUP end the process with one line and exit code 130/143/129."""
     if threading.current_thread() is threading.main_thread():
-        for sig in _SIGNALS:
+        for sig in STOP_SIGNALS:
             signal.signal(sig, _exit_now)
 
 
@@ -42,7 +46,7 @@ def exiting_at_once() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    saved = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     install_startup_handlers()
     try:
         yield

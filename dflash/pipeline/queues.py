@@ -12,17 +12,14 @@ failing thread can never leave another waiting forever.
 
 from __future__ import annotations
 
-import os
 import queue
-import signal
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import FrameType
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from dflash.errors import first_line
 
@@ -359,83 +356,3 @@ class PipelineCounters:
                 queue_depths=depths,
                 queued_now=dict(queued_now or {}),
             )
-
-
-class TrainingInterrupted(SystemExit):
-    """SIGINT/SIGTERM ended training; exit code 128 + signal number (130, 143).
-
-    A SystemExit, so a command that lets it propagate exits with that code.
-    """
-
-    def __init__(self, signum: int, summary: dict[str, Any] | None):
-        super().__init__(128 + signum)
-        self.signum, self.summary = signum, summary
-
-
-class Interrupted(SystemExit):
-    """SIGINT/SIGTERM outside the training loop (setup, target preparation, regeneration,
-    caching, evaluation): raised in the main thread where it arrived, so `finally`
-    blocks run and whatever is known gets written; exit code 128 + signal number."""
-
-    def __init__(self, signum: int, during: str | None):
-        super().__init__(128 + signum)
-        self.signum, self.during = signum, during
-
-    def describe(self) -> str:
-        name = signal.Signals(self.signum).name
-        return f"stopped by {name}" + (f" during {self.during}" if self.during else "")
-
-
-class StopSignals:
-    """Installed by the command line for a command's life (main thread only): the first
-    SIGINT/SIGTERM raises Interrupted naming the phase the main thread was in (`where()`);
-    a second one exits at once. The training loop puts its own SignalStop in their place
-    while it runs. `restore` puts the earlier handlers back."""
-
-    def __init__(self, where: Callable[[], str | None] = lambda: None) -> None:
-        self._where = where
-        self._saved: dict[int, Any] = {}
-        self._raised = False
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._raised:
-            os._exit(128 + signum)
-        self._raised = True
-        raise Interrupted(signum, self._where())
-
-    def install(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._saved[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def restore(self) -> None:
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)
-        self._saved.clear()
-
-
-class SignalStop:
-    """While active (main thread only): the first SIGINT/SIGTERM sets `stop`, so the
-    stages end (a drafter finishes or abandons its step); a second one exits at once."""
-
-    def __init__(self, stop: threading.Event):
-        self.stop = stop
-        self.signum: int | None = None
-        self._saved: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.signum is not None:
-            os._exit(128 + signum)
-        self.signum = signum
-        self.stop.set()
-
-    def __enter__(self) -> SignalStop:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._saved[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)

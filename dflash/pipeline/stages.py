@@ -65,7 +65,7 @@ class _EndOfStream:
 
 END = _EndOfStream()
 
-FINISH_STEP_TIMEOUT_S = 60.0  # after SIGINT/SIGTERM a drafter may finish its step
+FINISH_STEP_TIMEOUT_S = 60.0  # after a stop signal a drafter may finish its step
 
 
 def _end_span(span: SpanHandle, exc: BaseException | None = None) -> None:

@@ -37,14 +37,7 @@ from dflash.pipeline.distributed import (
     destroy_distributed,
     rank_batch_indices,
 )
-from dflash.pipeline.queues import (
-    Interrupted,
-    PipelineError,
-    SignalStop,
-    StageFailure,
-    StageGroup,
-    TrainingInterrupted,
-)
+from dflash.pipeline.queues import PipelineError, StageFailure, StageGroup
 from dflash.pipeline.stages import Pipeline, StepFn
 from dflash.run.checkpoint import SaveError
 from dflash.run.folder import METRICS_FILE, earlier_run
@@ -62,6 +55,7 @@ from dflash.run.lifecycle import (
 )
 from dflash.run.progress import HeldLog, Progress
 from dflash.run.replicas import Replica, build_replicas, mover, target_forwards
+from dflash.signals import Interrupted, SignalStop, TrainingInterrupted
 from dflash.target.model import TargetOutput
 from dflash.train.step import PhaseFn, StepResult
 from dflash.train.step_metrics import StageRates, StepMetrics, span_attributes
@@ -227,7 +221,7 @@ def run_pipeline(
     caller made it; `observer` (dflash.observe) prints interval tables while it runs.
     Raises PipelineError (one line; the traceback goes to OUTPUT_DIR/pipeline-error.log)
     when a stage fails, and TrainingInterrupted (a SystemExit, code 130 or 143) after
-    SIGINT/SIGTERM, once the checkpoint and the summary are written.
+    a stop signal (dflash.signals), once the checkpoint and the summary are written.
     """
     started_s = time.perf_counter()
     own_start = start is None

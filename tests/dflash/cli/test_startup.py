@@ -4,6 +4,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import pty
+import select
 import signal
 import subprocess
 import sys
@@ -14,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dflash.cli.startup import exiting_at_once
+from dflash.run.checkpoint import load_checkpoint, resolve_checkpoint
 from tests.dflash.app_fixtures import ROOT, script_env, write_corpus
 
 SMALL = "--batch-size 2 --seq-len 32 --drafter-layers 1 --block-size 4 --num-anchors 4"
@@ -42,7 +47,9 @@ def assert_one_stop_line(code: int, stderr: str, signum: int) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("signum", "after_s"), [(signal.SIGTERM, 0.1), (signal.SIGINT, 0.8)])
+@pytest.mark.parametrize(
+    ("signum", "after_s"), [(signal.SIGTERM, 0.1), (signal.SIGINT, 0.8), (signal.SIGHUP, 0.5)]
+)
 def test_a_signal_in_the_first_second_of_train_is_one_line(
     tmp_path: Path, signum: int, after_s: float
 ) -> None:
@@ -93,10 +100,49 @@ def test_a_signal_in_the_training_loop_ends_with_the_line_naming_the_step(tmp_pa
     assert list((run / "checkpoints").iterdir())  # the checkpoint of where it stopped
 
 
+@pytest.mark.slow
+def test_a_closed_terminal_loses_nothing(tmp_path: Path) -> None:
+    """The run's terminal closes (its pty's master end), then SIGHUP arrives as from the
+    shell that owned it: the step ends, the checkpoint and summary.json are written and
+    the exit code is 129. Before, SIGHUP killed the process at once and nothing was saved;
+    and every write to the dead terminal fails (EIO)."""
+    run = tmp_path / "run"
+    args = ["train", *SMALL_ARGS, "--log-every", "1", "--data", str(write_corpus(tmp_path))]
+    code = textwrap.dedent(_TRAINING).format(root=str(ROOT), args=[*args, "--output-dir", str(run)])
+    master, slave = pty.openpty()
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=script_env(),
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+    )
+    os.close(slave)
+    seen = b""
+    deadline = time.monotonic() + 300
+    while b"\nstep " not in seen and time.monotonic() < deadline:  # training has begun
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            try:
+                seen += os.read(master, 65536)
+            except OSError:  # the child ended and closed the terminal
+                break
+    os.close(master)  # the terminal is gone: the child's writes fail from here on
+    time.sleep(1.0)  # it goes on training, printing to nobody
+    child.send_signal(signal.SIGHUP)
+    assert child.wait(timeout=300) == 129, seen.decode(errors="replace")[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["interrupted"] == "SIGHUP" and summary["steps"] >= 1
+    checkpoint = load_checkpoint(resolve_checkpoint("latest", run))
+    assert checkpoint.step == summary["steps"]
+
+
 _EXITING_AT_ONCE = """
 import os, signal, sys, time
 sys.path.insert(0, {root!r})
 from dflash.cli.startup import exiting_at_once
+from dflash.run.checkpoint import load_checkpoint, resolve_checkpoint
 signal.signal(signal.SIGTERM, lambda *a: print("the command's handler", flush=True))
 with exiting_at_once():  # as around torch's import
     os.kill(os.getpid(), signal.SIGTERM)

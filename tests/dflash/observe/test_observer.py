@@ -23,9 +23,10 @@ from opentelemetry.trace import StatusCode
 import tracing
 from dflash import names
 from dflash.observe.observer import Observer, describe, setup_tracing, tracing_config
-from dflash.pipeline.queues import PipelineError, TrainingInterrupted
+from dflash.pipeline.queues import PipelineError
 from dflash.pipeline.stages import Pipeline
 from dflash.run.pipelined import run_pipeline
+from dflash.signals import TrainingInterrupted
 from dflash.train.step import DrafterTrainer, null_phase
 from tests.dflash.app_fixtures import (  # noqa: F401 - fixture
     script_env,

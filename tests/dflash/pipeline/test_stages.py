@@ -198,7 +198,7 @@ def test_snapshot_is_a_read_only_copy_with_queue_depths() -> None:
 
 
 def test_first_signal_stops_the_stages_and_handlers_are_restored() -> None:
-    from dflash.pipeline.queues import SignalStop
+    from dflash.signals import SignalStop
 
     stop = threading.Event()
     before = signal.getsignal(signal.SIGTERM)
@@ -215,7 +215,7 @@ def test_first_signal_stops_the_stages_and_handlers_are_restored() -> None:
 def test_second_ctrl_c_exits_at_once_with_130() -> None:
     code = (
         "import os, signal, threading, time\n"
-        "from dflash.pipeline.queues import SignalStop\n"
+        "from dflash.signals import SignalStop\n"
         "with SignalStop(threading.Event()):\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    time.sleep(0.2)\n"
