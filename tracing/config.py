@@ -38,6 +38,9 @@ class TracingConfig:
     otlp_protocol: str | None = None
     """grpc or http/protobuf ("http" is accepted); None: OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL,
     else http/protobuf, the specification's default."""
+    protocol_setting: str = "OTEL_EXPORTER_OTLP_PROTOCOL"
+    """How the program's user chooses the protocol (a flag such as "--otlp-protocol", or a
+    variable), named in the line that tells an export sent in the other protocol."""
     trace_file: str | None = None
     """Also write spans to this OTLP-JSON lines file: rank 0 writes PATH, rank N PATH.rankN."""
     level: str = "phase"

@@ -1,28 +1,33 @@
 """Where ended spans go: the exporters `setup` builds, and what became of their spans.
 
 Only what the SDK's exporters do not read themselves (tracing.config) is read here:
-whether to export at all (OTEL_<SIGNAL>_EXPORTER, an endpoint being set) and which
-exporter class a protocol names (OTEL_EXPORTER_OTLP_[<SIGNAL>_]PROTOCOL).
+whether to export at all (OTEL_SDK_DISABLED, OTEL_<SIGNAL>_EXPORTER, an endpoint being
+set) and which exporter class a protocol names (OTEL_EXPORTER_OTLP_[<SIGNAL>_]PROTOCOL).
+The OTLP timeout and OTEL_BSP_* variables are checked here first: the SDK would take a
+negative timeout (every export fails at once) or print a traceback for a malformed
+number; such a value is one line naming it, and the SDK's default applies.
 
-The SDK's BatchSpanProcessor reads OTEL_BSP_*, restarts after os.fork and drops the
-oldest span when its queue is full; it counts nothing, its force_flush has no bound and
-its shutdown waits up to 30 s on an export to a dead collector. So each exporter sits
-behind a `CountingExporter` (exported, failed; `close` aborts a hung export's retries),
-a `SpanCounter` counts the sampled spans handed over, and `call_bounded` bounds the SDK
-calls that have no bound of their own.
+The SDK's BatchSpanProcessor restarts after os.fork and drops the oldest span when its
+queue is full; it counts nothing, its force_flush has no bound and its shutdown waits up
+to 30 s on an export to a dead collector. So each exporter sits behind a
+`CountingExporter` (exported, failed; `close` aborts a hung export's retries), a
+`SpanCounter` counts the sampled spans handed over, and `call_bounded` bounds the SDK
+calls that have no bound of their own. A failing OTLP export is told at its first failed
+attempt, with its likely cause (tracing.diagnose).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib
 import itertools
 import json
 import logging
+import math
 import os
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -43,6 +48,7 @@ from tracing.config import (
     parse_exporters,
     warn_once,
 )
+from tracing.diagnose import PORTS, ExportWatch, LogFilter, Report, watch, watch_of
 
 logger = logging.getLogger("tracing")
 Signal = Literal["traces", "metrics"]
@@ -82,30 +88,26 @@ class OtlpJsonFileExporter(SpanExporter):
             self._file.close()
 
 
-class _RateLimitFilter(logging.Filter):
-    """One record per message template every `period_s`: a dead collector would
-    otherwise log an error for every batch, all through training."""
-
-    def __init__(self, period_s: float = 60.0) -> None:
-        super().__init__()
-        self.period_s = period_s
-        self._last_s: dict[tuple[str, object], float] = {}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        key, now_s = (record.name, record.msg), time.monotonic()
-        if now_s - self._last_s.get(key, -self.period_s) < self.period_s:
-            return False
-        self._last_s[key] = now_s
-        return True
-
-
 # The loggers of the SDK's public exporter modules that report failed exports.
 _OTLP_LOGGERS = (
     "opentelemetry.exporter.otlp.proto.grpc.exporter",
     "opentelemetry.exporter.otlp.proto.http.trace_exporter",
     "opentelemetry.exporter.otlp.proto.http.metric_exporter",
 )
-_rate_limit = _RateLimitFilter()
+_log_filter = LogFilter()
+SDK_OTLP_TIMEOUT_S = 10.0  # the SDK's default bound on one export (its unit: seconds)
+# The SDK's BatchSpanProcessor defaults, applied where an OTEL_BSP_* value is unusable.
+BSP_DEFAULTS = {
+    "OTEL_BSP_MAX_QUEUE_SIZE": 2048,
+    "OTEL_BSP_SCHEDULE_DELAY": 5000,
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": 512,
+    "OTEL_BSP_EXPORT_TIMEOUT": 30000,
+}
+
+
+def sdk_disabled() -> bool:
+    """OTEL_SDK_DISABLED is `true` (any case), as the SDK reads it: no signal at all."""
+    return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
 
 
 def wanted_exporters(
@@ -150,33 +152,101 @@ def otlp_protocol(explicit: str | None, signal: Signal) -> str:
     return "http/protobuf"
 
 
-def otlp_exporter(signal: Signal, protocol: str, endpoint: str | None, **options: Any) -> Any:
-    """The SDK's OTLP exporter of `signal` (None, warned once, if it refuses its settings).
-    `endpoint` None lets it read OTEL_*; a base URL given here gets the signal's path
-    over HTTP. Its module is imported only here: an unused transport need not exist."""
+def otlp_url(signal: Signal, protocol: str, endpoint: str | None) -> tuple[str, bool]:
+    """(the URL the exporter sends to, whether the SDK reads it from OTEL_*): `endpoint`,
+    else OTEL_EXPORTER_OTLP_<SIGNAL>_ENDPOINT as is, else OTEL_EXPORTER_OTLP_ENDPOINT, else
+    the protocol's default; a base URL gets the signal's path over HTTP."""
+    from_variable = endpoint is None
+    if endpoint is None:
+        name, endpoint = _otlp_variable("ENDPOINT", signal)
+        if name.startswith(f"OTEL_EXPORTER_OTLP_{signal.upper()}_"):
+            return endpoint, True
+        endpoint = endpoint or f"http://localhost:{PORTS[protocol]}"
+    if protocol == "grpc":
+        return endpoint, from_variable
+    path = f"/v1/{signal}"
+    base = endpoint.rstrip("/")
+    return (base if base.endswith(path) else base + path), from_variable
+
+
+def otlp_timeout_s(signal: Signal) -> tuple[float | None, list[str]]:
+    """(the timeout to pass the SDK's exporter, the variables to hide from it): (None, [])
+    when OTEL_EXPORTER_OTLP_[<SIGNAL>_]TIMEOUT is unset or usable (the SDK reads it, in
+    seconds); for a value the SDK would misuse (a negative timeout fails every export at
+    once; `abc` makes the gRPC exporter raise), one line naming it and the SDK's default."""
+    name, text = _otlp_variable("TIMEOUT", signal)
+    if not text:
+        return None, []
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isfinite(value) and value > 0:
+        return None, []
+    warn_once(
+        f"{name}={text}",
+        f"ignoring {name}={text!r} (not a positive number of seconds, the SDK's unit); "
+        f"each {signal} export is bounded by the SDK's default {SDK_OTLP_TIMEOUT_S:g} s",
+    )
+    return SDK_OTLP_TIMEOUT_S, [name]
+
+
+@contextlib.contextmanager
+def _hidden(names: list[str]) -> Iterator[None]:
+    """The variables `names` absent while the SDK's exporter reads its settings."""
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def otlp_exporter(
+    signal: Signal,
+    protocol: str,
+    endpoint: str | None,
+    report: Report | None = None,
+    protocol_setting: str = "OTEL_EXPORTER_OTLP_PROTOCOL",
+    **options: Any,
+) -> Any:
+    """The SDK's OTLP exporter of `signal` (None, warned once, if it refuses its settings),
+    watched (tracing.diagnose): the first failed attempt of an outage is one line to
+    `report` (default: a warning on the `tracing` logger) naming its likely cause, and
+    `protocol_setting` how to choose the protocol. `endpoint` None lets the SDK read
+    OTEL_*; a base URL gets the signal's path over HTTP. Its module is imported only
+    here: an unused transport need not exist."""
     transport = "grpc" if protocol == "grpc" else "http"
     kind = "trace_exporter" if signal == "traces" else "metric_exporter"
     module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{transport}.{kind}")
-    if endpoint is not None and transport == "http":
-        path = f"/v1/{signal}"
-        endpoint = endpoint if endpoint.rstrip("/").endswith(path) else endpoint.rstrip("/") + path
+    url, from_variable = otlp_url(signal, protocol, endpoint)
     for name in _OTLP_LOGGERS:
-        logging.getLogger(name).addFilter(_rate_limit)  # once: addFilter skips a known one
+        logging.getLogger(name).addFilter(_log_filter)  # once: addFilter skips a known one
     exporter_cls = module.OTLPSpanExporter if signal == "traces" else module.OTLPMetricExporter
+    timeout_s, hidden = otlp_timeout_s(signal)
+    if timeout_s is not None:
+        options["timeout"] = timeout_s
     try:
-        return exporter_cls(endpoint=endpoint, **options)
-    except Exception as exc:  # e.g. a malformed OTEL_EXPORTER_OTLP_TIMEOUT: the run goes on
+        with _hidden(hidden):
+            exporter = exporter_cls(endpoint=None if from_variable else url, **options)
+    except Exception as exc:  # a setting the SDK refuses: the run goes on
         warn_once(
             f"otlp {signal}",
             f"the SDK's OTLP {signal} exporter refused its settings "
             f"({type(exc).__name__}: {exc}); {signal} are not exported",
         )
         return None
+    watch(exporter, ExportWatch(signal, url, protocol, report, protocol_setting))
+    return exporter
 
 
-def build_exporters(cfg: TracingConfig) -> tuple[list[SpanExporter], list[str]]:
+def build_exporters(
+    cfg: TracingConfig, report: Report | None = None
+) -> tuple[list[SpanExporter], list[str]]:
     """The span exporters `cfg` (and the OTEL_* variables it leaves open) name, and a
-    few words on where each sends (for a start-up line). A trace file is always written."""
+    few words on where each sends (for a start-up line). A trace file is always written,
+    unless OTEL_SDK_DISABLED turns every signal off. `report`: see `otlp_exporter`."""
+    if sdk_disabled():
+        return [], []
     names = wanted_exporters(cfg.exporter, "traces", cfg.otlp_endpoint is not None)
     if cfg.trace_file and "file" not in names:
         names = (*names, "file")
@@ -185,11 +255,13 @@ def build_exporters(cfg: TracingConfig) -> tuple[list[SpanExporter], list[str]]:
     for name in names:
         if name == "otlp":
             protocol = otlp_protocol(cfg.otlp_protocol, "traces")
-            exporter = otlp_exporter("traces", protocol, cfg.otlp_endpoint)
+            exporter = otlp_exporter(
+                "traces", protocol, cfg.otlp_endpoint, report, cfg.protocol_setting
+            )
             if exporter is not None:
                 exporters.append(exporter)
-                endpoint = cfg.otlp_endpoint or _otlp_variable("ENDPOINT", "traces")[1]
-                sinks.append(f"OTLP/{protocol} {endpoint or '(the SDK default endpoint)'}")
+                url = otlp_url("traces", protocol, cfg.otlp_endpoint)[0]
+                sinks.append(f"OTLP/{protocol} {url}")
         elif name == "console":
             exporters.append(ConsoleSpanExporter())
             sinks.append("console")
@@ -242,20 +314,40 @@ class CountingExporter(SpanExporter):
     def __init__(self, inner: SpanExporter) -> None:
         self.inner = inner
         self.exported = self.failed = 0
+        self.watch = watch_of(inner)  # an OTLP exporter's failures, told (tracing.diagnose)
         self._closed = False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lower_thread_priority()
-        result = None if self._closed else call_logged(self.inner.export, spans)
+        result = None if self._closed else self._export(spans)
         if result != SpanExportResult.SUCCESS:
             self.failed += len(spans)
             return SpanExportResult.FAILURE
         self.exported += len(spans)
         return result
 
+    def _export(self, spans: Sequence[ReadableSpan]) -> Any:
+        export_watch = self.watch
+        if export_watch is None:
+            return call_logged(self.inner.export, spans)
+        with export_watch.exporting():
+            result = call_logged(self.inner.export, spans)
+        if result == SpanExportResult.SUCCESS:
+            export_watch.succeeded()
+        else:
+            export_watch.failed()
+        return result
+
+    @property
+    def unreachable(self) -> bool:
+        """Its endpoint is known unreachable (or speaks another protocol)."""
+        return self.watch is not None and self.watch.unreachable
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            if self.watch is not None:
+                self.watch.closed = True
             self.inner.shutdown()
 
     shutdown = close
@@ -297,14 +389,45 @@ class SpanCounter(SpanProcessor):
         return DeliveryCounts(handed * len(exporters), exported, failed, late)
 
 
+def batch_settings() -> dict[str, int]:
+    """OTEL_BSP_* as the SDK reads them (whole numbers; ms for the delay and timeout),
+    each checked first: a value the SDK would refuse (with a traceback, or by raising) is
+    one line naming it, and the SDK's default applies."""
+    values: dict[str, int] = {}
+    for name, default in BSP_DEFAULTS.items():
+        text = os.environ.get(name, "").strip()
+        values[name] = default
+        if not text:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value > 0:
+            values[name] = value
+        else:
+            why = "not a whole number above 0"
+            warn_once(f"{name}={text}", f"ignoring {name}={text!r} ({why}); using {default}")
+    queue, batch = values["OTEL_BSP_MAX_QUEUE_SIZE"], values["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"]
+    if batch > queue:
+        name = "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"
+        if os.environ.get(name, "").strip():
+            why = f"above the queue's {queue} spans"
+            warn_once(name, f"ignoring {name}={batch} ({why}); using {queue}")
+        values[name] = queue
+    return values
+
+
 def batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
-    """The SDK's batch processor, its settings from OTEL_BSP_*; values it refuses (a delay
-    of 0, a batch larger than the queue) are warned once, and its defaults apply."""
-    try:
-        return BatchSpanProcessor(exporter)
-    except ValueError as exc:
-        warn_once("bsp", f"the SDK's batch processor refused OTEL_BSP_* ({exc}); using defaults")
-        return BatchSpanProcessor(exporter, 2048, 5000, 512)
+    """The SDK's batch processor, with OTEL_BSP_* checked (`batch_settings`)."""
+    settings = batch_settings()
+    return BatchSpanProcessor(
+        exporter,
+        max_queue_size=settings["OTEL_BSP_MAX_QUEUE_SIZE"],
+        schedule_delay_millis=settings["OTEL_BSP_SCHEDULE_DELAY"],
+        max_export_batch_size=settings["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"],
+        export_timeout_millis=settings["OTEL_BSP_EXPORT_TIMEOUT"],
+    )
 
 
 def call_bounded(fn: Any, timeout_s: float, *args: Any) -> Any:

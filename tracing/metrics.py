@@ -12,7 +12,9 @@ is built there from a cumulative snapshot of the stats (trace sampling never cha
 and added to each export the SDK makes (it makes one when an instrument has data). The
 metrics go where the traces' flags send them, else the SDK's variables say (it reads
 OTEL_METRIC_EXPORT_INTERVAL and the OTLP ones); a collector that is down costs the reader
-thread one bounded export per interval, counted in the report.
+thread one bounded export per interval, counted in the report, and its first failure
+is one line naming the likely cause (tracing.diagnose). `shutdown_all` ends the traces
+and the metrics together, within one bound.
 """
 
 from __future__ import annotations
@@ -45,16 +47,18 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from tracing.clock import now_ns
 from tracing.config import TEMPORALITIES, MetricsConfig, TracingConfig, call_logged, warn_once
+from tracing.diagnose import Report, watch_of
 from tracing.export import (
     call_bounded,
     lower_thread_priority,
     otlp_exporter,
     otlp_protocol,
+    sdk_disabled,
     wanted_exporters,
 )
 from tracing.snapshot import BUCKETS_PER_OCTAVE
 from tracing.stats import ProfileStats
-from tracing.telemetry import build_resource
+from tracing.telemetry import ShutdownReport, Telemetry, build_resource
 
 SCOPE = InstrumentationScope("tracing.metrics")
 TEMPORALITY_VARIABLE = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
@@ -69,16 +73,25 @@ PHASE_BOUNDS_S = tuple(2.0**k for k in range(FIRST_OCTAVE, 4))
 
 @dataclass(frozen=True)
 class MetricsReport:
-    """What became of the metric exports of one run (points lost: in failed exports)."""
+    """What became of the metric exports of one run: points are lost in failed exports
+    and in those still in flight (retrying) when shutdown reached its bound."""
 
     exports_ok: int
     exports_failed: int
     points_failed: int
     duration_s: float = 0.0
+    exports_in_flight: int = 0
+    points_in_flight: int = 0
+
+    @property
+    def points_lost(self) -> int:
+        return self.points_failed + self.points_in_flight
 
     def summary(self) -> str:
-        failed = f"failed {self.exports_failed} ({self.points_failed} points lost)"
-        return f"metrics: exports ok {self.exports_ok}, {failed}"
+        text = f"metrics: exports ok {self.exports_ok}, failed {self.exports_failed}"
+        if self.exports_in_flight:
+            text += f", still in flight at the bound {self.exports_in_flight}"
+        return text + f" ({self.points_lost} points lost)"
 
 
 def preferred_temporality(name: str | None) -> dict[type, AggregationTemporality]:
@@ -103,26 +116,63 @@ class _StatsExporter(MetricExporter):
         super().__init__(preferred_temporality=temporality)
         self.inner, self.owner = inner, owner
         self.ok = self.failed = self.points_failed = 0
+        self.in_flight = self.points_in_flight = 0  # exports not returned yet
+        self.watch = watch_of(inner)  # an OTLP exporter's failures, told (tracing.diagnose)
+        self.closed = False
 
     def export(
         self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
     ) -> MetricExportResult:
         lower_thread_priority()  # the reader's thread, as the spans' export
         data = self.owner._with_stats(metrics_data)
-        result = call_logged(self.inner.export, data, timeout_millis=timeout_millis)
+        metrics = [m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
+        points = sum(len(metric.data.data_points) for metric in metrics)
+        self.in_flight += 1
+        self.points_in_flight += points
+        try:
+            result = None if self.closed else self._export(data, timeout_millis)
+        finally:
+            self.in_flight -= 1
+            self.points_in_flight -= points
         if result == MetricExportResult.SUCCESS:
             self.ok += 1
             return result
         self.failed += 1
-        metrics = [m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics]
-        self.points_failed += sum(len(metric.data.data_points) for metric in metrics)
+        self.points_failed += points
         return MetricExportResult.FAILURE
+
+    def _export(self, data: MetricsData, timeout_millis: float) -> Any:
+        export_watch = self.watch
+        if export_watch is None:
+            return call_logged(self.inner.export, data, timeout_millis=timeout_millis)
+        with export_watch.exporting():
+            result = call_logged(self.inner.export, data, timeout_millis=timeout_millis)
+        if result == MetricExportResult.SUCCESS:
+            export_watch.succeeded()
+        else:
+            export_watch.failed()
+        return result
+
+    @property
+    def unreachable(self) -> bool:
+        """Its endpoint is known unreachable (or speaks another protocol)."""
+        return self.watch is not None and self.watch.unreachable
+
+    def close(self) -> None:
+        """Aborts an export waiting to retry; later exports fail at once, unsent."""
+        if not self.closed:
+            self.closed = True
+            if self.watch is not None:
+                self.watch.closed = True
+            self.inner.shutdown()
 
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return self.inner.force_flush(timeout_millis)
 
     def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        self.inner.shutdown(timeout_millis=timeout_millis)
+        if not self.closed:
+            self.closed = True
+            self.inner.shutdown(timeout_millis=timeout_millis)
 
 
 class _StatsHistogram:
@@ -278,21 +328,45 @@ class Metrics:
     def report(self, duration_s: float = 0.0) -> MetricsReport:
         wrapped = self._wrapped
         ok, failed = sum(w.ok for w in wrapped), sum(w.failed for w in wrapped)
-        return MetricsReport(ok, failed, sum(w.points_failed for w in wrapped), duration_s)
+        points_failed = sum(w.points_failed for w in wrapped)
+        in_flight = sum(w.in_flight for w in wrapped)
+        points_in_flight = sum(w.points_in_flight for w in wrapped)
+        return MetricsReport(ok, failed, points_failed, duration_s, in_flight, points_in_flight)
 
     def shutdown(self, timeout_s: float | None = None) -> MetricsReport:
-        """Final export and close, bounded by `timeout_s`; idempotent."""
+        """Final export and close, bounded by `timeout_s`; idempotent. An exporter whose
+        endpoint is known unreachable is closed first (its final export fails at once);
+        the others get most of the bound, then are closed (a retrying export aborts)."""
         with self._lock:
             if self._report is None:
                 started = time.monotonic()
                 budget_s = self.cfg.shutdown_timeout_s if timeout_s is None else timeout_s
-                call_bounded(self.provider.shutdown, budget_s, budget_s * 1e3)
+                deadline = started + budget_s * 0.95
+                for wrapped in self._wrapped:
+                    if wrapped.unreachable:
+                        call_bounded(wrapped.close, max(0.0, deadline - time.monotonic()))
+                closing = threading.Thread(
+                    target=call_logged,
+                    args=(self.provider.shutdown, budget_s * 1e3),
+                    name="tracing-metrics-close",
+                    daemon=True,
+                )
+                closing.start()
+                closing.join(max(0.0, deadline - time.monotonic()) * 0.8)
+                for wrapped in self._wrapped:
+                    call_bounded(wrapped.close, max(0.0, deadline - time.monotonic()))
+                closing.join(max(0.0, deadline - time.monotonic()))
                 self._report = self.report(time.monotonic() - started)
         return self._report
 
 
-def build_metric_exporters(cfg: MetricsConfig, traces: TracingConfig) -> list[MetricExporter]:
-    """The exporters `cfg` names, or the variables or the traces' endpoint imply."""
+def build_metric_exporters(
+    cfg: MetricsConfig, traces: TracingConfig, report: Report | None = None
+) -> list[MetricExporter]:
+    """The exporters `cfg` names, or the variables or the traces' endpoint imply (none
+    under OTEL_SDK_DISABLED=true). `report`: see tracing.export.otlp_exporter."""
+    if sdk_disabled():
+        return []
     protocol = otlp_protocol(traces.otlp_protocol, "metrics")
     temporality = preferred_temporality(cfg.temporality)
     exporters: list[MetricExporter] = []
@@ -301,7 +375,8 @@ def build_metric_exporters(cfg: MetricsConfig, traces: TracingConfig) -> list[Me
             exporters.append(ConsoleMetricExporter(preferred_temporality=temporality))
         elif name == "otlp":
             options = {"preferred_temporality": temporality}
-            exporter = otlp_exporter("metrics", protocol, traces.otlp_endpoint, **options)
+            endpoint, setting = traces.otlp_endpoint, traces.protocol_setting
+            exporter = otlp_exporter("metrics", protocol, endpoint, report, setting, **options)
             exporters += [exporter] if exporter is not None else []
     return exporters
 
@@ -312,8 +387,32 @@ def start_metrics(
     *,
     exporters: Sequence[MetricExporter] = (),
     resource: Resource | None = None,
+    on_export_problem: Report | None = None,
 ) -> Metrics:
     """Metrics with the exporters `cfg` names plus `exporters` (e.g. an in-memory one in
-    tests), and the traces' resource (`resource`, else `build_resource(tracing_cfg)`)."""
+    tests), and the traces' resource (`resource`, else `build_resource(tracing_cfg)`).
+    `on_export_problem` gets the line that tells a failing OTLP export and its likely
+    cause (default: a warning on the `tracing` logger)."""
     resource = resource if resource is not None else build_resource(tracing_cfg)
-    return Metrics(cfg, resource, [*build_metric_exporters(cfg, tracing_cfg), *exporters])
+    built = build_metric_exporters(cfg, tracing_cfg, on_export_problem)
+    return Metrics(cfg, resource, [*built, *exporters])
+
+
+def shutdown_all(
+    telemetry: Telemetry, metrics: Metrics | None, timeout_s: float | None = None
+) -> tuple[ShutdownReport, MetricsReport | None]:
+    """Shuts the traces and the metrics down side by side, within one bound (`timeout_s`,
+    default the traces' `shutdown_timeout_s`): a dead collector costs one bound, not
+    one per signal."""
+    bound_s = telemetry.cfg.shutdown_timeout_s if timeout_s is None else timeout_s
+    if metrics is None:
+        return telemetry.shutdown(bound_s), None
+    started = time.monotonic()
+    box: list[MetricsReport] = []
+    closing = threading.Thread(
+        target=lambda: box.append(metrics.shutdown(bound_s)), name="tracing-shutdown", daemon=True
+    )
+    closing.start()
+    report = telemetry.shutdown(bound_s)
+    closing.join(max(0.0, started + bound_s - time.monotonic()))
+    return report, (box[0] if box else metrics.report(time.monotonic() - started))

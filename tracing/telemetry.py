@@ -36,6 +36,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from tracing import spans
 from tracing.config import TracingConfig, warn_once
 from tracing.device import DeviceClock, EventResolver, cuda_clock_or_none
+from tracing.diagnose import Report
 from tracing.export import (
     CountingExporter,
     DeliveryCounts,
@@ -43,6 +44,7 @@ from tracing.export import (
     batch_processor,
     build_exporters,
     call_bounded,
+    sdk_disabled,
 )
 from tracing.fast import FastTracer, PhaseIds
 from tracing.stats import ProfileStats
@@ -174,6 +176,7 @@ class Telemetry:
         self.own_provider = False
         self.exporters: list[CountingExporter] = []
         self.sinks: list[str] = []  # where tracing's exporters send, in words
+        self.disabled_by: str | None = None  # the variable that turned every signal off
         self.counter: SpanCounter | None = None
         self.resolver: EventResolver | None = None
         self.cuda_timing = "off"  # the device timing in force (off after a fallback)
@@ -256,6 +259,11 @@ class Telemetry:
         provider, application = self.provider, isinstance(self.tracer, _CountingTracer)
         flushed = True
         if self.own_provider:
+            for exporter in self.exporters:  # known unreachable: what is left fails at once
+                if exporter.watch is not None and exporter.watch.failing:
+                    exporter.watch.wait_for_probe(max(0.0, deadline - time.monotonic()) / 4)
+                if exporter.unreachable:
+                    call_bounded(exporter.close, max(0.0, deadline - time.monotonic()))
             closing = threading.Thread(target=provider.shutdown, name="tracing-close", daemon=True)
             closing.start()
             closing.join(max(0.0, deadline - time.monotonic()) * 0.8)
@@ -304,6 +312,7 @@ def setup(
     propagate_context: bool | None = None,
     stop_exceptions: tuple[type[BaseException], ...] = (),
     phase_hooks: Sequence[object] = (),
+    on_export_problem: Report | None = None,
 ) -> Telemetry:
     """Configures tracing for this process (shutting a previous setup down first).
     `exporters`: more exporters, each behind the SDK's batch processor, counted in the
@@ -312,14 +321,18 @@ def setup(
     `device_clock` replaces the CUDA clock (a HostClock in tests). `propagate_context`:
     each phase is the current OTel span while it runs. A phase ended by one of
     `stop_exceptions` (a requested stop) is not marked ERROR. `phase_hooks`
-    (tracing.hooks.PhaseHook) see every phase, sampled or not."""
+    (tracing.hooks.PhaseHook) see every phase, sampled or not. `on_export_problem` gets
+    the line that tells a failing OTLP export and its likely cause, within seconds of
+    its first failed attempt (default: a warning on the `tracing` logger)."""
     global _active
     cfg = TracingConfig() if cfg is None else cfg
     if _active is not None:
         _active.shutdown(timeout_s=1.0)
     telemetry = Telemetry(cfg, stats if stats is not None else ProfileStats(rank=cfg.rank))
+    if sdk_disabled():
+        telemetry.disabled_by = "OTEL_SDK_DISABLED=true"
     if cfg.level != "off":
-        built, telemetry.sinks = build_exporters(cfg)
+        built, telemetry.sinks = build_exporters(cfg, on_export_problem)
         built += exporters
         _choose_tracer(telemetry, provider, built, span_processors, install_global_provider)
     clock = None

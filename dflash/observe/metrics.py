@@ -81,20 +81,28 @@ def start_run_metrics(
     memory: Mapping[str, Reader] | None = None,
     exporters: Sequence[MetricExporter] = (),
     resource: Resource | None = None,
+    on_export_problem: Callable[[str], None] | None = None,
     **cfg_overrides: Any,
 ) -> Metrics:
     """Metrics of one rank: `tokens`/`steps` map a stage name to a monotonic counter,
     `queues` a queue name to its depth, `memory` a device to its peak bytes since the
     last read. Endpoint and protocol follow the traces' flags, else the OTEL_* variables
     (the SDK reads them); the resource is the traces' (`resource`, else built from
-    `tracing_cfg`, whose attribute_namespace must be NAMESPACE)."""
+    `tracing_cfg`, whose attribute_namespace must be NAMESPACE); `on_export_problem`
+    gets the line that tells a failing export (tracing.metrics.start_metrics)."""
     if tracing_cfg.attribute_namespace != NAMESPACE:
         raise TracingConfigError(
             f"run metrics need attribute_namespace {NAMESPACE!r} (the dashboard selects runs "
             f"by {NAMESPACE}_run_id), got {tracing_cfg.attribute_namespace!r}"
         )
     cfg = MetricsConfig(namespace=NAMESPACE, **cfg_overrides)
-    metrics = start_metrics(cfg, tracing_cfg, exporters=exporters, resource=resource)
+    metrics = start_metrics(
+        cfg,
+        tracing_cfg,
+        exporters=exporters,
+        resource=resource,
+        on_export_problem=on_export_problem,
+    )
     for stage, fn in tokens.items():
         _observe(metrics, "tokens", fn, stage)
     for stage, fn in steps.items():

@@ -39,7 +39,7 @@ from dflash.observe.instruments import (
 from dflash.observe.metrics import NAMESPACE, record_step, start_run_metrics
 from dflash.pipeline.queues import CounterSnapshot, Stopped
 from tracing import Reporter, StatsSnapshot, TracingConfig, TracingConfigError
-from tracing.metrics import Metrics, MetricsReport
+from tracing.metrics import Metrics, MetricsReport, shutdown_all
 
 __all__ = ["ObserveError", "Observer", "describe", "shared_run_id", "start_observer"]
 
@@ -62,6 +62,7 @@ def tracing_config(tel: TelemetryConfig, rank: int, run_id: str) -> TracingConfi
             attribute_namespace=NAMESPACE,
             otlp_endpoint=tel.otlp_endpoint,
             otlp_protocol=tel.otlp_protocol,
+            protocol_setting="--otlp-protocol",
             trace_file=tel.trace_file,
             level=tel.trace_level,
             sample_ratio=tel.trace_sample_ratio,
@@ -78,7 +79,9 @@ def describe(cfg: TracingConfig, telemetry: tracing.Telemetry) -> str:
     """The start-up line: where traces go, level, sampling, the device timing in force
     (off after a fallback), the interval, and the resource's service and instance."""
     where = " + ".join(telemetry.sinks) or "nowhere (tables only; set --otlp-endpoint)"
-    if not telemetry.own_provider and telemetry.provider is not None:
+    if telemetry.disabled_by:
+        where = f"nowhere ({telemetry.disabled_by}: no spans, metrics or export; tables only)"
+    elif not telemetry.own_provider and telemetry.provider is not None:
         where = "the application's TracerProvider"
     ratio = cfg.sample_ratio
     # ParentBased{root:X,...}: the root's sampler says what is sampled; children follow.
@@ -143,6 +146,23 @@ class RankTables:
         return StatsSnapshot.merge(self._result), self._result
 
 
+class ExportProblems:
+    """Prints the line tracing tells a failing export with (its probe thread calls it):
+    above the progress bar once the reporter has its stream, else to the live log."""
+
+    def __init__(self, log: Callable[[str], None], rank: int = 0) -> None:
+        self.log = getattr(log, "live", log)  # a HeldLog would hold it until the run starts
+        self.prefix = "telemetry: " if rank == 0 else f"telemetry (rank {rank}): "
+        self.stream: IO[str] | None = None
+
+    def __call__(self, line: str) -> None:
+        stream = self.stream
+        if stream is not None:
+            print(self.prefix + line, file=stream, flush=True)
+        else:
+            self.log(self.prefix + line)
+
+
 class Observer:
     """The run's telemetry: setup, the interval reporter, the final tables, shutdown."""
 
@@ -154,8 +174,10 @@ class Observer:
         *,
         instruments: Instruments | None = None,
         output_dir: Path | None = None,
+        problems: ExportProblems | None = None,
     ) -> None:
         self.cfg = cfg
+        self.problems = problems or ExportProblems(print, cfg.rank)
         self.telemetry = telemetry
         self.stats = telemetry.stats
         self.ranks = RankTables(self.stats, timeout_s=min(10.0, cfg.report_interval_s))
@@ -233,6 +255,7 @@ class Observer:
         reporter.install_exit_hooks()
         self.reporter = reporter.start()
         self._stream = stream
+        self.problems.stream = stream
 
     def _start_metrics(self, snapshot: Callable[[], CounterSnapshot], memory: PeakMemory) -> None:
         self.metrics = start_run_metrics(
@@ -242,6 +265,7 @@ class Observer:
             steps=_readers(snapshot, target="target_batches", drafter="drafter_steps"),
             queues=_queue_depths(snapshot),
             memory=memory.metric_readers(),
+            on_export_problem=self.problems,
         )
 
     def _watch_timeline(self, snapshot: Callable[[], CounterSnapshot]) -> None:
@@ -310,8 +334,8 @@ class Observer:
                 title = f"interval: total {final.wall_s:.1f}s, {len(finals)} ranks"
                 log(reporter.render(final, title, cumulative=True, rank_snapshots=finals))
         files = self.instruments.close(write=self.folder_written)
-        metrics = self.metrics.shutdown() if self.metrics is not None else None
-        report = self.telemetry.shutdown()
+        # Traces and metrics end side by side, within the one bound of the traces.
+        report, metrics = shutdown_all(self.telemetry, self.metrics)
         if self.is_main:
             log(f"telemetry: {report.summary()}" + (f"; {metrics.summary()}" if metrics else ""))
             if self.folder_written:
@@ -380,7 +404,8 @@ def _metrics_counts(report: MetricsReport | None) -> dict[str, Any]:
     return {
         "metric_exports_ok": report.exports_ok,
         "metric_exports_failed": report.exports_failed,
-        "metric_points_lost": report.points_failed,
+        "metric_exports_in_flight": report.exports_in_flight,
+        "metric_points_lost": report.points_lost,
     }
 
 
@@ -398,8 +423,16 @@ def start_observer(
     The timeline and profiler paths are checked first: a bad one is one ObserveError."""
     instruments = build_instruments(tel, output_dir, rank, log)
     cfg = tracing_config(tel, rank, run_id)
-    telemetry = setup_tracing(cfg, phase_hooks=instruments.hooks)
-    observer = Observer(cfg, telemetry, world_size, instruments=instruments, output_dir=output_dir)
+    problems = ExportProblems(log, rank)
+    telemetry = setup_tracing(cfg, phase_hooks=instruments.hooks, on_export_problem=problems)
+    observer = Observer(
+        cfg,
+        telemetry,
+        world_size,
+        instruments=instruments,
+        output_dir=output_dir,
+        problems=problems,
+    )
     observer.folder_written = False  # until the run has passed its checks
     return observer
 

@@ -19,7 +19,8 @@ def test_phases_reach_a_real_receiver_through_the_sdk_exporter(request, clean_en
     telemetry = tracing.setup(cfg)
     exporter = telemetry.exporters[0].inner
     assert type(exporter).__module__.startswith("opentelemetry.exporter.otlp.proto")
-    assert telemetry.sinks == [f"OTLP/{protocol} {receiver.endpoint}"]
+    path = "" if protocol == "grpc" else "/v1/traces"
+    assert telemetry.sinks == [f"OTLP/{protocol} {receiver.endpoint}{path}"]
     for i in range(50):
         with tracing.phase("work", level="step", attributes={"i": i}):
             pass

@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import tracing
 from tracing import TracingConfig
+from tracing.export import batch_settings
 from tracing.telemetry import build_resource
 
 AUTH = "Authorization=Basic%20dXNlcjpwYXNz"
@@ -100,25 +101,61 @@ def test_http_json_is_sent_as_http_protobuf_warned_once(clean_env, caplog) -> No
         telemetry.shutdown(timeout_s=1.0)
 
 
-def test_a_value_the_sdk_refuses_is_its_warning_and_the_run_goes_on(clean_env, caplog) -> None:
-    clean_env.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "soon")  # the gRPC exporter raises
-    clean_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
-    clean_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    for _ in range(2):
-        telemetry = warns_once(caplog, "refused its settings", lambda: tracing.setup())
+@pytest.mark.parametrize("value", ["soon", "-1", "0"])
+@pytest.mark.parametrize(
+    "variable", ["OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT"]
+)
+def test_an_unusable_timeout_is_one_line_naming_it_and_spans_still_arrive(
+    clean_env, caplog, grpc_receiver, http_receiver, variable, value
+) -> None:
+    # The SDK's gRPC exporter raised on `soon` (no span exported); a timeout of -1 failed
+    # every export at once, and nothing named the variable.
+    clean_env.setenv(variable, value)
+    for protocol, receiver in (("grpc", grpc_receiver), ("http/protobuf", http_receiver)):
+        cfg = TracingConfig(otlp_endpoint=receiver.endpoint, otlp_protocol=protocol)
+        telemetry = tracing.setup(cfg)
         with tracing.phase("work"):
             pass
-        assert telemetry.stats.get("work").count == 1 and telemetry.exporters == []
-        telemetry.shutdown(timeout_s=1.0)
+        report = telemetry.shutdown(timeout_s=5.0)
+        assert report.spans_exported == 1 and report.spans_failed == 0, (protocol, report)
+    named = [r.getMessage() for r in caplog.records if f"{variable}={value!r}" in r.getMessage()]
+    assert len(named) == 1 and "the SDK's default 10 s" in named[0], named
+    assert not any(r.exc_info for r in caplog.records)
 
 
-def test_batch_variables_the_sdk_refuses_leave_its_defaults(clean_env, caplog) -> None:
-    clean_env.setenv("OTEL_BSP_SCHEDULE_DELAY", "0")  # the SDK's processor raises on it
+@pytest.mark.parametrize(
+    ("variable", "value", "used"),
+    [
+        ("OTEL_BSP_SCHEDULE_DELAY", "0", "5000"),  # the SDK's processor raises on it
+        ("OTEL_BSP_SCHEDULE_DELAY", "abc", "5000"),  # the SDK logged a traceback
+        ("OTEL_BSP_MAX_QUEUE_SIZE", "-3", "2048"),
+        ("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "1.5", "512"),
+        ("OTEL_BSP_EXPORT_TIMEOUT", "soon", "30000"),
+    ],
+)
+def test_batch_variables_the_sdk_refuses_are_one_line_and_its_default(
+    clean_env, caplog, variable, value, used
+) -> None:
+    clean_env.setenv(variable, value)
     memory = InMemorySpanExporter()
-    telemetry = warns_once(caplog, "OTEL_BSP", lambda: tracing.setup(exporters=[memory]))
+    with caplog.at_level(logging.DEBUG):
+        telemetry = tracing.setup(exporters=[memory])
     with tracing.phase("now"):
         pass
     assert telemetry.shutdown(timeout_s=2.0).spans_exported == 1
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert lines == [
+        f"tracing: ignoring {variable}={value!r} (not a whole number above 0); using {used}"
+    ]
+    assert not any(r.exc_info for r in caplog.records)  # no traceback
+
+
+def test_a_batch_larger_than_the_queue_is_the_queue(clean_env, caplog) -> None:
+    clean_env.setenv("OTEL_BSP_MAX_QUEUE_SIZE", "100")
+    assert batch_settings()["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] == 100  # the default 512: quiet
+    clean_env.setenv("OTEL_BSP_MAX_EXPORT_BATCH_SIZE", "300")
+    settings = warns_once(caplog, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=300", batch_settings)
+    assert settings["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] == 100
 
 
 @pytest.mark.parametrize(

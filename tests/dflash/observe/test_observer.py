@@ -224,6 +224,18 @@ def test_flags_win_over_otel_variables_and_the_line_says_what_is_in_force(monkey
     assert f"cuda timing {'events' if torch.cuda.is_available() else 'off'};" in line
 
 
+def test_sdk_disabled_is_the_line_not_an_otlp_sink(monkeypatch) -> None:
+    from dflash.config.settings import TelemetryConfig
+
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    cfg = tracing_config(TelemetryConfig(otlp_endpoint="http://127.0.0.1:9"), rank=0, run_id="r")
+    telemetry = setup_tracing(cfg)
+    line = describe(cfg, telemetry)
+    telemetry.shutdown(timeout_s=0.5)
+    assert "OTLP" not in line
+    assert "traces -> nowhere (OTEL_SDK_DISABLED=true: no spans, metrics or export" in line
+
+
 @pytest.mark.usefixtures("tiny_target")
 def test_drafter_bound_cpu_run_names_the_shared_device(tmp_path, monkeypatch, capsys) -> None:
     real_step = DrafterTrainer.step
