@@ -217,6 +217,12 @@ def cases(work: Path) -> list[Case]:
     new = ["--output-dir", str(work / "new")]
     return [
         Case("block size 1", ["train", "--block-size", "1", *new], "--block-size"),
+        Case("dpace alpha 0", ["train", "--position-weighting", "dpace", "--dpace-alpha", "0",
+             *new], "--dpace-alpha 0.0"),
+        Case("dpace alpha without dpace", ["train", "--dpace-alpha", "0.4", *new],
+             "--dpace-alpha 0.4 needs --position-weighting dpace"),
+        Case("dpace and streak alpha", ["train", "--position-weighting", "dpace",
+             "--streak-alpha", "0.5", *new], "--streak-alpha 0.5 is invalid"),
         Case("config not UTF-8", ["train", "--config", str(utf16), *new], "not UTF-8"),
         Case("config key twice", ["train", "--config", str(twice), *new], "set twice"),
         Case("output dir not UTF-8", ["train", "--output-dir", "runs/a\udcffb"], "UTF-8 text"),

@@ -30,6 +30,8 @@ from dflash.config.schema import ConfigError, FileValues, Option, Schema, Sectio
 SCHEMA_VERSION = 1
 
 
+DEFAULT_DPACE_ALPHA = 0.5  # D-PACE's α (arXiv 2605.18810: stable over 0.3-0.7)
+
 # (block size, γ) points from the DFlash paper; other sizes interpolate linearly.
 _GAMMA_POINTS = ((8, 4.0), (10, 5.0), (16, 7.0))
 
@@ -179,7 +181,8 @@ class LossConfig(Section):
     gamma: float | None = setting(
         None,
         "γ of the position weight exp(-(k-1)/γ); unset picks it from the block size "
-        "(4 for 8, 5 for 10, 7 for 16), or turns the decay off when --streak-alpha is set.",
+        "(4 for 8, 5 for 10, 7 for 16), or turns the decay off under D-PACE or streak "
+        "weights.",
         option="loss_decay_gamma",
         gt=0.0,
     )
@@ -192,8 +195,28 @@ class LossConfig(Section):
     kl_weight: float = setting(
         0.5, "Share of the KL term in the loss when soft labels are on.", min=0.0, max=1.0
     )
+    position_weighting: Literal["decay", "dpace"] = setting(
+        "decay",
+        "How block positions weigh in the loss: `decay`, exp(-(k-1)/γ) normalized by the "
+        "weights' sum (the DFlash paper); `dpace`, the drafter's own smoothed confidence "
+        "prefix products summed over the positions after (D-PACE, arXiv 2605.18810, Eq. 7-8: "
+        "each position weighs what it adds to the expected accepted length), normalized by "
+        "the number of scored blocks so that the weights' mass stays in the loss.",
+    )
+    dpace_alpha: float | None = setting(
+        None,
+        "D-PACE's smoothing α of the confidences, q~ = (1-α)q + α (Eq. 7); unset: 0.5, the "
+        "paper's value (stable over 0.3-0.7). Needs --position-weighting dpace.",
+        gt=0.0,
+        max=1.0,
+    )
     streak_alpha: float | None = setting(
-        None, "Streak-aware weighting strength α; unset turns it off.", min=0.0, max=1.0
+        None,
+        "D-PACE's weights normalized by their own sum instead of the number of scored blocks "
+        "(this project's first form of them, kept to compare the two normalizations); α as "
+        "--dpace-alpha; unset turns it off.",
+        min=0.0,
+        max=1.0,
     )
     noise_schedule: str = setting(
         "all",
@@ -210,13 +233,38 @@ class LossConfig(Section):
         min=1,
     )
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.position_weighting == "dpace" and self.streak_alpha is not None:
+            raise ConfigError(
+                f"--streak-alpha {self.streak_alpha:g} is invalid with --position-weighting "
+                "dpace: give one of them (--dpace-alpha sets D-PACE's α)"
+            )
+        if self.dpace_alpha is not None and self.position_weighting != "dpace":
+            raise ConfigError(
+                f"--dpace-alpha {self.dpace_alpha:g} needs --position-weighting dpace"
+            )
+
+    @property
+    def confidence_alpha(self) -> float | None:
+        """α of the confidence-based (D-PACE) weights in force; None under the decay."""
+        if self.position_weighting == "dpace":
+            return DEFAULT_DPACE_ALPHA if self.dpace_alpha is None else self.dpace_alpha
+        return self.streak_alpha
+
+    @property
+    def per_block_normalization(self) -> bool:
+        """True: the loss is divided by the number of scored blocks (D-PACE, as its
+        authors do), else by the sum of the position weights."""
+        return self.position_weighting == "dpace"
+
     def decay_gamma(self, block_size: int) -> float | None:
-        """The γ of the exp decay in force: the one set; else None when streak weights
-        replace the decay (they already decay over block positions, as in the reference
-        trainers); else the paper's value for the block size."""
+        """The γ of the exp decay in force: the one set; else None when D-PACE (or streak)
+        weights replace the decay (they already decay over block positions, as in the
+        reference trainers); else the paper's value for the block size."""
         if self.gamma is not None:
             return self.gamma
-        return None if self.streak_alpha is not None else default_gamma(block_size)
+        return None if self.confidence_alpha is not None else default_gamma(block_size)
 
 
 @dataclass(frozen=True)

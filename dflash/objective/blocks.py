@@ -180,6 +180,7 @@ class BlockInputs:
     block_ids: Tensor  # [B, N, Bs] long
     labels: Tensor  # [B, N, Bs] long
     valid: Tensor  # [B, N, Bs] bool
+    given: Tensor  # [B, N, Bs] bool: the drafter sees the clean token (anchor, noise-visible)
     ctx_start: Tensor | None  # [B, N] long: first context position a block sees; None = 0
 
     def rows(self, rows: slice) -> BlockInputs:
@@ -193,7 +194,7 @@ class BlockInputs:
     def _map(self, fn: Callable[[Tensor], Tensor]) -> BlockInputs:
         """`fn` of every tensor (ctx_start first, where there is one)."""
         ctx = None if self.ctx_start is None else fn(self.ctx_start)
-        tensors = (self.anchors, self.keep, self.block_ids, self.labels, self.valid)
+        tensors = (self.anchors, self.keep, self.block_ids, self.labels, self.valid, self.given)
         return BlockInputs(*(fn(t) for t in tensors), ctx)
 
 
@@ -213,8 +214,11 @@ def prepare_blocks(
     row) keeps every anchor, block position and context inside the anchor's document."""
     anchors, keep = select_anchors(loss_mask, num_anchors, generator, doc_ids=doc_ids)
     noising = (noise, step, generator)
-    block_ids, labels, valid = block_inputs(
-        input_ids, loss_mask, anchors, keep, block_size, mask_token_id, *noising, doc_ids=doc_ids
+    masked, block_ids = _masked_and_blocks(
+        input_ids, anchors, block_size, mask_token_id, *noising, doc_ids=doc_ids
+    )
+    labels, valid = block_labels(
+        input_ids, loss_mask, anchors, keep, block_size, masked, doc_ids=doc_ids
     )
     ctx_start = None if doc_ids is None else anchor_context_start(anchors, doc_ids)
-    return BlockInputs(anchors, keep, block_ids, labels, valid, ctx_start)
+    return BlockInputs(anchors, keep, block_ids, labels, valid, ~masked, ctx_start)

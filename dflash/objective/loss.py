@@ -1,9 +1,13 @@
 """The DFlash loss: position weights, the KL/CE mix, and the chunked production loss.
 
-`position_loss` is the one body of the loss (weights exp(-(k-1)/γ) or streak weights,
-CE, and with soft labels the KL mixed in by --kl-weight); the production loss
+`position_loss` is the one body of the loss (weights exp(-(k-1)/γ) or D-PACE's, CE,
+and with soft labels the KL mixed in by --kl-weight); the production loss
 `chunked_dflash_loss` and the dense test oracle (dflash.objective.reference) both
-call it.
+call it. The loss is a sum over positions divided by one denominator (`denominator`):
+the weights' sum under the decay, the number of scored blocks under D-PACE. Both parts
+are sums, so micro-batches, replicas and ranks add theirs up and divide once
+(dflash.train.optim.GradAccumulator, dflash.pipeline.distributed.GradAverager): how the
+examples were split never changes the update.
 
 The production loss runs the LM head, the CE, the KL and the weights over chunks of
 blocks, so no [B, N, Bs, V] tensor ever exists; each chunk is recomputed in the
@@ -40,18 +44,22 @@ def decay_weights(block_size: int, gamma: float, device: torch.device) -> Tensor
     return w
 
 
-def streak_weights(ce: Tensor, valid: Tensor, alpha: float) -> Tensor:
-    """Streak-aware weights from per-position CE[B, N, Bs] (detached).
+def streak_weights(ce: Tensor, valid: Tensor, alpha: float, given: Tensor | None = None) -> Tensor:
+    """D-PACE's position weights (arXiv 2605.18810, Eq. 7-8) from per-position CE[B, N, Bs]
+    (detached).
 
-    q_i = exp(-CE_i), q~_i = (1-alpha) q_i + alpha over positions 1..Bs-1;
-    weight_j = sum_{m>=j} prod_{i<=m} q~_i. An invalid position (past the row, outside
-    the loss mask) ends the streak: its q~ is 0, so neither it nor anything after counts.
+    q_i = exp(-CE_i), q~_i = (1-alpha) q_i + alpha at the scored positions (`valid`);
+    weight_j = sum over scored m >= j of prod_{i<=m} q~_i. A position whose token the
+    drafter is given (the anchor; what a partial noise schedule left visible: `given`)
+    is accepted for sure, q~ = 1, and is no term of the sum. Any other unscored position
+    (past the row, outside the loss mask, a draft-vocabulary miss) ends the streak as it
+    would in serving: its q~ is 0, so nothing after it counts.
     """
     q = torch.exp(-ce.detach().float())
-    q_tilde = torch.where(valid, (1 - alpha) * q + alpha, torch.zeros_like(q))
+    sure = torch.zeros_like(valid) if given is None else given
+    q_tilde = torch.where(valid, (1 - alpha) * q + alpha, sure.float())
     q_tilde[..., 0] = 1.0  # the anchor is given, not predicted
-    reach = torch.cumprod(q_tilde, dim=-1)  # [B, N, Bs]: prod_{i<=m}
-    reach = reach * (torch.arange(ce.shape[-1], device=ce.device) >= 1)  # m ranges over k>=1
+    reach = torch.cumprod(q_tilde, dim=-1) * valid  # [B, N, Bs]: prod_{i<=m}, scored m only
     return reach.flip(-1).cumsum(-1).flip(-1)  # suffix sums over m >= j
 
 
@@ -71,13 +79,15 @@ def position_loss(
     cfg: LossConfig,
     gamma: float | None,
     target_logits: Tensor | None = None,
+    given: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The loss of each block position: fp32 logits[..., Bs, V], labels/valid[..., Bs]
     -> (weights, per-position loss, CE), each [..., Bs]; the loss is
-    sum(weights * per-position loss) / sum(weights).
+    sum(weights * per-position loss) / `denominator(weights, valid, cfg)`.
 
-    `gamma` (None: streak weights replace the decay) is LossConfig.decay_gamma of the
-    block size; `target_logits` (fp32, aligned with the labels) mixes the KL in.
+    `gamma` (None: D-PACE weights replace the decay) is LossConfig.decay_gamma of the
+    block size; `target_logits` (fp32, aligned with the labels) mixes the KL in; `given`
+    [..., Bs] marks the positions whose token the drafter sees (see `streak_weights`).
     """
     bs, v = logits.shape[-2:]
     ce = F.cross_entropy(logits.reshape(-1, v), labels.reshape(-1), reduction="none")
@@ -85,8 +95,9 @@ def position_loss(
     weights = valid.float()
     if gamma is not None:
         weights = weights * decay_weights(bs, gamma, logits.device)
-    if cfg.streak_alpha is not None:
-        weights = weights * streak_weights(ce, valid, cfg.streak_alpha)
+    alpha = cfg.confidence_alpha
+    if alpha is not None:
+        weights = weights * streak_weights(ce, valid, alpha, given)
     per_pos = ce
     if target_logits is not None:
         kl = kl_at_temperature(logits, target_logits, cfg.kl_temperature)
@@ -94,9 +105,18 @@ def position_loss(
     return weights, per_pos, ce
 
 
+def denominator(weights: Tensor, valid: Tensor, cfg: LossConfig) -> Tensor:
+    """What the weighted sum is divided by (detached scalar): under D-PACE the number of
+    scored blocks, as its authors do (the weights' mass is the expected accepted length:
+    dividing by it would cancel the signal); else the weights' sum, a weighted mean."""
+    if cfg.per_block_normalization:
+        return valid.any(-1).sum().float()
+    return weights.sum().detach()
+
+
 @dataclass
 class ChunkedLossOutput:
-    """loss = weighted_sum / weight_sum; metrics are device tensors (no host sync).
+    """loss = weighted_sum / denominator; metrics are device tensors (no host sync).
 
     correct, run and ce_sum are what `block_metrics` is made of, so the metrics of
     several micro-batches can be combined exactly.
@@ -104,6 +124,7 @@ class ChunkedLossOutput:
 
     loss: Tensor  # scalar, differentiable
     weighted_sum: Tensor  # scalar sum(w * l), differentiable: gradient accumulation sums these
+    denominator: Tensor  # scalar, detached: sum(w), or the scored blocks under D-PACE
     weight_sum: Tensor  # scalar sum(w), detached
     metrics: dict[str, Tensor]
     correct: Tensor  # [B, N, Bs] bool, detached
@@ -127,8 +148,10 @@ def _chunk_terms(
     head: nn.Linear,
     cfg: LossConfig,
     gamma: float | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """One chunk: hidden[C, Bs, D] -> (sum w*l, sum w, sum ce*valid, correct[C, Bs], run[C]).
+    given: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One chunk: hidden[C, Bs, D] -> (sum w*l, sum w, denominator, sum ce*valid,
+    correct[C, Bs], run[C]).
 
     `valid` holds the positions the loss learns from (within a draft vocabulary, if
     any). Runs twice (forward, then recomputed in the backward): keep it deterministic.
@@ -138,12 +161,13 @@ def _chunk_terms(
     if target_hidden is not None:
         with torch.no_grad():
             target_logits = head(target_hidden.to(head.weight.dtype)).float()  # [C, Bs, V]
-    weights, per_pos, ce = position_loss(logits, labels, valid, cfg, gamma, target_logits)
+    weights, per_pos, ce = position_loss(logits, labels, valid, cfg, gamma, target_logits, given)
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels) & valid  # [C, Bs]
         run = torch.cumprod(correct[:, 1:].int(), dim=-1).sum(-1)  # [C]
         ce_sum = (ce * valid).sum()
-    return (weights * per_pos).sum(), weights.sum().detach(), ce_sum, correct, run
+        divide_by = denominator(weights, valid, cfg)
+    return (weights * per_pos).sum(), weights.sum().detach(), divide_by, ce_sum, correct, run
 
 
 def chunked_dflash_loss(
@@ -155,14 +179,18 @@ def chunked_dflash_loss(
     target_hidden: Tensor | None = None,
     chunk_size: int | None = None,
     in_vocab: Tensor | None = None,
+    given: Tensor | None = None,
 ) -> ChunkedLossOutput:
-    """Weighted loss sum(w * l) / sum(w) from the drafter's final-normed states.
+    """Weighted loss sum(w * l) / denominator from the drafter's final-normed states.
 
     hidden[B, N, Bs, D] (`DFlashDrafter.hidden_states`), labels/valid[B, N, Bs];
     target_hidden[B, N, Bs, D] (`gather_target_hidden`) is required with soft labels.
     With a draft vocabulary, labels are draft ids (`DFlashDrafter.draft_labels`) and
     in_vocab[B, N, Bs] marks those the head can propose: the others are left out of the
     loss (as EAGLE-3 does) but still count, as misses, in the accuracy and τ figures.
+    given[B, N, Bs] marks the block positions whose clean token the drafter sees (the
+    anchor, and what a partial noise schedule leaves visible): D-PACE's streaks go on
+    through them (None: the anchor only).
     chunk_size: blocks per chunk, over the flattened B*N blocks (None: cfg's
     --loss-chunk-size). When all blocks fit in one chunk nothing is recomputed: that
     chunk's logits are the bound anyway. Call it outside autocast: the LM head runs in
@@ -182,23 +210,25 @@ def chunked_dflash_loss(
         learn.reshape(-1, bs),
     )
     flat_t = target_hidden.reshape(b * n, bs, -1) if cfg.use_soft_labels else None
+    flat_given = None if given is None else given.reshape(-1, bs)
     parts = []
     for i in range(0, b * n, chunk_size):
         sl = slice(i, i + chunk_size)
         t_chunk = flat_t[sl] if flat_t is not None else None
-        args = (flat_h[sl], t_chunk, flat_labels[sl], flat_valid[sl], lm_head, cfg, gamma)
+        g_chunk = flat_given[sl] if flat_given is not None else None
+        args = (flat_h[sl], t_chunk, flat_labels[sl], flat_valid[sl], lm_head, cfg, gamma, g_chunk)
         if torch.is_grad_enabled() and b * n > chunk_size:
             parts.append(checkpoint(_chunk_terms, *args, use_reentrant=False))
         else:
             parts.append(_chunk_terms(*args))
-    weighted = torch.stack([p[0] for p in parts]).sum()
-    weight_sum = torch.stack([p[1] for p in parts]).sum()
-    correct = torch.cat([p[3] for p in parts]).view(b, n, bs)
-    run = torch.cat([p[4] for p in parts]).view(b, n)
-    ce_sum = torch.stack([p[2] for p in parts]).sum()
-    loss = weighted / weight_sum.clamp(min=1e-8)
+    weighted, weight_sum, divide_by, ce_sum = (
+        torch.stack([p[i] for p in parts]).sum() for i in range(4)
+    )
+    correct = torch.cat([p[4] for p in parts]).view(b, n, bs)
+    run = torch.cat([p[5] for p in parts]).view(b, n)
+    loss = weighted / divide_by.clamp(min=1e-8)
     metrics = block_metrics(correct, run, valid, ce_sum, weight_sum)
-    return ChunkedLossOutput(loss, weighted, weight_sum, metrics, correct, run, ce_sum)
+    return ChunkedLossOutput(loss, weighted, divide_by, weight_sum, metrics, correct, run, ce_sum)
 
 
 def block_metrics(

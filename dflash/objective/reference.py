@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from dflash.config.settings import LossConfig
-from dflash.objective.loss import block_metrics, position_loss
+from dflash.objective.loss import block_metrics, denominator, position_loss
 from dflash.objective.noise import ObjectiveError
 
 
@@ -29,8 +29,10 @@ def dflash_loss(
     valid: Tensor,
     cfg: LossConfig,
     target_logits: Tensor | None = None,
+    given: Tensor | None = None,
 ) -> LossOutput:
-    """Weighted loss sum(w * l) / sum(w) over block positions.
+    """Weighted loss sum(w * l) / denominator over block positions (the weights' sum, or
+    the scored blocks under D-PACE).
 
     logits[B, N, Bs, V], labels/valid[B, N, Bs]; target_logits[B, N, Bs, V] (from
     gather_target_logits) is required when cfg.use_soft_labels.
@@ -41,8 +43,8 @@ def dflash_loss(
             raise ObjectiveError("--use-soft-labels needs target logits")
         soft = target_logits.float()
     gamma = cfg.decay_gamma(logits.shape[2])
-    weights, per_pos, ce = position_loss(logits.float(), labels, valid, cfg, gamma, soft)
-    loss = (weights * per_pos).sum() / weights.sum().clamp(min=1e-8)
+    weights, per_pos, ce = position_loss(logits.float(), labels, valid, cfg, gamma, soft, given)
+    loss = (weights * per_pos).sum() / denominator(weights, valid, cfg).clamp(min=1e-8)
     with torch.no_grad():
         correct = (logits.argmax(-1) == labels) & valid  # [B, N, Bs]
         # Accept proxy: consecutive correct predictions from k=1, +1 for the anchor's bonus.

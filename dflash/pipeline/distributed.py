@@ -180,7 +180,13 @@ class CrossRankHook(Protocol):
 
 
 class GradAverager:
-    """Averages gradients over the replicas of this process and over ranks, per step.
+    """Combines the gradients of the replicas of this process and of the ranks, per step.
+
+    Each replica hands over its gradients of sum(w*l), undivided, with that sum and the
+    loss's denominator (sum(w), or the scored blocks): all three are summed over replicas
+    and ranks in one all-reduce and the gradients divided by the total denominator once.
+    So a replica with 10 scored positions and one with 1 weigh 10:1, as they would in one
+    batch: averaging replicas' own means would give the lone position 5.5x its weight.
 
     Across ranks, one extra element of the all-reduce carries rank 0's request for
     the `cross_rank_hook`, so all ranks learn it at the same step with no extra
@@ -199,6 +205,8 @@ class GradAverager:
         self._barrier = StopAwareBarrier(len(replicas), stop)
         self._world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._average: torch.Tensor | None = None
+        self._sums: list[torch.Tensor | None] = [None] * len(replicas)  # [w*l, denominator]
+        self._loss: torch.Tensor | None = None
         self._hook = cross_rank_hook if self._world_size > 1 else None
         self._requested: torch.Tensor | None = None  # the request element, left on the device
 
@@ -229,9 +237,9 @@ class GradAverager:
     def needed(self) -> bool:
         return len(self._params) > 1 or self._world_size > 1
 
-    def hook(self, replica: int) -> Callable[[], None]:
+    def hook(self, replica: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """The `grad_sync` callable for replica `replica` (0 leads the reduction)."""
-        return lambda: self.sync(replica)
+        return lambda weighted, denominator: self.sync(replica, weighted, denominator)
 
     def _flat_grads(self, replica: int, device: torch.device) -> torch.Tensor:
         parts = [
@@ -241,19 +249,25 @@ class GradAverager:
         return torch.cat(parts).float()
 
     @torch.no_grad()
-    def sync(self, replica: int) -> None:
+    def sync(self, replica: int, weighted: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+        """Replica `replica`'s part of one step: its gradients become those of every
+        replica's loss together; -> that loss, sum(w*l) / denominator over all."""
+        own_device = weighted.device
+        self._sums[replica] = torch.stack([weighted.float(), denominator.float()])
         self._barrier.wait()  # every replica's backward is done
         if replica == 0:
             device = self._params[0][0].device
             total = self._flat_grads(0, device)
             for other in range(1, len(self._params)):
                 total += self._flat_grads(other, device)
+            sums = torch.stack([s.to(device) for s in self._sums if s is not None]).sum(0)
             if self._world_size > 1:
-                total = self._all_reduce(total)
-            total /= len(self._params) * self._world_size
-            self._average = total
-        self._barrier.wait()  # the average is ready; nobody overwrites it before the next step
-        assert self._average is not None
+                reduced = self._all_reduce(torch.cat([total, sums]))
+                total, sums = reduced[:-2], reduced[-2:]
+            divide_by = sums[1].clamp(min=1e-8)
+            self._average, self._loss = total / divide_by, sums[0] / divide_by
+        self._barrier.wait()  # the result is ready; nobody overwrites it before the next step
+        assert self._average is not None and self._loss is not None
         offset = 0
         for p in self._params[replica]:
             chunk = self._average[offset : offset + p.numel()].view_as(p)
@@ -261,3 +275,4 @@ class GradAverager:
             if p.grad is None:
                 p.grad = torch.empty_like(p)
             p.grad.copy_(chunk)
+        return self._loss.to(own_device)

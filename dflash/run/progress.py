@@ -52,11 +52,12 @@ def live_log(log: Callable[[str], None]) -> Callable[[str], None]:
 def format_loss_config(cfg: TrainConfig) -> str:
     """The objective on one line (the telemetry line follows it)."""
     obj = cfg.loss
-    gamma = cfg.gamma
+    gamma, alpha = cfg.gamma, obj.confidence_alpha
+    weighting = "D-PACE" if obj.position_weighting == "dpace" else "streak"
     if gamma is None:
-        decay = "no γ decay (streak weights replace it; set --loss-decay-gamma to add it)"
-    elif obj.streak_alpha is not None:
-        decay = f"γ {gamma:g} (set, applied on top of the streak weights)"
+        decay = f"no γ decay ({weighting} weights replace it; set --loss-decay-gamma to add it)"
+    elif alpha is not None:
+        decay = f"γ {gamma:g} (set, applied on top of the {weighting} weights)"
     else:
         decay = f"γ {gamma:g} ({'set' if obj.gamma is not None else 'by block size'})"
     soft = (
@@ -65,8 +66,10 @@ def format_loss_config(cfg: TrainConfig) -> str:
         else "soft labels off"
     )
     streak = "streak weighting off"
-    if obj.streak_alpha is not None:
-        streak = f"streak α {obj.streak_alpha:g}"
+    if obj.position_weighting == "dpace":
+        streak = f"D-PACE α {alpha:g} (per scored block)"
+    elif alpha is not None:
+        streak = f"streak α {alpha:g} (per weight sum)"
     noise = NoiseSchedule.parse(obj.noise_schedule, cfg.run.steps).describe()
     return (
         f"loss: block size {cfg.drafter.block_size}, {decay}, {soft}, "

@@ -32,38 +32,55 @@ class DivergedError(RuntimeError):
 
 
 class GradAccumulator:
-    """Sums micro-batch gradients of sum(w * l); `finish` divides them by sum(w).
+    """Sums micro-batch gradients of sum(w * l) and the loss's denominators; `finish`
+    divides the gradients by the total denominator (sum(w), or the scored blocks under
+    D-PACE): the step's gradient is that of the whole batch's loss, however it was cut.
 
-    Usage per optimizer step: `backward(out.weighted_sum, out.weight_sum)` for each
-    micro-batch (an object with those two tensors, e.g. a ChunkedLossOutput), then
-    `loss = finish()`. Nothing here reads a value on the host.
+    Usage per optimizer step: `backward(out.weighted_sum, out.denominator)` for each
+    micro-batch (e.g. of a ChunkedLossOutput), then `loss = finish()`; or, where
+    replicas divide by their common denominator, `take()` and hand the sums on.
+    Nothing here reads a value on the host.
     """
 
     def __init__(self, params: Iterable[nn.Parameter]) -> None:
         self.params = [p for p in params if p.requires_grad]
         self._weighted: Tensor | None = None
-        self._weight: Tensor | None = None
+        self._denominator: Tensor | None = None
         self.micro_batches = 0
 
-    def backward(self, weighted_sum: Tensor, weight_sum: Tensor) -> None:
+    def backward(self, weighted_sum: Tensor, denominator: Tensor) -> None:
         weighted_sum.backward()
-        w, ws = weight_sum.detach(), weighted_sum.detach()
-        self._weight = w if self._weight is None else self._weight + w
+        d, ws = denominator.detach(), weighted_sum.detach()
+        self._denominator = d if self._denominator is None else self._denominator + d
         self._weighted = ws if self._weighted is None else self._weighted + ws
         self.micro_batches += 1
 
-    def finish(self) -> Tensor:
-        """Scale the gradients by 1 / total weight; -> the step's loss (device scalar)."""
-        if self._weight is None or self._weighted is None:
-            raise RuntimeError("GradAccumulator.finish() before any micro-batch")
-        total = self._weight.clamp(min=1e-8)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if grads:
-            torch._foreach_div_(grads, total)  # no host sync: divides by a device scalar
-        loss = self._weighted / total
-        self._weighted = self._weight = None
+    def take(self) -> tuple[Tensor, Tensor]:
+        """(sum of w*l, sum of denominators) of this step's micro-batches, gradients left
+        undivided; the accumulator starts over."""
+        if self._denominator is None or self._weighted is None:
+            raise RuntimeError("GradAccumulator.take() before any micro-batch")
+        totals = (self._weighted, self._denominator)
+        self._weighted = self._denominator = None
         self.micro_batches = 0
-        return loss
+        return totals
+
+    def finish(self) -> Tensor:
+        """Scale the gradients by 1 / total denominator; -> the step's loss (device scalar)."""
+        weighted, denominator = self.take()
+        return divide_gradients(self.params, weighted, denominator)
+
+
+def divide_gradients(
+    params: Iterable[nn.Parameter], weighted: Tensor, denominator: Tensor
+) -> Tensor:
+    """Divides the parameters' gradients of sum(w*l) by `denominator`; -> the loss
+    weighted / denominator (device scalars: no host sync)."""
+    total = denominator.clamp(min=1e-8)
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_div_(grads, total)
+    return weighted / total
 
 
 def grad_norm(params: Iterable[nn.Parameter], max_norm: float = 0.0) -> Tensor:

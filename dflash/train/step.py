@@ -83,10 +83,11 @@ def micro_batches(num_rows: int, grad_accum: int) -> list[slice]:
 class DrafterTrainer:
     """Optimizer, schedule, non-finite guard and the five phases of one drafter step.
 
-    With several replicas (threads or ranks), `grad_sync` averages the gradients
-    once per optimizer step, after the last micro-batch: each replica's gradient is
-    that of its own weighted mean loss over its --grad-accum micro-batches, and the
-    step follows the mean of those over replicas (as without accumulation).
+    With several replicas (threads or ranks), `grad_sync` combines the gradients once
+    per optimizer step, after the last micro-batch: it takes this replica's sums (of
+    w*l and of the loss's denominator, gradients undivided), adds every replica's up
+    and divides once, so the step follows the loss of all the examples together, however
+    they were split among replicas, ranks and micro-batches; it returns that loss.
     """
 
     def __init__(self, drafter: nn.Module, cfg: TrainConfig, device: torch.device | str) -> None:
@@ -105,7 +106,7 @@ class DrafterTrainer:
         self.noise = NoiseSchedule.parse(cfg.loss.noise_schedule, cfg.run.steps)
         self.accumulator = GradAccumulator(self.params)
         self.guard = NonFiniteGuard(opt.max_bad_steps, self.device)
-        self.grad_sync: Callable[[], None] | None = None
+        self.grad_sync: Callable[[Tensor, Tensor], Tensor] | None = None
         self.step_count = 0
         self.last_loss: Tensor | None = None
         # bf16 autocast on GPU; CPU stays fp32 (CPU bf16 matmuls are slow and lossy).
@@ -187,14 +188,22 @@ class DrafterTrainer:
             labels, in_vocab = self.drafter.draft_labels(part.labels)
             head = self.drafter.lm_head
             out = chunked_dflash_loss(
-                states, head, labels, part.valid, loss_cfg, target_states, in_vocab=in_vocab
+                states,
+                head,
+                labels,
+                part.valid,
+                loss_cfg,
+                target_states,
+                in_vocab=in_vocab,
+                given=part.given,
             )
         with phase(names.BACKWARD):
-            self.accumulator.backward(out.weighted_sum, out.weight_sum)
+            self.accumulator.backward(out.weighted_sum, out.denominator)
             if last:
-                self.last_loss = self.accumulator.finish()  # of sum(w*l)/sum(w), all rows
-                if self.grad_sync is not None:
-                    self.grad_sync()  # replicas average gradients before anyone steps
+                if self.grad_sync is None:
+                    self.last_loss = self.accumulator.finish()  # of all rows
+                else:  # every replica's sums together, before anyone steps
+                    self.last_loss = self.grad_sync(*self.accumulator.take())
         return out
 
     def check_figures(self, figures: dict[str, Any]) -> None:

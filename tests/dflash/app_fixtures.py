@@ -106,7 +106,8 @@ NON_DEFAULT = {
     "hidden_cache": "cache/", "strict_cache": True,
     "target": "builtin:other", "target_layers": (1, 3), "drafter_layers": 2,
     "block_size": 6, "num_anchors": 5, "loss_decay_gamma": 2.5, "use_soft_labels": True,
-    "kl_temperature": 2.0, "kl_weight": 0.25, "streak_alpha": 0.5, "loss_chunk_size": 4, "lr": 1e-3,
+    "kl_temperature": 2.0, "kl_weight": 0.25, "position_weighting": "dpace", "dpace_alpha": 0.3,
+    "loss_chunk_size": 4, "lr": 1e-3,
     "warmup_steps": 3, "grad_clip": 0.5, "weight_decay": 0.01, "min_lr_ratio": 0.2,
     "grad_accum": 2, "activation_checkpointing": True, "max_bad_steps": 3,
     "steps": 7, "seed": 11, "output_dir": "runs/x", "resume": "latest", "overwrite": True,
@@ -122,3 +123,7 @@ NON_DEFAULT = {
     "profile_interval": 5.0, "service_name": "svc", "timeline": "tl.json", "nvtx": True,
     "torch_profile": "2:4",
 }  # fmt: skip
+# Valid alone, not beside the rest of NON_DEFAULT (--streak-alpha refuses D-PACE).
+NON_DEFAULT_ALONE = {"streak_alpha": 0.5}
+# What an option tested alone needs beside it (--dpace-alpha needs D-PACE).
+COMPANIONS = {"dpace_alpha": {"position_weighting": "dpace"}}

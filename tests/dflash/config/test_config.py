@@ -21,7 +21,7 @@ from dflash.config.settings import (
     values_from_mapping,
 )
 from dflash.errors import DFlashError
-from tests.dflash.app_fixtures import NON_DEFAULT
+from tests.dflash.app_fixtures import COMPANIONS, NON_DEFAULT, NON_DEFAULT_ALONE
 
 # A valid value other than the default for every option: the round-trip tests use it,
 # and `test_every_option_has_a_round_trip_value` fails when a new field is missing here.
@@ -74,8 +74,8 @@ def test_block_longer_than_a_row_is_a_config_error() -> None:
 
 
 def test_every_option_has_a_round_trip_value() -> None:
-    assert set(NON_DEFAULT) == set(option_map())
-    for name, value in NON_DEFAULT.items():
+    assert set(NON_DEFAULT) | set(NON_DEFAULT_ALONE) == set(option_map())
+    for name, value in {**NON_DEFAULT, **NON_DEFAULT_ALONE}.items():
         assert value != option_map()[name].default, name
 
 
@@ -107,14 +107,17 @@ def test_the_invocation_flags_are_these() -> None:
     ]
 
 
-@pytest.mark.parametrize("name", sorted(set(NON_DEFAULT) - set(INVOCATION)))
+ALONE = {**NON_DEFAULT, **NON_DEFAULT_ALONE}
+
+
+@pytest.mark.parametrize("name", sorted(set(ALONE) - set(INVOCATION)))
 def test_every_field_round_trips_through_config_json(name) -> None:
-    cfg = config_from_options({name: NON_DEFAULT[name]})
+    cfg = config_from_options({name: ALONE[name], **COMPANIONS.get(name, {})})
     text = json.dumps(cfg.to_dict())  # what OUTPUT_DIR/config.json holds
     back = TrainConfig.from_dict(json.loads(text), "config.json")
     assert back == cfg
     opt = option_map()[name]
-    assert getattr(getattr(back, opt.section), opt.field) == NON_DEFAULT[name]
+    assert getattr(getattr(back, opt.section), opt.field) == ALONE[name]
 
 
 @pytest.mark.parametrize("name", INVOCATION)

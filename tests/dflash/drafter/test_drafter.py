@@ -82,6 +82,28 @@ def test_blocks_do_not_see_each_other(target: TargetModel) -> None:
     assert not torch.allclose(drafter(hidden, inner, anchors, keep)[0, 1, 0], logits[0, 1, 0])
 
 
+def test_overlapping_blocks_see_no_token_after_their_anchor(target: TargetModel) -> None:
+    """Anchors closer than a block (3, 5, 6 with B=4: blocks 3-6, 5-8, 6-9) share
+    positions. Changing every token from 6 on, which the blocks at 3 and 5 must predict,
+    leaves their logits exactly as they were (the leak SpecForge #470 found in overlapping
+    anchors); the block at 6, whose anchor changed, does change."""
+    drafter = make_drafter(target)
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(4))
+    anchors, keep = torch.tensor([[3, 5, 6]]), torch.ones(1, 3, dtype=torch.bool)
+
+    def logits_of(tokens: torch.Tensor) -> torch.Tensor:
+        blocks = torch.full((1, 3, BS), drafter.mask_id)
+        blocks[0, :, 0] = tokens[0, anchors[0]]
+        hidden = target.capture(tokens, drafter.config.target_layer_ids, False).hidden
+        return drafter(hidden, blocks, anchors, keep)
+
+    changed = ids.clone()
+    changed[0, 6:] = (ids[0, 6:] + 1) % 256
+    before, after = logits_of(ids), logits_of(changed)
+    assert torch.equal(after[0, :2], before[0, :2])
+    assert not torch.allclose(after[0, 2], before[0, 2], atol=1e-4)
+
+
 def test_mask_shape_and_padding_rows(target: TargetModel) -> None:
     mask = block_attention_mask(torch.tensor([[2, 0]]), torch.tensor([[True, False]]), 5, 2)
     assert mask.shape == (1, 1, 4, 9)

@@ -209,6 +209,68 @@ def test_streak_weights_replace_the_decay_unless_gamma_is_set() -> None:
     )
 
 
+def _ce_for(q_tilde: list[float], alpha: float) -> torch.Tensor:
+    """Per-position CE whose smoothed confidence (1-α)·exp(-CE) + α is `q_tilde`."""
+    return torch.tensor([[[-math.log((q - alpha) / (1 - alpha)) for q in q_tilde]]])
+
+
+def test_dpace_weights_go_on_through_a_visible_position() -> None:
+    """The issue's case: B=8, a token left visible by the noise schedule at k=3. It is
+    accepted for sure (q~ = 1) and no term of the suffix sums: the streak goes on.
+    Before, it ended the streak: [0, 1.72, 0.77, 0, 0, 0, 0, 0]."""
+    alpha = 0.5
+    reach = [1.0, 0.95, 0.77, 0.77, 0.69, 0.61, 0.34, 0.33]  # prod_{i<=m} q~_i wanted
+    q_tilde = [1.0] + [reach[k] / reach[k - 1] for k in range(1, 8)]
+    q_tilde[3] = 0.75  # whatever the drafter's confidence there: the token is given
+    ce = _ce_for(q_tilde, alpha)
+    valid = torch.tensor([[[False, True, True, False, True, True, True, True]]])
+    given = torch.tensor([[[True, False, False, True, False, False, False, False]]])
+    weights = streak_weights(ce, valid, alpha, given) * valid
+    expected = [0.0, 3.69, 2.74, 0.0, 1.97, 1.28, 0.67, 0.33]  # by hand: suffix sums
+    assert weights[0, 0].tolist() == pytest.approx(expected, abs=1e-6)
+    # Without `given` the position is a loss-mask hole: the streak ends there.
+    ended = streak_weights(ce, valid, alpha) * valid
+    assert ended[0, 0].tolist() == pytest.approx([0, 1.72, 0.77, 0, 0, 0, 0, 0], abs=1e-6)
+
+
+def test_dpace_divides_by_the_scored_blocks_not_the_weights() -> None:
+    """D-PACE keeps its weights' mass (the expected accepted length) in the loss: the
+    weighted sum is divided by the number of blocks with a scored position (2 of 3
+    here), as its authors do; --streak-alpha (the same weights) divides by their sum."""
+    logits = torch.zeros(1, 3, 4, 5)  # uniform: CE = ln 5 everywhere
+    labels = torch.zeros(1, 3, 4, dtype=torch.long)
+    valid = torch.tensor([[[False, True, True, True]] * 2 + [[False] * 4]])
+    q = 0.5 * 0.2 + 0.5  # q~ with p = 1/5, α = 0.5
+    weight_sum = 2 * ((q + q**2 + q**3) + (q**2 + q**3) + q**3)
+    dpace = dflash_loss(logits, labels, valid, LossConfig(position_weighting="dpace"))
+    assert dpace.loss.item() == pytest.approx(weight_sum * math.log(5) / 2, rel=1e-5)
+    streak = dflash_loss(logits, labels, valid, LossConfig(streak_alpha=0.5))
+    assert streak.loss.item() == pytest.approx(math.log(5), rel=1e-5)
+    decay = dflash_loss(logits, labels, valid, LossConfig())
+    assert decay.loss.item() == pytest.approx(math.log(5), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "line"),
+    [
+        ({"dpace_alpha": 0.0}, "--dpace-alpha"),
+        ({"dpace_alpha": 1.5}, "--dpace-alpha"),
+        ({"position_weighting": "dpace", "streak_alpha": 0.5}, "--streak-alpha 0.5 is invalid"),
+        ({"dpace_alpha": 0.4}, "--dpace-alpha 0.4 needs --position-weighting dpace"),
+    ],
+)
+def test_bad_dpace_settings_name_the_value(kwargs: dict, line: str) -> None:
+    with pytest.raises(DFlashError, match=line):
+        LossConfig(**kwargs)
+
+
+def test_dpace_alpha_defaults_to_the_papers() -> None:
+    assert LossConfig(position_weighting="dpace").confidence_alpha == 0.5
+    assert LossConfig(position_weighting="dpace", dpace_alpha=0.3).confidence_alpha == 0.3
+    assert LossConfig(position_weighting="dpace").decay_gamma(16) is None
+    assert LossConfig().confidence_alpha is None
+
+
 def test_noise_schedule_specs() -> None:
     assert NoiseSchedule.parse("all", 100) == NoiseSchedule()
     lin = NoiseSchedule.parse("linear:0.5:1", 100)

@@ -90,7 +90,7 @@ def _train_replica(model: nn.Module, sync, seed: int, steps: int) -> None:
         loss = model(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
-        sync()
+        sync(loss.detach(), torch.tensor(1.0))  # one unit of denominator each: the mean
         opt.step()
 
 
@@ -125,7 +125,12 @@ def test_averaged_gradient_is_the_mean() -> None:
     for i, model in enumerate(models):
         for p in model.parameters():
             p.grad = torch.full_like(p, float(i + 1))
-    threads = [threading.Thread(target=averager.sync, args=(i,)) for i in range(2)]
+    losses: list[torch.Tensor] = []
+
+    def sync(i: int) -> None:
+        losses.append(averager.sync(i, torch.tensor(3.0 * (i + 1)), torch.tensor(1.0)))
+
+    threads = [threading.Thread(target=sync, args=(i,)) for i in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -133,6 +138,29 @@ def test_averaged_gradient_is_the_mean() -> None:
     for model in models:
         for p in model.parameters():
             assert torch.all(p.grad == 1.5)
+    assert [float(loss) for loss in losses] == [4.5, 4.5]  # (3 + 6) / (1 + 1)
+
+
+def test_replicas_weigh_by_their_denominators_not_equally() -> None:
+    """Sums of w*l over replicas divided by the sum of their denominators: 10 scored
+    positions on one replica and 1 on the other weigh 10:1, not 1:1."""
+    models = _replicas(2)
+    sync_initial_weights(models)
+    averager = GradAverager(models, threading.Event())
+    for i, model in enumerate(models):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, (10.0, 1.0)[i])  # gradients of sum(w*l), undivided
+    threads = [
+        threading.Thread(target=averager.sync, args=(i, torch.tensor(0.0), torch.tensor(d)))
+        for i, d in enumerate((10.0, 1.0))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    for model in models:
+        for p in model.parameters():
+            torch.testing.assert_close(p.grad, torch.full_like(p, 11.0 / 11.0))
 
 
 def weights_digest(model: nn.Module) -> str:

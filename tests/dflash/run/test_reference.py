@@ -37,7 +37,12 @@ def test_step_runs_the_five_phases_and_trains_only_the_drafter(tmp_path) -> None
         return torch.autograd.profiler.record_function(name)
 
     synced = []
-    run.trainer.grad_sync = lambda: synced.append(seen[-1])
+
+    def grad_sync(weighted: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+        synced.append(seen[-1])
+        return weighted / denominator
+
+    run.trainer.grad_sync = grad_sync
     frozen = run.target.embed_tokens.weight.detach().clone()
     before = {n: p.detach().clone() for n, p in run.drafter.named_parameters()}
     batch = run.train_data.batch(0)

@@ -46,25 +46,29 @@ def make_batch(target: TargetModel, drafter: DFlashDrafter, seed: int = 0):
     return hidden, blocks, anchors, keep, labels, valid
 
 
-def _loss(drafter: DFlashDrafter, batch, rows: slice):
+def _loss(drafter: DFlashDrafter, batch, rows: slice, cfg: LossConfig = CFG):
     hidden, blocks, anchors, keep, labels, valid = (x[rows] for x in batch)
     states = drafter.hidden_states(hidden, blocks, anchors, keep)
-    return chunked_dflash_loss(states, drafter.lm_head, labels, valid, CFG, chunk_size=5)
+    return chunked_dflash_loss(states, drafter.lm_head, labels, valid, cfg, chunk_size=5)
 
 
 def _grads(drafter: DFlashDrafter) -> list[torch.Tensor]:
     return [p.grad.clone() for p in drafter.parameters()]
 
 
-def test_accumulated_micro_batches_equal_one_big_batch(target: TargetModel) -> None:
+@pytest.mark.parametrize("cfg", [CFG, LossConfig(position_weighting="dpace"), LossConfig()])
+def test_accumulated_micro_batches_equal_one_big_batch(
+    target: TargetModel, cfg: LossConfig
+) -> None:
+    """Whatever the loss's denominator (the weights' sum; the scored blocks under D-PACE)."""
     big, small = make_drafter(target), make_drafter(target)
     batch = make_batch(target, big)
-    full = _loss(big, batch, slice(0, ROWS))
+    full = _loss(big, batch, slice(0, ROWS), cfg)
     full.loss.backward()
     acc = GradAccumulator(small.parameters())
     for rows in (slice(0, 1), slice(1, 4)):  # unequal micro-batches: weights differ
-        out = _loss(small, batch, rows)
-        acc.backward(out.weighted_sum, out.weight_sum)
+        out = _loss(small, batch, rows, cfg)
+        acc.backward(out.weighted_sum, out.denominator)
     loss = acc.finish()
     torch.testing.assert_close(loss, full.loss.detach(), atol=1e-5, rtol=1e-5)
     for got, ref in zip(_grads(small), _grads(big), strict=True):
