@@ -29,6 +29,7 @@ DOCKER = REPO_ROOT / "docker"
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 GO_MOD = REPO_ROOT / "tools" / "jaeger" / "go.mod"
 PROMETHEUS_GO_MOD = REPO_ROOT / "tools" / "prometheus" / "go.mod"
+OTELCOL_GO_MOD = REPO_ROOT / "tools" / "otelcol" / "go.mod"
 
 PHASES = (
     "batch",
@@ -281,6 +282,26 @@ def prometheus_version_problems(stack: Stack, go_mod: str | None = None) -> list
     if tag != release:
         return [f"compose runs {image}, tools/prometheus builds {release} ({found[0].split()[-1]})"]
     return []
+
+
+def otelcol_version_problems(stack: Stack, go_mod: str | None = None) -> list[str]:
+    """The compose file's otelcol-contrib image is the release tools/otelcol builds: its
+    contrib components at the image's version, the core Collector at the same minor."""
+    text = OTELCOL_GO_MOD.read_text() if go_mod is None else go_mod
+    image = services(stack)[service_with_image(stack, "otel/opentelemetry-collector-contrib")][
+        "image"
+    ]
+    tag = image.rsplit(":", 1)[-1]
+    contrib = set(re.findall(r"opentelemetry-collector-contrib/\S+ v(\S+)", text))
+    core = re.search(r"go\.opentelemetry\.io/collector/otelcol v0\.(\d+)\.", text)
+    problems = []
+    if contrib != {tag}:
+        problems.append(f"compose runs {image}, tools/otelcol builds contrib {sorted(contrib)}")
+    if core is None or core[1] != tag.split(".")[1]:
+        problems.append(
+            f"compose runs {image}, tools/otelcol's core otelcol is not 0.{tag.split('.')[1]}"
+        )
+    return problems
 
 
 def published_port_problems(stack: Stack) -> list[str]:
@@ -654,6 +675,7 @@ def test_real_stack_has_no_problems(stack: Stack) -> None:
         + image_problems(stack)
         + jaeger_version_problems(stack)
         + prometheus_version_problems(stack)
+        + otelcol_version_problems(stack)
         + published_port_problems(stack)
         + wiring_problems(stack)
         + mount_problems(stack)
@@ -742,6 +764,15 @@ def test_prometheus_version_check_catches_drift(stack: Stack) -> None:
     drifted = PROMETHEUS_GO_MOD.read_text().replace("v0.307.3", "v0.308.1")
     assert prometheus_version_problems(stack, drifted) == [
         "compose runs prom/prometheus:v3.7.3, tools/prometheus builds v3.8.1 (v0.308.1)"
+    ]
+
+
+def test_otelcol_version_check_catches_drift(stack: Stack) -> None:
+    assert otelcol_version_problems(stack) == []
+    drifted = OTELCOL_GO_MOD.read_text().replace("v0.140.1", "v0.141.0")
+    assert otelcol_version_problems(stack, drifted) == [
+        "compose runs otel/opentelemetry-collector-contrib:0.140.1, tools/otelcol builds "
+        "contrib ['0.141.0']"
     ]
 
 
