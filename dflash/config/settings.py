@@ -363,6 +363,20 @@ class RunConfig(Section):
     eval_prompts: int = setting(
         8, "Held-out prompts on which τ is measured at the end (0 skips evaluation).", min=0
     )
+    eval_every: int | None = setting(
+        None,
+        "Also measure τ on the held-out prompts every this many steps while training (the "
+        "drafter as it is, decoding as at the end; metrics.jsonl's eval_* figures, the τ "
+        "curve of report.html). Unset: at logged steps while these evaluations cost at most "
+        "10% of the training time; 0: only at the end.",
+        min=0,
+    )
+    keep_best: bool = setting(
+        False,
+        "Save as OUTPUT_DIR/drafter the drafter of the evaluation with the highest τ (during "
+        "training or the final one); the last weights stay in the final checkpoint, and "
+        "summary.json names the best step. Needs evaluations while training.",
+    )
     eval_new_tokens: int = setting(64, "Tokens generated per evaluation prompt.", min=1)
     eval_prompt_tokens: int = setting(64, "Length of each evaluation prompt, in tokens.", min=1)
     eval_engine: Literal["in-process", "vllm"] = setting(
@@ -395,6 +409,22 @@ class RunConfig(Section):
         "without loading any weights (a hub target's config.json may be fetched).",
         invocation=True,
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        every = self.eval_every
+        if every and self.eval_prompts == 0:
+            raise ConfigError(f"--eval-every {every} needs held-out prompts (--eval-prompts is 0)")
+        if every and every > self.steps:
+            raise ConfigError(
+                f"--eval-every {every} is invalid: larger than --steps {self.steps} (the final "
+                "evaluation measures the last step)"
+            )
+        if self.keep_best and (every == 0 or self.eval_prompts == 0):
+            raise ConfigError(
+                "--keep-best needs evaluations while training (--eval-every is 0 or "
+                "--eval-prompts is 0)"
+            )
 
     def checkpoint_due(self, step: int) -> bool:
         """Whether the loop writes a checkpoint after `step` (1-based): every --save-every

@@ -50,6 +50,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "train.acceptance_length", "gauge", "{token}", "τ estimate at the last logged step."
     ),
+    MetricSpec(
+        "eval.acceptance_length",
+        "gauge",
+        "{token}",
+        "τ on the held-out prompts (speculative decoding) at the last evaluation.",
+    ),
     MetricSpec("train.learning_rate", "gauge", "1", "Learning rate at the last logged step."),
     MetricSpec("train.grad_norm", "gauge", "1", "Gradient norm at the last logged step."),
     MetricSpec("train.mfu", "gauge", "1", "Model FLOPs utilization of the drafter devices."),
@@ -65,6 +71,7 @@ SPECS = {spec.name: spec for spec in METRICS}
 STEP_GAUGES = {
     "loss": "train.loss",
     "tau": "train.acceptance_length",
+    "eval_tau": "eval.acceptance_length",
     "lr": "train.learning_rate",
     "grad_norm": "train.grad_norm",
     "mfu": "train.mfu",
@@ -133,7 +140,8 @@ def _observe(metrics: Metrics, name: str, fn: Reader, label_value: str) -> None:
 
 
 def record_step(metrics: Metrics, **values: float | None) -> None:
-    """Once per logged step: loss=, tau=, lr=, grad_norm=, mfu= (None ones are skipped)."""
+    """Once per logged step: loss=, tau=, eval_tau=, lr=, grad_norm=, mfu= (None ones are
+    skipped: eval_tau is given on evaluated steps only)."""
     unknown = set(values) - set(STEP_GAUGES)
     if unknown:
         raise TypeError(f"record_step got unknown figure(s): {', '.join(sorted(unknown))}")

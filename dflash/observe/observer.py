@@ -46,7 +46,13 @@ __all__ = ["ObserveError", "Observer", "describe", "shared_run_id", "start_obser
 SERVICE_NAME = "dflash-train"
 STATS_FILE = "stats.json"
 # A logged step's figures in the metrics: record_step's keyword -> the figure's key.
-_RECORDED = {"loss": "loss", "tau": "tau_estimate", "lr": "lr", "grad_norm": "grad_norm"}
+_RECORDED = {
+    "loss": "loss",
+    "tau": "tau_estimate",
+    "eval_tau": "eval_tau",  # on evaluated steps only
+    "lr": "lr",
+    "grad_norm": "grad_norm",
+}
 _Readers = dict[str, Callable[[], int]]  # {name: a counter, read when called}
 
 
@@ -288,7 +294,7 @@ class Observer:
         if isinstance(figures.get("bad_steps"), int):
             self.bad_steps = figures["bad_steps"]
         if self.metrics is not None:
-            recorded = {name: figures[key] for name, key in _RECORDED.items()}
+            recorded = {name: figures.get(key) for name, key in _RECORDED.items()}
             record_step(self.metrics, **recorded, mfu=mfu)
 
     def gather_final(self) -> None:

@@ -163,8 +163,12 @@ def render(run_dir: Path) -> str:
         line_chart("loss", "Training loss", {"loss": _series(rows, "loss")}, "step"),
         line_chart(
             "tau",
-            "τ estimate (acceptance length)",
-            {"τ estimate": _series(rows, "tau", "tau_estimate")},
+            "τ (acceptance length): held-out decoding and training's estimates",
+            {
+                "held-out τ (decoded)": _series(rows, "eval_tau"),
+                "training τ, per-block chain": _series(rows, "tau_chain"),
+                "training τ, positions independent": _series(rows, "tau", "tau_estimate"),
+            },
             "step",
         ),
         bar_chart(

@@ -65,6 +65,7 @@ from dflash.run.checkpoint import (
 )
 from dflash.run.engine import check_vllm_command, measure_with_vllm
 from dflash.run.estimate import check_seq_len, check_sizes_before_work, estimate_for_config
+from dflash.run.evaluations import TrainingEvals, eval_keys, trainable_weights
 from dflash.run.features import FeatureSource, feature_source
 from dflash.run.folder import METRICS_FILE, FolderLock, claim_output_dir, write_run_start
 from dflash.run.outputs import check_run_folder
@@ -87,6 +88,7 @@ from dflash.target.model import (
 from dflash.target.served import TokenizerTarget
 from dflash.train.optim import DivergedError
 from dflash.train.step import DrafterTrainer, PhaseFn, null_phase
+from dflash.train.step_metrics import amend_line
 
 
 @dataclass
@@ -109,6 +111,7 @@ class Run:
     resumed_from: Path | None = None
     initialized_from: Path | None = None
     final_saved: bool = False  # the final checkpoint and OUTPUT_DIR/drafter are written
+    evals: TrainingEvals | None = None  # τ while training (--eval-every)
     _fingerprint: str | None = None
 
     @property
@@ -482,6 +485,8 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     run = Run(
         cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir, features
     )
+    skipped = features.eval_skipped(target)
+    run.evals = TrainingEvals.for_run(cfg.run, target, drafter, heldout, skipped)
     log(run.mask_token.describe())
     if warm is not None:
         init_drafter_from(drafter, warm[0])
@@ -559,6 +564,18 @@ def save_final(run: Run, log: Callable[[str], None] = print) -> None:
     is one SaveError naming the path, the space left and what is complete. What the
     engines make of the saved drafter (a pruned head) is said once, here."""
     final = save_checkpoint_or_fail(run)
+    _write_drafter(
+        run, f"the final checkpoint {final} is complete; its drafter/ is the trained drafter"
+    )
+    run.final_saved = True
+    note = pruned_head_note(run.drafter.config)
+    if note is not None:
+        log(note)
+
+
+def _write_drafter(run: Run, complete: str) -> None:
+    """OUTPUT_DIR/drafter/ from the drafter's weights now, written aside and renamed into
+    place; a failed write is a SaveError that says what is `complete`."""
     drafter_dir = run.output_dir / "drafter"
     tmp = run.output_dir / f".tmp-drafter-{os.getpid()}"
     try:
@@ -567,12 +584,7 @@ def save_final(run: Run, log: Callable[[str], None] = print) -> None:
         replace_dir(tmp, drafter_dir)
     except SAVE_FAILURES as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        complete = f"the final checkpoint {final} is complete; its drafter/ is the trained drafter"
         raise save_failure(exc, drafter_dir, complete) from None
-    run.final_saved = True
-    note = pruned_head_note(run.drafter.config)
-    if note is not None:
-        log(note)
 
 
 def save_dtype(run: Run) -> torch.dtype:
@@ -586,9 +598,44 @@ def save_dtype(run: Run) -> torch.dtype:
 def complete_run(
     run: Run, phase: PhaseFn = null_phase, log: Callable[[str], None] = print
 ) -> tuple[dict[str, Any], float]:
-    """Final checkpoint and drafter, then τ on held-out: (its figures, seconds spent)."""
+    """Final checkpoint and drafter, then τ on held-out: (its figures, seconds spent).
+    The evaluation joins the last step's metrics.jsonl line; with --keep-best a better
+    drafter of an evaluation while training then replaces OUTPUT_DIR/drafter."""
     with phase(names.CHECKPOINT_SAVE):
         save_final(run, log)
+    figures, eval_s = _final_evaluation(run, phase, log)
+    if run.evals is not None:
+        final = eval_keys(figures)
+        if final:
+            run.evals.record(run.step, final, final=True)
+            amend_line(run.output_dir / METRICS_FILE, run.step, final)
+        keep_best(run, log)
+    return figures, eval_s
+
+
+def keep_best(run: Run, log: Callable[[str], None]) -> None:
+    """--keep-best: OUTPUT_DIR/drafter from the best evaluation's weights, when it is not
+    the last step's (whose weights stay in the final checkpoint)."""
+    best = run.evals.best if run.evals is not None else None
+    if not run.cfg.run.keep_best or best is None or best.weights is None:
+        return
+    last = trainable_weights(run.drafter)
+    load_trainable_weights(run.drafter, best.weights)
+    try:
+        complete = "the final checkpoint is complete; its drafter/ is the last step's"
+        _write_drafter(run, complete)
+    finally:
+        load_trainable_weights(run.drafter, last)
+    log(
+        f"keep-best: {run.output_dir / 'drafter'} is step {best.step}'s drafter (held-out τ "
+        f"{best.tau:.3f}); the last step's is in the final checkpoint"
+    )
+
+
+def _final_evaluation(
+    run: Run, phase: PhaseFn, log: Callable[[str], None]
+) -> tuple[dict[str, Any], float]:
+    """τ on the held-out prompts at the end: in process or by vLLM."""
     eval_start_s = time.perf_counter()
     if run.cfg.run.eval_engine == "vllm" and run.cfg.run.eval_prompts:
         with phase(names.EVAL):
@@ -641,6 +688,7 @@ def build_summary(
         # summary.json stays JSON.
         "final_loss": _finite_or_none(last),
         **figures,
+        **_while_training(run, stats),
         "wall_s": time.perf_counter() - started_s,
         "train_s": stats.train_s,
         "setup_s": run.setup_s,
@@ -660,6 +708,18 @@ def build_summary(
     if interrupted is not None:
         summary["interrupted"] = interrupted
     return {**summary, **(extra or {})}
+
+
+def _while_training(run: Run, stats: RunStats) -> dict[str, Any]:
+    """summary.json's record of the evaluations while training, and which step's drafter
+    OUTPUT_DIR/drafter holds."""
+    if run.evals is None:
+        return {}
+    out = {"evaluations_while_training": run.evals.summary(stats.train_s)}
+    best = run.evals.best
+    if run.cfg.run.keep_best and best is not None:
+        out["drafter_step"] = best.step if best.weights is not None else run.step
+    return out
 
 
 def _last_tau_estimate(path: Path) -> float | None:

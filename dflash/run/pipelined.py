@@ -119,6 +119,7 @@ class _StepBook:
         self.losses: dict[int, list[torch.Tensor]] = {}  # device tensors, read at the end
         self.tokens = 0  # over all ranks: every rank trains batches of the same size
         self._lock = threading.Lock()
+        self._started_s = time.perf_counter()
 
     def on_step(self, replica: int, step: int, batch: Batch, result: StepResult) -> None:
         with self._lock:
@@ -132,6 +133,10 @@ class _StepBook:
         self.averager.after_step(may_read=figures is not None)
         if step == 0 and self.observer is not None:
             self.observer.first_step_done()
+        if figures is not None:
+            evals, train_s = run.evals, time.perf_counter() - self._started_s
+            if self.info.is_main and evals is not None and evals.due(run.step, train_s):
+                figures.update(evals.evaluate(run.step))  # other ranks wait in the next sync
         self.progress.update(run.step, batch.num_tokens * self.batches_per_step, figures)
         if figures is not None:
             self._log_step(figures)
@@ -296,7 +301,9 @@ def _setup(
     stream = progress_stream if info.is_main else io.StringIO()
     progress = Progress(cfg.run.steps, run.step, log=None, stream=stream)
     metrics_file = Path(cfg.run.output_dir) / METRICS_FILE
-    metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps, metrics_file)
+    metrics = StepMetrics(
+        cfg.run.log_every, run.step, cfg.run.steps, metrics_file, cfg.run.eval_every
+    )
     book = _StepBook(run, progress, info, len(replicas), metrics, averager, observer)
     window = observer.profile if observer is not None else None
     indices = rank_batch_indices(

@@ -117,6 +117,17 @@ def _format_eta(seconds: float) -> str:
     return f"{seconds // 60}:{seconds % 60:02d}"
 
 
+def _tau_figures(figures: dict[str, Any]) -> str:
+    """The per-block chain τ of the training anchors and, on an evaluated step, the held-out
+    τ (the figure the engine will measure), after the independent-positions estimate."""
+    text = ""
+    if figures.get("tau_chain") is not None:
+        text += f" (chain {figures['tau_chain']:.2f})"
+    if figures.get("eval_tau") is not None:
+        text += f"  held-out τ {figures['eval_tau']:.3f}"
+    return text
+
+
 class Progress:
     """Step, loss, τ estimate, tokens/s and ETA: a bar on a terminal, lines elsewhere.
 
@@ -169,6 +180,8 @@ class Progress:
                     "tau": f"{figures['tau_estimate']:.2f}",
                     "tok_s": f"{tokens_per_s:,.0f}",
                 }
+                if figures.get("eval_tau") is not None:
+                    postfix["eval_tau"] = f"{figures['eval_tau']:.2f}"
                 if figures.get("bad_steps"):
                     postfix["bad"] = figures["bad_steps"]
                 self.bar.set_postfix(**postfix, refresh=False)
@@ -178,12 +191,14 @@ class Progress:
         done = step - self.start_step
         by_time = now_s - self.last_print_s >= self.interval_s
         due = by_time or done - self.last_print_done >= self.every_steps
-        if due or step == self.total_steps or done == 1:
+        evaluated = figures.get("eval_tau") is not None
+        if due or step == self.total_steps or done == 1 or evaluated:
             eta_s = (now_s - self.start_time_s) / done * (self.total_steps - step)
             bad = figures.get("bad_steps")
             self.log(
                 f"step {step}/{self.total_steps}  loss {figures['loss']:.4f}  "
-                f"τ≈{figures['tau_estimate']:.2f}  {tokens_per_s:,.0f} tokens/s  "
+                f"τ≈{figures['tau_estimate']:.2f}{_tau_figures(figures)}  "
+                f"{tokens_per_s:,.0f} tokens/s  "
                 f"eta {_format_eta(eta_s)}" + (f"  skipped {bad} non-finite" if bad else "")
             )
             self.last_print_s, self.last_print_done = now_s, done

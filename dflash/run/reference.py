@@ -58,7 +58,9 @@ def _train(
     start.begin_training(cfg, log)  # every check has passed, the cache's among them
     progress = Progress(cfg.run.steps, run.step, stream=progress_stream, log=None)
     metrics_file = Path(cfg.run.output_dir) / METRICS_FILE
-    metrics = StepMetrics(cfg.run.log_every, run.step, cfg.run.steps, metrics_file)
+    metrics = StepMetrics(
+        cfg.run.log_every, run.step, cfg.run.steps, metrics_file, cfg.run.eval_every
+    )
     if run.resumed_from is not None:
         metrics.continue_file()
     losses: list[torch.Tensor] = []
@@ -72,6 +74,9 @@ def _train(
             losses.append(result.loss)
             num_tokens += result.num_tokens
             figures = metrics.read(run.step, result) if metrics.due(run.step) else None
+            train_s = time.perf_counter() - train_start_s
+            if figures is not None and run.evals is not None and run.evals.due(run.step, train_s):
+                figures.update(run.evals.evaluate(run.step))
             if figures is not None:
                 metrics.write(figures)
             progress.update(run.step, result.num_tokens, figures)

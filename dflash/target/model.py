@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any
@@ -241,6 +242,9 @@ class TargetModel(nn.Module):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self._layers = layers  # registered through self.model already
+        # `capture` hooks the module's layers for the time of a forward: any other forward
+        # of this module meanwhile (an evaluation while training) must hold this lock too.
+        self.forward_lock = threading.Lock()
         self.spec, self.tokenizer, self.geometry = spec, tokenizer, geometry
         self.chat_template_kwargs: dict[str, Any] = {}
         self.data_mask_token: MaskToken | None = None
@@ -380,17 +384,18 @@ class TargetModel(nn.Module):
 
             return hook
 
-        handles = [self._layers[i].register_forward_hook(make_hook(i)) for i in wanted]
-        if with_final_hidden:
-            handles.append(self.final_norm().register_forward_hook(make_hook("norm")))
         logits = None
-        try:
-            logits = self._run(input_ids, doc_ids)
-        except _StopForward:
-            pass
-        finally:
-            for handle in handles:
-                handle.remove()
+        with self.forward_lock:
+            handles = [self._layers[i].register_forward_hook(make_hook(i)) for i in wanted]
+            if with_final_hidden:
+                handles.append(self.final_norm().register_forward_hook(make_hook("norm")))
+            try:
+                logits = self._run(input_ids, doc_ids)
+            except _StopForward:
+                pass
+            finally:
+                for handle in handles:
+                    handle.remove()
         hidden = torch.cat([kept[i] for i in layer_ids], dim=-1)  # [B, T, K*D]
         return TargetOutput(hidden=hidden, logits=logits, final_hidden=kept.get("norm"))
 

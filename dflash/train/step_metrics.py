@@ -35,9 +35,16 @@ def tau_estimate(accuracy_per_position: list[float]) -> float:
 class StepMetrics:
     """Which steps are logged, their figures, and the metrics.jsonl writer."""
 
-    def __init__(self, log_every: int, first_step: int, total_steps: int, path: Path | None):
+    def __init__(
+        self,
+        log_every: int,
+        first_step: int,
+        total_steps: int,
+        path: Path | None,
+        eval_every: int | None = None,
+    ):
         self.log_every, self.first_step, self.total_steps = log_every, first_step, total_steps
-        self.path = path
+        self.path, self.eval_every = path, eval_every
 
     def continue_file(self) -> None:
         """A resumed run's metrics.jsonl keeps the whole lines of the steps up to its
@@ -56,28 +63,41 @@ class StepMetrics:
         write_text_atomic(self.path, "".join(kept))
 
     def due(self, step: int) -> bool:
-        """Whether `step` (1-based, global) is logged: every log_every, the first and last."""
-        return step % self.log_every == 0 or step in (self.first_step + 1, self.total_steps)
+        """Whether `step` (1-based, global) is logged: every log_every, the first and last,
+        and every --eval-every (its τ lands on the step's line)."""
+        every = self.eval_every or 0
+        evaluated = every > 0 and step % every == 0
+        return (
+            evaluated
+            or step % self.log_every == 0
+            or step in (self.first_step + 1, self.total_steps)
+        )
 
     def read(self, step: int, result: StepResult) -> dict[str, Any]:
         """The step's figures, with one device-to-host transfer."""
         m = result.metrics
         parts = [result.loss.reshape(1).float(), m["grad_norm"].reshape(1).float()]
+        parts.append(m["tau_proxy"].reshape(1).float())
         nonfinite = m["nonfinite"].float()  # NonFiniteGuard.state
         accuracy = m["accuracy_per_position"].float()
         device = parts[0].device
         values = torch.cat([*parts, nonfinite.to(device), accuracy.to(device)]).tolist()
-        per_position = values[5:]
+        per_position = values[6:]
         return {
             "step": step,
             "loss": values[0],
             "accuracy_per_position": per_position,
+            # Both on random anchors of this step's training rows, against the data's next
+            # tokens: tau_estimate multiplies the positions' accuracies as if they were
+            # independent (an underestimate); tau_chain follows each block's own run of
+            # correct predictions, as a verifier accepts them.
             "tau_estimate": tau_estimate(per_position),
+            "tau_chain": values[2],
             "grad_norm": values[1],
             "lr": result.lr,
-            "bad_steps": int(values[2]),  # non-finite steps skipped so far in the run
-            "bad_steps_in_a_row": int(values[3]),
-            "diverged_at_step": int(values[4]) or None,
+            "bad_steps": int(values[3]),  # non-finite steps skipped so far in the run
+            "bad_steps_in_a_row": int(values[4]),
+            "diverged_at_step": int(values[5]) or None,
         }
 
     def write(self, figures: dict[str, Any]) -> None:
@@ -86,6 +106,21 @@ class StepMetrics:
             return
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(figures) + "\n")
+
+
+def amend_line(path: Path, step: int, figures: dict[str, Any]) -> None:
+    """Adds `figures` to metrics.jsonl's line of `step` when it is the last one (the final
+    evaluation joins the last step's line), else appends a line of its own."""
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    try:
+        last = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        last = None
+    if isinstance(last, dict) and last.get("step") == step:
+        lines[-1] = json.dumps({**last, **figures})
+    else:
+        lines.append(json.dumps({"step": step, **figures}))
+    write_text_atomic(path, "".join(line + "\n" for line in lines))
 
 
 class StageRates:

@@ -114,6 +114,7 @@ NON_DEFAULT = {
     "allow_data_change": True,
     "save_every": 2, "save_dtype": "bfloat16",
     "keep_checkpoints": 4, "log_every": 3, "eval_prompts": 2, "eval_new_tokens": 9,
+    "eval_every": 3, "keep_best": True,
     "eval_prompt_tokens": 10, "debug": True, "allow_over_memory": True, "dry_run": True,
     "eval_engine": "vllm", "vllm_command": "python -m vllm.entrypoints.openai.api_server",
     "target_devices": ("cpu", "cpu"),

@@ -1,0 +1,148 @@
+"""τ while training (--eval-every): the drafter as it is at a step decodes the held-out
+prompts speculatively, with the code whose τ equals vLLM's (dflash.eval), and the
+figures land on that step's metrics.jsonl line, the metrics signal and the progress line.
+
+Training's own τ figures (`tau_estimate`, `tau_chain`) score random anchors of training
+rows against the data's next tokens; these decode what the run will be judged on. Their
+cost is bounded: by default (--eval-every unset) an evaluation runs at a logged step only
+while all of them, the next one included at the last one's cost, stay within
+`BUDGET_SHARE` of the training time so far; --eval-every N evaluates every N steps. The
+last step's evaluation is the final one (dflash.run.lifecycle.complete_run), never a
+second measurement. With --keep-best the weights of the best evaluation are kept, to be
+saved as OUTPUT_DIR/drafter in place of the last ones.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+import tracing
+from dflash import names
+from dflash.config.settings import RunConfig
+from dflash.data.datasets import PackedDataset, heldout_prompts
+from dflash.drafter.model import DFlashDrafter
+from dflash.errors import DFlashError
+from dflash.eval.evaluate import evaluate_tau
+from dflash.target.model import TargetModel
+
+BUDGET_SHARE = 0.10  # of the training time: what the default's evaluations may cost
+EVAL_KEYS = ("tau", "tau_pooled", "acceptance_per_position", "tau_without_repeats")
+
+
+def eval_keys(figures: dict[str, Any]) -> dict[str, Any]:
+    """A final evaluation's figures under the names a metrics.jsonl line gives them."""
+    return {f"eval_{key}": figures[key] for key in EVAL_KEYS if figures.get(key) is not None}
+
+
+@dataclass
+class Best:
+    step: int
+    tau: float
+    weights: dict[str, torch.Tensor] | None = None  # trainable weights, on the host
+
+
+@dataclass
+class TrainingEvals:
+    """When the run evaluates while training, and what it found (rank 0's replica 0)."""
+
+    cfg: RunConfig
+    target: TargetModel
+    drafter: DFlashDrafter
+    prompts: list[list[int]]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    spent_s: float = 0.0
+    best: Best | None = None
+    _last_cost_s: float = 0.0
+
+    @classmethod
+    def for_run(
+        cls,
+        cfg: RunConfig,
+        target: TargetModel,
+        drafter: DFlashDrafter,
+        heldout: PackedDataset,
+        skipped: str | None,
+    ) -> TrainingEvals | None:
+        """None when the run does not evaluate while training: --eval-every 0, no held-out
+        prompts, or an in-process evaluation that cannot run (`skipped`: why)."""
+        if skipped is not None and cfg.eval_every:
+            raise DFlashError(f"--eval-every {cfg.eval_every}: τ cannot be measured: {skipped}")
+        if cfg.eval_every == 0 or cfg.eval_prompts == 0 or skipped is not None:
+            return None
+        prompts = heldout_prompts(heldout, cfg.eval_prompts, cfg.eval_prompt_tokens)
+        return cls(cfg, target, drafter, prompts)
+
+    def due(self, step: int, train_s: float) -> bool:
+        """Whether to evaluate after `step` (1-based, global), `train_s` seconds into
+        training (evaluations included). Never at the last step: that is the final one."""
+        if step >= self.cfg.steps:
+            return False
+        every = self.cfg.eval_every
+        if every is not None:
+            return step % every == 0
+        training_s = train_s - self.spent_s
+        return self.spent_s + self._last_cost_s <= BUDGET_SHARE * training_s or not self.history
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """τ of the drafter now: the eval_* figures of `step`'s metrics.jsonl line."""
+        start_s = time.perf_counter()
+        attributes = {names.STEP: step}
+        # The target thread's forwards wait meanwhile: `capture` hooks the same module.
+        phase = tracing.phase(names.EVAL, level="step", attributes=attributes)
+        with phase, torch.no_grad(), self.target.forward_lock:
+            result = evaluate_tau(self.target, self.drafter, self.prompts, self.cfg.eval_new_tokens)
+        cost_s = time.perf_counter() - start_s
+        self.spent_s += cost_s
+        self._last_cost_s = cost_s
+        figures = {
+            "eval_tau": float(result.tau),
+            "eval_tau_pooled": float(result.tau_pooled),
+            "eval_acceptance_per_position": [float(a) for a in result.acceptance_per_position],
+            "eval_tau_without_repeats": _float_or_none(result.tau_without_repeats),
+            "eval_s": round(cost_s, 4),
+        }
+        self.record(step, figures)
+        return figures
+
+    def record(self, step: int, figures: dict[str, Any], final: bool = False) -> None:
+        """One evaluation in the history; the best one's weights kept with --keep-best."""
+        self.history.append({"step": step, **figures})
+        tau = figures.get("eval_tau")
+        if tau is None or (self.best is not None and tau <= self.best.tau):
+            return
+        weights = None
+        if self.cfg.keep_best and not final:
+            weights = trainable_weights(self.drafter)
+        self.best = Best(step, float(tau), weights)
+
+    def summary(self, train_s: float) -> dict[str, Any]:
+        """What summary.json records of the evaluations while training."""
+        during = [h for h in self.history if "eval_s" in h]
+        share = self.spent_s / train_s if train_s > 0 else None
+        out: dict[str, Any] = {
+            "evaluations": len(during),
+            "seconds": round(self.spent_s, 3),
+            "share_of_training": None if share is None else round(share, 4),
+            "curve": [{"step": h["step"], "tau": h.get("eval_tau")} for h in self.history],
+        }
+        if self.best is not None:
+            out["best_step"], out["best_tau"] = self.best.step, self.best.tau
+        return out
+
+
+def trainable_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A host copy of the trainable parameters (what a checkpoint keeps of a drafter)."""
+    return {
+        name: p.detach().to("cpu", copy=True)
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def _float_or_none(value: float | None) -> float | None:
+    return None if value is None else float(value)

@@ -1,0 +1,128 @@
+"""τ while training (--eval-every, --keep-best): the steps asked, the final evaluation
+on the last step's line, the budget of the default, the best drafter kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.config.settings import ConfigError, RunConfig
+from dflash.drafter.io import load_drafter
+from dflash.eval.evaluate import evaluate_tau
+from dflash.run import pipelined
+from dflash.run.checkpoint import load_checkpoint, resolve_checkpoint
+from dflash.run.evaluations import BUDGET_SHARE, Best, TrainingEvals, trainable_weights
+from dflash.run.lifecycle import keep_best
+from dflash.run.reference import train_reference
+from tests.dflash.app_fixtures import (  # noqa: F401 - fixture
+    cpu_run,
+    small_cfg,
+    tiny_target,
+)
+
+EVAL = {"eval_prompts": 2, "eval_new_tokens": 8, "eval_prompt_tokens": 8}
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(loop: str, cfg) -> dict:
+    if loop == "reference":
+        return train_reference(cfg, log=lambda _: None)
+    return pipelined.run_pipeline(cfg, log=lambda _: None)
+
+
+@pytest.mark.usefixtures("tiny_target")
+@pytest.mark.parametrize("loop", ["reference", "pipeline"])
+def test_eval_every_lands_on_the_steps_asked_and_the_last_is_the_final(tmp_path, loop) -> None:
+    cfg = small_cfg(tmp_path, steps=6, eval_every=2, log_every=5, **EVAL)
+    summary = _train(loop, cfg)
+    lines = _metrics(tmp_path)
+    evaluated = [line["step"] for line in lines if "eval_tau" in line]
+    assert evaluated == [2, 4, 6]  # 2 and 4 while training (logged for it), 6 the final
+    last = lines[-1]
+    assert last["step"] == 6 and last["eval_tau"] == summary["tau"]
+    assert last["eval_tau_pooled"] == summary["tau_pooled"]
+    assert last["eval_acceptance_per_position"] == summary["acceptance_per_position"]
+    assert "eval_s" not in last  # measured once, by the final evaluation
+    during = summary["evaluations_while_training"]
+    assert during["evaluations"] == 2 and during["seconds"] > 0
+    assert [point["step"] for point in during["curve"]] == [2, 4, 6]
+    for line in lines:
+        assert 1.0 <= line.get("eval_tau", 1.0) <= cfg.drafter.block_size
+        assert line["tau_chain"] >= 1.0  # the per-block chain, logged on every line
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_keep_best_saves_the_drafter_of_the_best_evaluation(tmp_path) -> None:
+    cfg = small_cfg(tmp_path, steps=12, eval_every=4, keep_best=True, **EVAL)
+    run = cpu_run(cfg)  # the target and prompts the evaluations used
+    summary = train_reference(cfg, log=lambda _: None)
+    during = summary["evaluations_while_training"]
+    taus = {point["step"]: point["tau"] for point in during["curve"]}
+    best_step = max(taus, key=lambda step: (taus[step], -step))  # the first of the best
+    assert during["best_step"] == best_step == summary["drafter_step"]
+    drafter, _ = load_drafter(tmp_path / "drafter", run.target)
+    again = evaluate_tau(run.target, drafter, run.evals.prompts, cfg.run.eval_new_tokens)
+    assert float(again.tau) == pytest.approx(taus[best_step], abs=1e-9)
+    final = load_checkpoint(resolve_checkpoint("latest", tmp_path))
+    assert final.step == 12
+    saved = trainable_weights(drafter)
+    same = all(torch.equal(saved[name], final.weights[name]) for name in saved)
+    assert same == (best_step == 12)  # the last weights stay in the final checkpoint
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_keep_best_writes_the_kept_weights_and_leaves_the_drafter_as_it_was(tmp_path) -> None:
+    cfg = small_cfg(tmp_path, steps=12, eval_every=4, keep_best=True, **EVAL)
+    run = cpu_run(cfg)
+    last = trainable_weights(run.drafter)
+    best = {name: torch.full_like(w, 0.25) for name, w in last.items()}
+    assert run.evals is not None
+    run.evals.best = Best(step=4, tau=7.0, weights=best)
+    keep_best(run, lambda _: None)
+    saved, _ = load_drafter(tmp_path / "drafter", run.target)
+    for name, weight in trainable_weights(saved).items():
+        assert torch.equal(weight, best[name]), name
+    for name, weight in trainable_weights(run.drafter).items():
+        assert torch.equal(weight, last[name]), name
+
+
+def _evals(**run: object) -> TrainingEvals:
+    cfg = RunConfig(**{"steps": 100, **run})  # type: ignore[arg-type]
+    return TrainingEvals(cfg, target=None, drafter=None, prompts=[])  # type: ignore[arg-type]
+
+
+def test_the_default_evaluates_within_its_budget() -> None:
+    evals = _evals()
+    assert evals.due(1, train_s=0.01)  # the first logged step: the untrained drafter's τ
+    evals.history.append({"step": 1})
+    evals.spent_s, evals._last_cost_s = 1.0, 1.0
+    # Two evaluations of 1 s fit once the training proper (evaluations not counted) is
+    # 2 / BUDGET_SHARE s long.
+    assert not evals.due(10, train_s=1.0 + 2 / BUDGET_SHARE - 0.1)
+    assert evals.due(11, train_s=1.0 + 2 / BUDGET_SHARE + 0.1)
+    assert not evals.due(100, train_s=10_000.0)  # the last step's is the final one
+
+
+def test_eval_every_asks_for_exact_steps() -> None:
+    evals = _evals(eval_every=25)
+    assert [s for s in range(1, 101) if evals.due(s, train_s=0.0)] == [25, 50, 75]
+
+
+@pytest.mark.parametrize(
+    ("run", "line"),
+    [
+        ({"eval_every": 5, "eval_prompts": 0}, "--eval-every 5 needs held-out prompts"),
+        ({"eval_every": 200}, "--eval-every 200 is invalid: larger than --steps 100"),
+        ({"keep_best": True, "eval_every": 0}, "--keep-best needs evaluations while training"),
+        ({"keep_best": True, "eval_prompts": 0}, "--keep-best needs evaluations while training"),
+    ],
+)
+def test_bad_evaluation_settings_are_one_line(run: dict, line: str) -> None:
+    with pytest.raises(ConfigError, match=line):
+        RunConfig(**{"steps": 100, **run})
