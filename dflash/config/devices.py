@@ -11,18 +11,36 @@ going to local rank `i % local_world_size`; a slice of one GPU is shared by both
 sides, and a larger slice gives its first half to the target and the rest to the
 drafters. A rank with no GPU of its own (more ranks than GPUs) shares GPU
 `local_rank % gpu_count`.
+
+Precision (--precision): `bf16` runs the drafter's forward under bf16 autocast and the
+frozen target in bf16, `fp32` everything in fp32, `auto` bf16 where the hardware has it
+natively and it pays: CUDA (as every CUDA run did before the option), and a CPU whose
+flags name AVX512-BF16 or AMX-BF16 (about 3x fp32's matmul rate there) for a model of
+hidden size AUTO_BF16_MIN_HIDDEN or more. A CPU without them emulates bf16 at a fraction
+of fp32's speed, so `bf16` on it is refused before any model loads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Literal
 
 import torch
 
 from dflash.config.checks import split_device_name
 from dflash.config.settings import PipelineConfig
 from dflash.errors import DFlashError
+
+Resolved = Literal["fp32", "bf16"]
+# /proc/cpuinfo flags of the x86 instructions that multiply bf16 matrices natively.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# Under `auto` a CPU runs bf16 for models at least this wide: below it autocast's casts
+# cost what the bf16 matmuls save (a drafter step on an AVX512-BF16 CPU, 2 threads:
+# hidden 128 1.0x, 256 1.0-1.3x, 576 2.9x; bench/precision.py).
+AUTO_BF16_MIN_HIDDEN = 512
 
 
 class DeviceError(DFlashError):
@@ -120,6 +138,102 @@ def resolve_device(spec: str, flag: str = "--device") -> torch.device:
     return parse_device(spec, flag)
 
 
+def cpu_bf16_flags(cpuinfo: str | None = None) -> tuple[str, ...]:
+    """The native-bf16 flags of this CPU (`cpuinfo`: the text of /proc/cpuinfo, read when
+    None; a machine without it, as macOS, has none)."""
+    if cpuinfo is None:
+        cpuinfo = _read_cpuinfo()
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            flags.update(value.split())
+    return tuple(f for f in CPU_BF16_FLAGS if f in flags)
+
+
+@cache
+def _read_cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def native_bf16(device: torch.device, cpu_flags: tuple[str, ...] | None = None) -> bool:
+    """Whether `device` multiplies bf16 natively: a CUDA device of compute capability 8.0
+    or more, a CPU with one of CPU_BF16_FLAGS (`cpu_flags`: given, else this CPU's)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type == "cpu":
+        return bool(cpu_bf16_flags() if cpu_flags is None else cpu_flags)
+    return False
+
+
+def resolve_precision(
+    precision: str,
+    device: torch.device,
+    hidden_size: int | None = None,
+    cpu_flags: tuple[str, ...] | None = None,
+) -> Resolved:
+    """--precision on one device for a model of `hidden_size`: `bf16` or `fp32`. `auto`
+    is bf16 on CUDA (as before the option), and on a CPU with native bf16 once the model
+    is wide enough for it to pay (AUTO_BF16_MIN_HIDDEN; None: not known yet, fp32), else
+    fp32. `bf16` on a device without native bf16 is a DeviceError naming it.
+    `cpu_flags`: as in `native_bf16`."""
+    if precision == "fp32":
+        return "fp32"
+    if precision == "auto":
+        if device.type == "cuda":
+            return "bf16"
+        wide = hidden_size is not None and hidden_size >= AUTO_BF16_MIN_HIDDEN
+        return "bf16" if wide and native_bf16(device, cpu_flags) else "fp32"
+    if not native_bf16(device, cpu_flags):
+        raise DeviceError(f"--precision bf16: {_no_bf16(device)}; use fp32 or auto")
+    return "bf16"
+
+
+def check_precision(precision: str, devices: Sequence[torch.device]) -> None:
+    """`--precision bf16` on a device without native bf16: one DeviceError naming it,
+    before any model loads."""
+    for device in devices:
+        resolve_precision(precision, device)
+
+
+def _no_bf16(device: torch.device) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"device {device} ({name}, compute capability {major}.{minor}) has no native bf16"
+    if device.type == "cpu":
+        flags = " or ".join(CPU_BF16_FLAGS)
+        return f"device cpu has no native bf16 (its /proc/cpuinfo flags name neither {flags})"
+    return f"device {device} has no native bf16 here"
+
+
+def precision_text(
+    precision: str,
+    device: torch.device,
+    hidden_size: int | None = None,
+    cpu_flags: tuple[str, ...] | None = None,
+) -> str:
+    """The start-up words for --precision on `device` (what `resolve_precision` chose,
+    and under `auto` why)."""
+    resolved = resolve_precision(precision, device, hidden_size, cpu_flags)
+    what = "bf16 autocast, fp32 master weights" if resolved == "bf16" else "fp32"
+    if precision != "auto":
+        return f"precision: {what}"
+    if device.type == "cuda":
+        why = "CUDA"
+    elif not native_bf16(device, cpu_flags):
+        why = f"no native bf16 on {device}"
+    else:
+        flags = "/".join(cpu_bf16_flags() if cpu_flags is None else cpu_flags)
+        size, floor = hidden_size if hidden_size is not None else "unknown", AUTO_BF16_MIN_HIDDEN
+        cmp = ">=" if resolved == "bf16" else "<"
+        why = f"{device} has {flags}, hidden size {size} {cmp} {floor}"
+    return f"precision: {what} (auto: {why})"
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where this rank runs its target threads and drafter replicas (decided once)."""
@@ -146,8 +260,11 @@ def decide_placement(
     cfg: PipelineConfig, local_rank: int = 0, local_world_size: int = 1
 ) -> Placement:
     """This rank's devices from --target-devices/--drafter-devices (`auto`: see the
-    module docstring); every part of the run takes its devices from the result."""
+    module docstring); every part of the run takes its devices from the result.
+    `--precision bf16` on one of them without native bf16 is refused here, before any
+    model loads."""
     targets, drafters = resolve_devices(
         cfg.target_devices, cfg.drafter_devices, local_rank, local_world_size
     )
+    check_precision(cfg.precision, (*targets, *drafters))
     return Placement(tuple(targets), tuple(drafters))

@@ -453,6 +453,14 @@ class PipelineConfig(Section):
     hs_queue_size: int = setting(
         2, "Hidden-state batches buffered between target and drafter threads.", min=1
     )
+    precision: Literal["auto", "fp32", "bf16"] = setting(
+        "auto",
+        "Arithmetic of the models: `bf16` runs the drafter's forward under bf16 autocast and "
+        "the frozen target in bf16 (the drafter's weights, AdamW's state and the loss's "
+        "softmax stay fp32); `fp32` runs everything in fp32; `auto`: bf16 on CUDA, and on a "
+        "CPU with native bf16 (AVX512-BF16 or AMX) for models of hidden size 512 or more "
+        "(narrower ones gain nothing), else fp32. The start-up line says which and why.",
+    )
 
 
 @dataclass(frozen=True)

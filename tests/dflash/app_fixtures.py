@@ -119,6 +119,7 @@ NON_DEFAULT = {
     "eval_engine": "vllm", "vllm_command": "python -m vllm.entrypoints.openai.api_server",
     "target_devices": ("cpu", "cpu"),
     "drafter_devices": ("cpu",), "batch_queue_size": 5, "hs_queue_size": 3,
+    "precision": "fp32",
     "otlp_endpoint": "http://localhost:4317", "otlp_protocol": "http", "trace_level": "step",
     "trace_sample_ratio": 0.5, "trace_file": "spans.jsonl", "cuda_timing": "events",
     "profile_interval": 5.0, "service_name": "svc", "timeline": "tl.json", "nvtx": True,
