@@ -19,6 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
@@ -50,33 +51,43 @@ def _address(url: str) -> tuple[str, str, int]:
     return scheme, parsed.hostname or "localhost", port
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What a probe found: the likely cause (None: the endpoint answers as the protocol
+    expects, so the cause is elsewhere), and whether no export to it can succeed."""
+
+    cause: str | None
+    unreachable: bool = False
+
+
 def probe(
     url: str,
     protocol: str,
     protocol_setting: str = "OTEL_EXPORTER_OTLP_PROTOCOL",
     timeout_s: float = PROBE_TIMEOUT_S,
-) -> str | None:
-    """The likely cause of failed exports to `url` over `protocol`, or None when the
-    endpoint answers as `protocol` expects (the cause is elsewhere). At most one TCP
+) -> Verdict:
+    """The likely cause of failed exports to `url` over `protocol`: at most one TCP
     connect and one HTTP/1.1 request, each bounded by `timeout_s`."""
     scheme, host, port = _address(url)
     where = f"{host}:{port}"
     try:
         sock = socket.create_connection((host, port), timeout=timeout_s)
     except socket.gaierror:
-        return f"the host {host!r} is not known"
+        return Verdict(f"the host {host!r} is not known", True)
     except ConnectionRefusedError:
-        return f"nothing listens at {where} (connection refused): is the collector running?"
+        return Verdict(
+            f"nothing listens at {where} (connection refused): is the collector running?", True
+        )
     except TimeoutError:
-        return f"{where} accepts no connection within {timeout_s:g} s"
+        return Verdict(f"{where} accepts no connection within {timeout_s:g} s", True)
     except OSError as exc:
-        return f"cannot connect to {where} ({exc.strerror or exc})"
+        return Verdict(f"cannot connect to {where} ({exc.strerror or exc})", True)
     if scheme == "https":  # TLS: what speaks behind it is not seen without a handshake
         sock.close()
-        return None
+        return Verdict(None)
+    reply, silent = b"", False
     with sock:
-        reply = b""
-        with contextlib.suppress(OSError):
+        try:
             request = f"GET / HTTP/1.1\r\nHost: {where}\r\nConnection: close\r\n\r\n"
             sock.sendall(request.encode("ascii"))
             reply = sock.recv(64)
@@ -85,19 +96,27 @@ def probe(
             while more and read < 65536 and time.monotonic() < deadline:
                 more = sock.recv(4096)
                 read += len(more)
+        except TimeoutError:
+            silent = not reply
+        except OSError:
+            pass
+    if silent:
+        return Verdict(f"{where} accepts connections but answers nothing within {timeout_s:g} s")
     speaks_http1 = reply.startswith(b"HTTP/1.")
     speaks_http2 = len(reply) >= 9 and reply[3] in _HTTP2_FRAME_TYPES and not speaks_http1
     if protocol != "grpc" and speaks_http2:
-        return (
+        return Verdict(
             f"{where} speaks gRPC (HTTP/2), not OTLP/HTTP: "
-            f"{protocol_hint(protocol_setting, 'grpc')}, or use port {PORTS['http/protobuf']}"
+            f"{protocol_hint(protocol_setting, 'grpc')}, or use port {PORTS['http/protobuf']}",
+            True,
         )
     if protocol == "grpc" and speaks_http1:
-        return (
+        return Verdict(
             f"{where} speaks HTTP/1.1 (OTLP/HTTP), not gRPC: "
-            f"{protocol_hint(protocol_setting, 'http/protobuf')}, or use port {PORTS['grpc']}"
+            f"{protocol_hint(protocol_setting, 'http/protobuf')}, or use port {PORTS['grpc']}",
+            True,
         )
-    return None
+    return Verdict(None)
 
 
 def printable(text: str, limit: int = _MAX_SDK_TEXT) -> str:
@@ -124,8 +143,9 @@ class ExportWatch:
         self.report = report or default_report
         self.protocol_setting = protocol_setting
         self.failing = False  # an export failed and none has succeeded since
-        self.cause: str | None = None  # the probe's verdict on this outage, once known
+        self.verdict: Verdict | None = None  # the probe's, on this outage, once known
         self.closed = False  # shut down: later failures are the shutdown's, not told
+        self._key = (*_address(url)[1:], protocol)
         self._probe: threading.Thread | None = None
 
     @contextlib.contextmanager
@@ -139,8 +159,9 @@ class ExportWatch:
             _in_flight.pop(thread, None)
 
     def succeeded(self) -> None:
+        _unreachable.discard(self._key)
         if self.failing:
-            self.failing, self.cause = False, None
+            self.failing, self.verdict = False, None
 
     def failed(self, sdk_text: str = "") -> None:
         """An attempt failed (`sdk_text`: the SDK's words): the first of an outage starts
@@ -161,8 +182,12 @@ class ExportWatch:
             thread.join(timeout_s)
 
     def _diagnose(self, sdk_text: str) -> None:
-        cause = call_logged(probe, self.url, self.protocol, self.protocol_setting)
-        self.cause = cause
+        verdict = call_logged(probe, self.url, self.protocol, self.protocol_setting)
+        verdict = verdict if isinstance(verdict, Verdict) else Verdict(None)
+        if verdict.unreachable:
+            _unreachable.add(self._key)
+        self.verdict = verdict
+        cause = verdict.cause
         if cause is None:
             said = printable(sdk_text) if sdk_text else "it reported a failure"
             cause = f"the endpoint answers as {self.protocol} expects; the SDK says: {said}"
@@ -174,11 +199,13 @@ class ExportWatch:
 
     @property
     def unreachable(self) -> bool:
-        """The probe found the endpoint unreachable or speaking another protocol: a
-        shutdown need not wait for this exporter's retries."""
-        return self.failing and self.cause is not None
+        """A probe found the endpoint unreachable or speaking another protocol (this
+        exporter's, or another's to the same endpoint), and no export succeeded since:
+        a shutdown need not wait for this exporter's retries."""
+        return self._key in _unreachable
 
 
+_unreachable: set[tuple[str, int, str]] = set()  # (host, port, protocol) found unreachable
 _in_flight: dict[int, ExportWatch] = {}  # thread ident -> the watch exporting on it
 _watches: weakref.WeakKeyDictionary[Any, ExportWatch] = weakref.WeakKeyDictionary()
 

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -343,6 +344,10 @@ class CountingExporter(SpanExporter):
         """Its endpoint is known unreachable (or speaks another protocol)."""
         return self.watch is not None and self.watch.unreachable
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True
@@ -428,6 +433,17 @@ def batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
         max_export_batch_size=settings["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"],
         export_timeout_millis=settings["OTEL_BSP_EXPORT_TIMEOUT"],
     )
+
+
+def join_closing(thread: threading.Thread, until: float, exporters: Sequence[Any]) -> None:
+    """Joins `thread` (a provider shutting down) until the monotonic time `until`, and
+    closes each of `exporters` (`unreachable`, `closed`, `close`) as soon as its endpoint
+    is known unreachable: its retries abort, and what it has left fails at once."""
+    while thread.is_alive() and (left_s := until - time.monotonic()) > 0:
+        for exporter in exporters:
+            if exporter.unreachable and not exporter.closed:
+                call_bounded(exporter.close, min(left_s, 1.0))
+        thread.join(min(0.05, left_s))
 
 
 def call_bounded(fn: Any, timeout_s: float, *args: Any) -> Any:

@@ -50,6 +50,7 @@ from tracing.config import TEMPORALITIES, MetricsConfig, TracingConfig, call_log
 from tracing.diagnose import Report, watch_of
 from tracing.export import (
     call_bounded,
+    join_closing,
     lower_thread_priority,
     otlp_exporter,
     otlp_protocol,
@@ -335,16 +336,14 @@ class Metrics:
 
     def shutdown(self, timeout_s: float | None = None) -> MetricsReport:
         """Final export and close, bounded by `timeout_s`; idempotent. An exporter whose
-        endpoint is known unreachable is closed first (its final export fails at once);
-        the others get most of the bound, then are closed (a retrying export aborts)."""
+        endpoint is known unreachable is closed at once (its final export fails without
+        waiting for retries); the others get most of the bound, then are closed (a
+        retrying export aborts)."""
         with self._lock:
             if self._report is None:
                 started = time.monotonic()
                 budget_s = self.cfg.shutdown_timeout_s if timeout_s is None else timeout_s
                 deadline = started + budget_s * 0.95
-                for wrapped in self._wrapped:
-                    if wrapped.unreachable:
-                        call_bounded(wrapped.close, max(0.0, deadline - time.monotonic()))
                 closing = threading.Thread(
                     target=call_logged,
                     args=(self.provider.shutdown, budget_s * 1e3),
@@ -352,7 +351,7 @@ class Metrics:
                     daemon=True,
                 )
                 closing.start()
-                closing.join(max(0.0, deadline - time.monotonic()) * 0.8)
+                join_closing(closing, started + budget_s * 0.95 * 0.8, self._wrapped)
                 for wrapped in self._wrapped:
                     call_bounded(wrapped.close, max(0.0, deadline - time.monotonic()))
                 closing.join(max(0.0, deadline - time.monotonic()))

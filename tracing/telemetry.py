@@ -44,6 +44,7 @@ from tracing.export import (
     batch_processor,
     build_exporters,
     call_bounded,
+    join_closing,
     sdk_disabled,
 )
 from tracing.fast import FastTracer, PhaseIds
@@ -259,14 +260,11 @@ class Telemetry:
         provider, application = self.provider, isinstance(self.tracer, _CountingTracer)
         flushed = True
         if self.own_provider:
-            for exporter in self.exporters:  # known unreachable: what is left fails at once
-                if exporter.watch is not None and exporter.watch.failing:
-                    exporter.watch.wait_for_probe(max(0.0, deadline - time.monotonic()) / 4)
-                if exporter.unreachable:
-                    call_bounded(exporter.close, max(0.0, deadline - time.monotonic()))
             closing = threading.Thread(target=provider.shutdown, name="tracing-close", daemon=True)
             closing.start()
-            closing.join(max(0.0, deadline - time.monotonic()) * 0.8)
+            # An exporter whose endpoint is known unreachable is closed at once, not waited for.
+            until = time.monotonic() + max(0.0, deadline - time.monotonic()) * 0.8
+            join_closing(closing, until, self.exporters)
             for exporter in self.exporters:  # a hung export: abort its retries, drop the rest
                 call_bounded(exporter.close, max(0.0, deadline - time.monotonic()))
             closing.join(max(0.0, deadline - time.monotonic()))

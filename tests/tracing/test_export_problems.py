@@ -20,7 +20,7 @@ import pytest
 
 import tracing
 from tracing import TracingConfig
-from tracing.diagnose import ExportWatch, printable, probe
+from tracing.diagnose import ExportWatch, Verdict, printable, probe
 from tracing.metrics import MetricsConfig, shutdown_all, start_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -139,8 +139,8 @@ def test_a_working_export_tells_nothing(clean_env, caplog, grpc_receiver, http_r
             pass
         report = telemetry.shutdown(timeout_s=4.0)
         assert report.spans_exported == 1 and told.lines == []
-    assert probe(grpc_receiver.endpoint, "grpc") is None
-    assert probe(http_receiver.endpoint + "/v1/traces", "http/protobuf") is None
+    assert probe(grpc_receiver.endpoint, "grpc") == Verdict(None)
+    assert probe(http_receiver.endpoint + "/v1/traces", "http/protobuf") == Verdict(None)
 
 
 def test_a_watch_is_told_once_per_outage_and_rearmed_by_a_success() -> None:
