@@ -453,7 +453,7 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
     check_sizes_before_work(cfg, placement.drafter)
     if cfg.run.eval_engine == "vllm" and cfg.run.eval_prompts:
         check_vllm_command(cfg.run.vllm_command)  # not after hours of training
-    dtype = target_load.target_dtype(placement.target)
+    dtype = target_load.target_dtype(placement.target, cfg.pipeline.precision)
     features = feature_source(cfg)
     with tracing.phase(names.DATA_PREPARE):
         early = rows_before_target(cfg, features, log)
@@ -464,6 +464,7 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
         target = target_load.load_target(
             cfg.target.spec, load_on, dtype, log=live_log(log), head_only=head_only
         )
+        target_load.run_precision(target, cfg.pipeline.precision, placement.target)
     use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
     check_draft_vocab(cfg, target)
@@ -767,5 +768,6 @@ def log_startup(
     if telemetry_line is not None:
         log(telemetry_line)
     log(format_run_config(run.cfg, f"{run.cfg.target.spec} layers {run.layer_ids}", devices))
+    log(run.trainer.precision_text)
     for line in estimate_for_config(run.cfg, run.target.geometry, run.placement.drafter):
         log(line)  # and a warning when it exceeds the device's memory: before the first step

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dflash.config.devices import resolve_precision
 from dflash.data.tokenizer import ByteTokenizer
 from dflash.errors import first_line
 from dflash.target.geometry import TargetError
@@ -24,10 +25,26 @@ BUILTIN_PREFIX = "builtin:"
 BUILTIN_NAMES = ("tiny",)
 
 
-def target_dtype(device: torch.device) -> torch.dtype:
-    """The dtype a frozen target runs in: bf16 on CUDA, fp32 elsewhere (CPU bf16 matmuls
-    are slow and lossy)."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+def target_dtype(device: torch.device, precision: str | None = None) -> torch.dtype:
+    """The dtype a frozen target loads in. `precision`: the run's --precision
+    (dflash.config.devices.resolve_precision): bf16 where it resolves to bf16 on `device`
+    before the target's width is known (CUDA under `auto`, `bf16`), else fp32, which
+    `run_precision` may turn to bf16 once the target is loaded; None (the commands
+    without --precision): bf16 on CUDA, fp32 elsewhere."""
+    if precision is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if resolve_precision(precision, device) == "bf16" else torch.float32
+
+
+def run_precision(target: TargetModel, precision: str, device: torch.device) -> TargetModel:
+    """The loaded target in the dtype --precision gives on `device` for its hidden size:
+    under `auto` on a CPU with native bf16 a target wide enough for bf16 to pay is cast to
+    bf16 here (it loaded in fp32: its width was not known before). Its hidden states, the
+    embedding and LM head the drafter shares are then bf16, as on CUDA."""
+    wanted = resolve_precision(precision, device, target.hidden_size)
+    if wanted == "bf16" and target.embed_tokens.weight.dtype == torch.float32:
+        target.to(dtype=torch.bfloat16)
+    return target
 
 
 def wrap_tiny(model: TinyLM, spec: str = "builtin:tiny") -> TargetModel:

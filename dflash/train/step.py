@@ -12,13 +12,17 @@ the same frozen head. --grad-accum splits the batch's rows into micro-batches wh
 gradients sum exactly to those of the whole batch (`GradAccumulator`); a step whose
 loss or gradient norm is not finite changes nothing (`NonFiniteGuard`).
 
-Precision on CUDA: the drafter's weights, gradients and AdamW moments stay fp32
-(master weights) and its forward runs under bf16 autocast; the frozen target, and
-with it the shared embedding and LM head, is bf16; fp32 matmuls may use TF32; the
+Precision (--precision, resolved per device and width by
+dflash.config.devices.resolve_precision; `auto` is bf16 on CUDA, and on a CPU with native
+bf16 for a drafter of hidden size 512 or more): under bf16 the drafter's weights,
+gradients and AdamW moments stay fp32 (master weights) and its forward runs under bf16
+autocast; the frozen target, and with it the shared embedding and LM head, is bf16
+(dflash.target.load.target_dtype, run_precision); fp32 matmuls may use TF32 on CUDA; the
 loss chunks (logits, softmax, CE, KL) are fp32. Why: bf16 weights would drop every
 update below 1/256 of a weight, which AdamW's updates at lr 6e-4 mostly are, while
-autocast runs the matmuls at bf16 speed; a bf16 softmax over a 152k vocabulary loses
-the tail that the KL and the CE gradient are made of. On CPU everything is fp32.
+autocast runs the matmuls at bf16 speed (on an AVX512-BF16 CPU about 3x fp32's); a bf16
+softmax over a 152k vocabulary loses the tail that the KL and the CE gradient are made
+of. Under fp32 everything is fp32, exactly as before the option.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash import names
+from dflash.config.devices import precision_text, resolve_precision
 from dflash.config.settings import TrainConfig
 from dflash.data.datasets import Batch
 from dflash.nn.schedule import warmup_cosine
@@ -109,8 +114,11 @@ class DrafterTrainer:
         self.grad_sync: Callable[[Tensor, Tensor], Tensor] | None = None
         self.step_count = 0
         self.last_loss: Tensor | None = None
-        # bf16 autocast on GPU; CPU stays fp32 (CPU bf16 matmuls are slow and lossy).
-        self.autocast_dtype = torch.bfloat16 if self.device.type == "cuda" else None
+        # bf16 autocast where --precision resolves to bf16 here (module docstring).
+        option, width = cfg.pipeline.precision, drafter.config.hidden_size
+        self.precision = resolve_precision(option, self.device, width)
+        self.precision_text = precision_text(option, self.device, width)  # start-up line
+        self.autocast_dtype = torch.bfloat16 if self.precision == "bf16" else None
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 for what stays fp32
 
