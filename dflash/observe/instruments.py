@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
+from dflash.config.devices import native_bf16
 from dflash.config.settings import TelemetryConfig
 from dflash.errors import DFlashError
-from dflash.observe.flops import device_peak_tflops, peak_memory_reader
+from dflash.observe.flops import cpu_matmul_peak_gflops, device_peak_tflops, peak_memory_reader
 from dflash.observe.profile_window import ProfileWindow
 from dflash.observe.timeline import Timeline
 from tracing import Phase, SpanHandle
@@ -143,11 +144,25 @@ class FlopsFigures:
     target_peak_tflops: float | None = None
     """Sum over the target devices; None where a device's peak is unknown (CPUs)."""
     drafter_peak_tflops: float | None = None
+    target_cpu_peaks: dict[str, float] | None = None
+    """A stage on the CPU: its measured matmul GFLOP/s by dtype name (fp32, and bf16
+    where the CPU has it natively), shared by every thread of the stage."""
+    drafter_cpu_peaks: dict[str, float] | None = None
 
 
 def _total_peak(devices: Sequence[torch.device]) -> float | None:
     peaks = [device_peak_tflops(d) for d in devices]
     return None if not peaks or any(p is None for p in peaks) else float(sum(peaks))  # type: ignore[arg-type]
+
+
+def _cpu_peaks(devices: Sequence[torch.device]) -> dict[str, float] | None:
+    """The CPU's measured matmul peaks when a stage runs on it alone (measured once)."""
+    if not devices or any(torch.device(d).type != "cpu" for d in devices):
+        return None
+    peaks = {"fp32": cpu_matmul_peak_gflops(torch.float32)}
+    if native_bf16(torch.device("cpu")):  # emulated bf16 would take seconds to say little
+        peaks["bf16"] = cpu_matmul_peak_gflops(torch.bfloat16)
+    return peaks
 
 
 def flops_figures(
@@ -163,6 +178,8 @@ def flops_figures(
         drafter_per_token=drafter_per_token,
         target_peak_tflops=_total_peak(target_devices),
         drafter_peak_tflops=_total_peak(drafter_devices),
+        target_cpu_peaks=_cpu_peaks(target_devices) if target_per_token else None,
+        drafter_cpu_peaks=_cpu_peaks(drafter_devices),
     )
 
 

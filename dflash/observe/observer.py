@@ -384,12 +384,13 @@ def _add_flops(
     flops: FlopsFigures,
     world_size: int,
 ) -> None:
-    """Achieved TFLOP/s per stage (model FLOPs), and MFU where the devices' peak is known."""
+    """Achieved TFLOP/s per stage (model FLOPs), and MFU where the devices' peak is known;
+    on a CPU the GFLOP/s and their share of its measured fp32 and bf16 matmul peaks."""
     sides = (
-        ("target", flops.target_per_token, flops.target_peak_tflops),
-        ("drafter", flops.drafter_per_token, flops.drafter_peak_tflops),
+        ("target", flops.target_per_token, flops.target_peak_tflops, flops.target_cpu_peaks),
+        ("drafter", flops.drafter_per_token, flops.drafter_peak_tflops, flops.drafter_cpu_peaks),
     )
-    for side, per_token, peak in sides:
+    for side, per_token, peak, cpu_peaks in sides:
         if per_token == 0:  # the target stage reads a cache: it computes nothing
             continue
 
@@ -397,8 +398,12 @@ def _add_flops(
             tokens = getattr(snapshot(), f"{side}_tokens") * world_size
             return tokens * per_token / 1e12
 
-        if peak is None:  # CPUs: achieved GFLOP/s, no peak to compare with
+        if peak is None:  # CPUs: achieved GFLOP/s, beside the CPU's measured peaks
             reporter.add_rate(f"{side} FLOPs", lambda t=tera: 1e3 * t(), "GFLOP/s")
+            for dtype, gflops in (cpu_peaks or {}).items():
+                share = f"% of {gflops:,.0f} GFLOP/s peak"
+                rate = lambda t=tera, p=gflops: 1e5 * t() / p  # noqa: E731 - bound now
+                reporter.add_rate(f"{side} {dtype} share", rate, share)
             continue
         reporter.add_rate(f"{side} FLOPs", tera, "TFLOP/s")
         reporter.add_rate(f"{side} MFU", lambda t=tera, p=peak: 100 * t() / p, "%")

@@ -67,3 +67,39 @@ def test_peak_table_and_mfu() -> None:
 
 def test_peak_memory_reader_is_none_on_cpu() -> None:
     assert peak_memory_reader("cpu") is None
+
+
+def test_cpu_matmul_peak_is_measured_once_per_process() -> None:
+    from dflash.observe.flops import cpu_matmul_peak_gflops
+
+    first = cpu_matmul_peak_gflops(torch.float32, size=128, repeats=1)
+    assert first > 0 and cpu_matmul_peak_gflops(torch.float32, size=128, repeats=1) == first
+
+
+def test_a_cpu_stage_shows_its_flops_as_a_share_of_the_measured_peaks(monkeypatch) -> None:
+    """GFLOP/s, then its share of the CPU's fp32 and bf16 matmul peaks (bf16 only where
+    the CPU has it natively)."""
+    from types import SimpleNamespace
+
+    from dflash.config import devices
+    from dflash.observe import instruments, observer
+
+    peaks = {"fp32": 100.0, "bf16": 400.0}
+    by_dtype = {torch.float32: peaks["fp32"], torch.bfloat16: peaks["bf16"]}
+    monkeypatch.setattr(instruments, "cpu_matmul_peak_gflops", lambda dtype: by_dtype[dtype])
+    rates: dict[str, tuple] = {}
+    reporter = SimpleNamespace(add_rate=lambda name, fn, unit: rates.update({name: (fn, unit)}))
+    snapshot = SimpleNamespace(target_tokens=0, drafter_tokens=1000)
+    cpu = [torch.device("cpu")]
+    for flags, shares in [(("avx512_bf16",), {"fp32": 50.0, "bf16": 12.5}), ((), {"fp32": 50.0})]:
+        monkeypatch.setattr(devices, "cpu_bf16_flags", lambda cpuinfo=None, f=flags: f)
+        figures = instruments.flops_figures(0.0, 5e7, cpu, cpu)  # 50 GFLOP in 1000 tokens
+        assert figures.drafter_cpu_peaks == {name: peaks[name] for name in shares}
+        rates.clear()
+        observer._add_flops(reporter, lambda: snapshot, figures, world_size=1)
+        assert rates["drafter FLOPs"][0]() == pytest.approx(50.0)
+        for name, share in shares.items():
+            fn, unit = rates[f"drafter {name} share"]
+            assert fn() == pytest.approx(share)
+            assert unit == f"% of {peaks[name]:,.0f} GFLOP/s peak"
+        assert set(rates) == {"drafter FLOPs", *(f"drafter {n} share" for n in shares)}
