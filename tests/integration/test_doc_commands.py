@@ -82,7 +82,9 @@ def otelcol_binary() -> Path:
 
 
 def _port_taken(port: int) -> bool:
+    """Something listens there (a closed collector's connections in TIME_WAIT do not count)."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
@@ -195,7 +197,10 @@ def test_http_to_the_grpc_port_is_one_line_naming_the_fix(
         shlex.split("dflash-train train --otlp-endpoint http://localhost:4317"), tmp_path, "x"
     )
     told = [line for line in output.splitlines() if " fails: " in line]
-    assert len(told) == 2, output[-3000:]  # traces and metrics, one line each
+    # The traces' line; the metrics' too unless their one export came at shutdown, when
+    # the endpoint was known unreachable already (that export fails unsent, counted).
+    assert told and told[0].startswith("telemetry: traces export"), output[-3000:]
+    assert len(told) <= 2 and "metrics: exports ok 0, failed 1" in output, output[-3000:]
     for line in told:
         assert line.startswith("telemetry: ") and "localhost:4317 speaks gRPC" in line
         assert "pass --otlp-protocol grpc, or use port 4318" in line
