@@ -74,6 +74,11 @@ class _RegenBar:
             self.bar.__exit__(None, None, None)
 
 
+TARGET_PRECISION_HELP = (
+    "Dtype of the target: `bf16`, `fp32`, or `auto`: bf16 on CUDA, and on a CPU with native "
+    "bf16 (AVX512-BF16 or AMX) for a target of hidden size 512 or more, else fp32."
+)
+
 REGENERATE = Command(
     {
         "regenerate": RegenerateSettings,
@@ -83,7 +88,7 @@ REGENERATE = Command(
     },
     """target data output max_new_tokens temperature stop_token_ids prefix_tokens
     windows_per_document batch_size chunk_lines seed heldout_fraction chat_template_kwargs
-    server concurrency request_timeout retries server_model device debug""".split(),
+    server concurrency request_timeout retries server_model device precision debug""".split(),
     help={
         "target": "Target whose own replies replace the data's.",
         "data": "Chat JSONL ({'messages': [...]}: every assistant turn is regenerated given "
@@ -96,6 +101,7 @@ REGENERATE = Command(
         "the target: its /v1/completions writes the replies, and only --target's tokenizer "
         "loads here (e.g. http://localhost:8000).",
         "device": "Device for the target (cpu, cuda:0, ...); auto picks cuda:0 when present.",
+        "precision": TARGET_PRECISION_HELP,
     },
 )
 
@@ -135,6 +141,7 @@ def regenerate_command(config_file: str | None, **given: Any) -> None:
                 log=echo_err,
                 chat_template_kwargs=cfg.target.template_kwargs,
                 server=served,
+                precision=cfg.pipeline.precision,
             )
         finally:
             bar.close()
@@ -160,7 +167,12 @@ CACHE_HIDDEN = Command(
     # After its own, the train options that decide what the target computes for batch i.
     """output num_batches batches_per_shard format samples_only target target_layers
     drafter_layers data packing seq_len batch_size seed heldout_fraction use_soft_labels steps
-    target_devices chat_template_kwargs chat_rendering debug""".split(),
+    target_devices precision chat_template_kwargs chat_rendering debug""".split(),
+    help={
+        "precision": "Dtype of the target, and of the states the cache holds: `bf16`, `fp32`, "
+        "or `auto`: bf16 on CUDA, else fp32 (what `train --hidden-cache` under auto reads; "
+        "give the same --precision to both)."
+    },
     config_help="The config file of the `train` run that will read the cache (its other keys "
     "are not used here).",
 )

@@ -464,7 +464,8 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
         target = target_load.load_target(
             cfg.target.spec, load_on, dtype, log=live_log(log), head_only=head_only
         )
-        target_load.run_precision(target, cfg.pipeline.precision, placement.target)
+        if features.runs_target:  # a cache's states keep the dtype they were written in
+            target_load.run_precision(target, cfg.pipeline.precision, placement.target)
     use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
     check_draft_vocab(cfg, target)

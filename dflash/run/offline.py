@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-from dflash.config.devices import decide_placement, resolve_device
+from dflash.config.devices import (
+    check_precision,
+    decide_placement,
+    precision_text,
+    resolve_device,
+)
 from dflash.config.settings import TrainConfig
 from dflash.data.chat import use_template_kwargs as use_chat_kwargs
 from dflash.data.corpus import EMBEDDED
@@ -50,8 +55,8 @@ def write_run_cache(
     file each in speculators' layout; `samples_only`: those documents and the manifest
     without their states, for an engine (vLLM) to extract. -> the line that says what
     was written."""
-    device = decide_placement(cfg.pipeline).target
-    dtype = target_load.target_dtype(device)
+    device, precision = decide_placement(cfg.pipeline).target, cfg.pipeline.precision
+    dtype = target_load.target_dtype(device, precision)
     if samples_only:
         # The files hold what the run's target dtype gives; the decoder is needed only
         # to regenerate --data embedded.
@@ -60,6 +65,9 @@ def write_run_cache(
         target = target_load.load_target(cfg.target.spec, on, dtype, log=log, head_only=not whole)
     else:
         target = target_load.load_target(cfg.target.spec, device, dtype, log=log)
+    # No cast under `auto` on a CPU (run_precision): `train --hidden-cache` under auto
+    # reads the states with its target as loaded, fp32 there.
+    log(f"precision: target in {str(dtype).removeprefix('torch.')}")
     use_template_kwargs(target, cfg.target.template_kwargs, log)
     check_target_fits(cfg, target)
     layer_ids = resolve_layer_ids(cfg, target.num_layers)
@@ -119,10 +127,11 @@ def regenerate_data(
     log: Callable[[str], None] = print,
     chat_template_kwargs: dict[str, Any] | None = None,
     server: ServerSettings | None = None,
+    precision: str = "auto",
 ) -> RegenReport:
-    """`dflash-train regenerate`: the target on `device` (`auto`: cuda:0 when present)
-    rewrites `source` into `output` with its own replies; with `server`, the server's
-    replies, and only the target's tokenizer loads here."""
+    """`dflash-train regenerate`: the target on `device` (`auto`: cuda:0 when present) in
+    --precision `precision` rewrites `source` into `output` with its own replies; with
+    `server`, the server's replies, and only the target's tokenizer loads here."""
     if server is not None:
         tokenizer = target_load.load_tokenizer(target_spec)
         use_chat_kwargs(tokenizer, chat_template_kwargs or {})
@@ -133,7 +142,11 @@ def regenerate_data(
             served, source, output, settings=settings, progress=progress, server=client
         )
     dev = resolve_device(device, "--device")
-    target = target_load.load_target(target_spec, dev, target_load.target_dtype(dev), log=log)
+    check_precision(precision, [dev])  # before the target loads
+    dtype = target_load.target_dtype(dev, precision)
+    target = target_load.load_target(target_spec, dev, dtype, log=log)
+    target_load.run_precision(target, precision, dev)
+    log(precision_text(precision, dev, target.hidden_size))
     use_template_kwargs(target, chat_template_kwargs or {}, log)
     outside = [i for i in settings.stop_token_ids if not 0 <= i < target.vocab_size]
     if outside:  # such an id never comes: every reply would run to --max-new-tokens

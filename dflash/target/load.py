@@ -40,10 +40,16 @@ def run_precision(target: TargetModel, precision: str, device: torch.device) -> 
     """The loaded target in the dtype --precision gives on `device` for its hidden size:
     under `auto` on a CPU with native bf16 a target wide enough for bf16 to pay is cast to
     bf16 here (it loaded in fp32: its width was not known before). Its hidden states, the
-    embedding and LM head the drafter shares are then bf16, as on CUDA."""
+    embedding and LM head the drafter shares are then bf16, as on CUDA. For a target that
+    computes (training online, regenerating): a hidden cache's states were written in the
+    dtype the target loads in, and are read with it."""
     wanted = resolve_precision(precision, device, target.hidden_size)
     if wanted == "bf16" and target.embed_tokens.weight.dtype == torch.float32:
-        target.to(dtype=torch.bfloat16)
+        # The weights only: buffers such as RoPE's inverse frequencies stay fp32, as a
+        # Hugging Face model loaded in bf16 keeps them.
+        for param in target.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(torch.bfloat16)
     return target
 
 

@@ -22,6 +22,7 @@ from tests.dflash.app_fixtures import (  # noqa: F401 - fixture
     cpu_run,
     small_cfg,
     tiny_target,
+    write_corpus,
 )
 
 CPU = torch.device("cpu")
@@ -156,3 +157,48 @@ def test_fp32_and_a_narrow_auto_run_train_exactly_as_fp32(tmp_path, monkeypatch)
         assert {p.dtype for p in run.target.parameters()} == {torch.float32}
         losses[option] = train_losses(run)
     assert losses["fp32"] == losses["auto"]
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_regenerate_refuses_bf16_on_a_cpu_without_it_before_the_target_loads(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(devices, "cpu_bf16_flags", lambda cpuinfo=None: NONE)
+    monkeypatch.setattr(target_load, "load_target", lambda *a, **k: pytest.fail("loaded"))
+    corpus = write_corpus(tmp_path)
+    args = ["regenerate", "--data", str(corpus), "--output", str(tmp_path / "out.jsonl")]
+    result = CliRunner().invoke(cli, [*args, "--precision", "bf16", "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "--precision bf16: device cpu has no native bf16" in errors[0]
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_a_bf16_hidden_cache_trains_a_bf16_run(tmp_path, monkeypatch) -> None:
+    """cache-hidden and train given the same --precision agree on the states' dtype."""
+    from dflash.run.offline import write_run_cache
+
+    monkeypatch.setattr(devices, "cpu_bf16_flags", lambda cpuinfo=None: NATIVE)
+    cache = tmp_path / "cache"
+    write_run_cache(small_cfg(tmp_path, precision="bf16"), cache, num_batches=2, log=print)
+    cfg = small_cfg(tmp_path, tmp_path / "run", precision="bf16", hidden_cache=str(cache))
+    run = cpu_run(cfg)
+    assert run.trainer.autocast_dtype == torch.bfloat16
+    (forward,) = [f for _, f in run.features.forwards(run.target, run.layer_ids, run.train_data,
+                                                       run.placement, (0, 1))]  # fmt: skip
+    batch = run.train_data.batch(0)
+    out = forward(batch)
+    assert out.hidden.dtype == torch.bfloat16
+    assert torch.isfinite(run.trainer.step(batch, out).loss)
+
+
+def test_the_cast_leaves_buffers_as_a_bf16_load_does(monkeypatch) -> None:
+    """Weights to bf16; RoPE's inverse frequencies stay fp32, as from_pretrained in bf16
+    keeps them."""
+    pytest.importorskip("transformers")
+    from dflash.target.synthetic import TINY_QWEN3, random_qwen3_target
+
+    monkeypatch.setattr(devices, "cpu_bf16_flags", lambda cpuinfo=None: NATIVE)
+    target = target_load.run_precision(random_qwen3_target(TINY_QWEN3), "bf16", CPU)
+    assert {p.dtype for p in target.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in target.buffers() if b.is_floating_point()} == {torch.float32}
