@@ -1,8 +1,9 @@
 """A signal in the first seconds of a command, as a user's Ctrl-C, a scheduler's SIGTERM or
-a closed terminal's SIGHUP meets it: `train`, `eval` and `regenerate` are started as real processes and signalled
-0.1, 0.3, 0.8, 1.5 and 5 s after start (during the interpreter's start-up, the command
-line's imports, torch's import, the target's load, the work). Every time: exit code 130
-(SIGINT), 143 (SIGTERM) or 129 (SIGHUP), exactly one `stopped by` line, no traceback.
+a closed terminal's SIGHUP meets it: `train`, `eval` and `regenerate` are started as real
+processes and signalled 0.1, 0.3, 0.8, 1.5 and 5 s after start (during the interpreter's
+start-up, the command line's imports, torch's import, the target's load, the work). Every
+time: exit code 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP), exactly one `stopped by`
+line, no traceback.
 
 Usage: python bench/signal_timing.py [--keep DIR] [--delays 0.1,0.3] [--signals INT,TERM,HUP]
 (needs the built-in tiny target, prepared once and cached; about 30 runs of a few seconds)
