@@ -23,6 +23,7 @@ DRAFTER_PHASES = (ANCHOR_SELECTION, BLOCK_PREDICTION, LOSS, BACKWARD, OPTIMIZER)
 # Traces of their own, outside any batch.
 CHECKPOINT_SAVE = "checkpoint.save"
 EVAL = "eval"
+EVAL_WALK = "eval.walk"  # the serving walk on a logged step (dflash.eval.walk)
 # The run's start-up: one trace, before the first batch.
 RUN_STARTUP = "run.startup"
 RUN_RESUME = "run.resume"  # reading and checking the --resume checkpoint
@@ -32,7 +33,7 @@ DATA_REGENERATE = "data.regenerate"  # the embedded default's regenerated text (
 DRAFTER_BUILD = "drafter.build"  # the drafter, its trainer and their replicas
 STARTUP_PHASES = (RUN_RESUME, TARGET_LOAD, DATA_PREPARE, DATA_REGENERATE, DRAFTER_BUILD)
 _PER_BATCH = (BATCH, DATA_BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, TARGET_READ, HS_QUEUE_WAIT)
-_OUTSIDE_BATCHES = (CHECKPOINT_SAVE, EVAL, RUN_STARTUP, *STARTUP_PHASES)
+_OUTSIDE_BATCHES = (CHECKPOINT_SAVE, EVAL, EVAL_WALK, RUN_STARTUP, *STARTUP_PHASES)
 SPANS = (*_PER_BATCH, DRAFTER_STEP, *DRAFTER_PHASES, *_OUTSIDE_BATCHES)
 
 # --- statistics without a span ---------------------------------------------------------

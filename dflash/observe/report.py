@@ -166,6 +166,7 @@ def render(run_dir: Path) -> str:
             "τ (acceptance length): held-out decoding and training's estimates",
             {
                 "held-out τ (decoded)": _series(rows, "eval_tau"),
+                "held-out τ (serving walk)": _series(rows, "walk_tau"),
                 "training τ, per-block chain": _series(rows, "tau_chain"),
                 "training τ, positions independent": _series(rows, "tau", "tau_estimate"),
             },

@@ -7,6 +7,9 @@ rows against the data's next tokens; these decode what the run will be judged on
 cost is bounded: by default (--eval-every unset) an evaluation runs at a logged step only
 while all of them, the next one included at the last one's cost, stay within
 `BUDGET_SHARE` of the training time so far; --eval-every N evaluates every N steps. The
+logged steps between them get the serving walk (dflash.eval.walk: the same greedy
+decoding replayed from one drafter forward over the target's continuations, computed
+once; `walk_tau` equals `eval_tau` up to rounding) where the same budget leaves room. The
 last step's evaluation is the final one (dflash.run.lifecycle.complete_run), never a
 second measurement. With --keep-best the weights of the best evaluation are kept, to be
 saved as OUTPUT_DIR/drafter in place of the last ones.
@@ -28,6 +31,7 @@ from dflash.data.datasets import PackedDataset, heldout_prompts
 from dflash.drafter.model import DFlashDrafter
 from dflash.errors import DFlashError
 from dflash.eval.evaluate import evaluate_tau
+from dflash.eval.walk import WalkRow, prepare_walk, walk_tau
 from dflash.target.model import TargetModel
 
 BUDGET_SHARE = 0.10  # of the training time: what the default's evaluations may cost
@@ -54,10 +58,13 @@ class TrainingEvals:
     target: TargetModel
     drafter: DFlashDrafter
     prompts: list[list[int]]
+    layer_ids: list[int] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list)
     spent_s: float = 0.0
     best: Best | None = None
     _last_cost_s: float = 0.0
+    _last_walk_s: float = 0.0
+    _walk_rows: list[WalkRow] | None = None
 
     @classmethod
     def for_run(
@@ -67,6 +74,7 @@ class TrainingEvals:
         drafter: DFlashDrafter,
         heldout: PackedDataset,
         skipped: str | None,
+        layer_ids: list[int],
     ) -> TrainingEvals | None:
         """None when the run does not evaluate while training: --eval-every 0, no held-out
         prompts, or an in-process evaluation that cannot run (`skipped`: why)."""
@@ -75,7 +83,7 @@ class TrainingEvals:
         if cfg.eval_every == 0 or cfg.eval_prompts == 0 or skipped is not None:
             return None
         prompts = heldout_prompts(heldout, cfg.eval_prompts, cfg.eval_prompt_tokens)
-        return cls(cfg, target, drafter, prompts)
+        return cls(cfg, target, drafter, prompts, list(layer_ids))
 
     def due(self, step: int, train_s: float) -> bool:
         """Whether to evaluate after `step` (1-based, global), `train_s` seconds into
@@ -85,8 +93,42 @@ class TrainingEvals:
         every = self.cfg.eval_every
         if every is not None:
             return step % every == 0
-        training_s = train_s - self.spent_s
-        return self.spent_s + self._last_cost_s <= BUDGET_SHARE * training_s or not self.history
+        return not self.history or self._fits(self._last_cost_s, train_s)
+
+    def _fits(self, cost_s: float, train_s: float) -> bool:
+        """Whether what was spent, and `cost_s` more, stays within the budget's share of
+        the training proper (`train_s` less the evaluations)."""
+        return self.spent_s + cost_s <= BUDGET_SHARE * (train_s - self.spent_s)
+
+    def on_logged_step(self, step: int, train_s: float) -> dict[str, Any]:
+        """The figures a logged step gains: the decoding's when due, else the serving
+        walk's where the budget leaves room for it (never at the last step: the final
+        evaluation measures it)."""
+        if self.due(step, train_s):
+            return self.evaluate(step)
+        if step < self.cfg.steps and self._fits(self._last_walk_s, train_s):
+            return self.walk(step)
+        return {}
+
+    def walk(self, step: int) -> dict[str, Any]:
+        """The serving walk's τ of the drafter now: walk_* figures of a logged step (the
+        target's continuations are computed at the first call, inside its cost)."""
+        start_s = time.perf_counter()
+        with tracing.phase(names.EVAL_WALK, level="step", attributes={names.STEP: step}):
+            if self._walk_rows is None:
+                with self.target.forward_lock, torch.no_grad():
+                    bs = self.drafter.config.block_size
+                    new = self.cfg.eval_new_tokens
+                    self._walk_rows = prepare_walk(
+                        self.target, self.layer_ids, self.prompts, new, bs
+                    )
+            walk_start_s = time.perf_counter()
+            stops = self.target.stop_token_ids
+            result = walk_tau(self.drafter, self._walk_rows, self.cfg.eval_new_tokens, stops)
+        now_s = time.perf_counter()
+        self._last_walk_s = now_s - walk_start_s  # the next walk's cost: without the rows'
+        self.spent_s += now_s - start_s
+        return {"walk_tau": result.tau, "walk_tau_pooled": result.tau_pooled}
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """τ of the drafter now: the eval_* figures of `step`'s metrics.jsonl line."""

@@ -488,7 +488,7 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None]
         cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir, features
     )
     skipped = features.eval_skipped(target)
-    run.evals = TrainingEvals.for_run(cfg.run, target, drafter, heldout, skipped)
+    run.evals = TrainingEvals.for_run(cfg.run, target, drafter, heldout, skipped, layer_ids)
     log(run.mask_token.describe())
     if warm is not None:
         init_drafter_from(drafter, warm[0])

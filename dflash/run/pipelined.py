@@ -135,8 +135,8 @@ class _StepBook:
             self.observer.first_step_done()
         if figures is not None:
             evals, train_s = run.evals, time.perf_counter() - self._started_s
-            if self.info.is_main and evals is not None and evals.due(run.step, train_s):
-                figures.update(evals.evaluate(run.step))  # other ranks wait in the next sync
+            if self.info.is_main and evals is not None:  # other ranks wait in the next sync
+                figures.update(evals.on_logged_step(run.step, train_s))
         self.progress.update(run.step, batch.num_tokens * self.batches_per_step, figures)
         if figures is not None:
             self._log_step(figures)

@@ -75,8 +75,8 @@ def _train(
             num_tokens += result.num_tokens
             figures = metrics.read(run.step, result) if metrics.due(run.step) else None
             train_s = time.perf_counter() - train_start_s
-            if figures is not None and run.evals is not None and run.evals.due(run.step, train_s):
-                figures.update(run.evals.evaluate(run.step))
+            if figures is not None and run.evals is not None:
+                figures.update(run.evals.on_logged_step(run.step, train_s))
             if figures is not None:
                 metrics.write(figures)
             progress.update(run.step, result.num_tokens, figures)

@@ -244,7 +244,7 @@ class TargetModel(nn.Module):
         self._layers = layers  # registered through self.model already
         # `capture` hooks the module's layers for the time of a forward: any other forward
         # of this module meanwhile (an evaluation while training) must hold this lock too.
-        self.forward_lock = threading.Lock()
+        self.forward_lock = threading.RLock()
         self.spec, self.tokenizer, self.geometry = spec, tokenizer, geometry
         self.chat_template_kwargs: dict[str, Any] = {}
         self.data_mask_token: MaskToken | None = None

@@ -11,6 +11,7 @@ from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.eval.evaluate import evaluate_tau
 from dflash.eval.prompts import PromptError, load_chat_prompts
 from dflash.eval.speculative import speculative_generate
+from dflash.eval.walk import WalkRow, prepare_walk, walk_cycles, walk_tau
 from dflash.nn.kvcache import KVCache
 from dflash.objective.blocks import block_labels, build_blocks, select_anchors
 from dflash.objective.reference import dflash_loss
@@ -180,6 +181,42 @@ def test_trained_drafter_same_tau_with_and_without_caches(target: TargetModel) -
     assert (cached.tau, cached.tau_pooled) == (plain.tau, plain.tau_pooled)
     assert cached.acceptance_per_position == plain.acceptance_per_position
     assert drafter.training  # evaluate_tau restores the mode it found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_new_tokens", [16, 5])
+def test_the_serving_walk_replays_greedy_speculative_decoding(target, max_new_tokens) -> None:
+    """One drafter forward over the target's continuations gives the cycles decoding
+    takes, so the same τ, pooled τ and acceptance per position (5 tokens: the last cycle
+    scores drafts past the end, as the verifier does)."""
+    drafter = make_drafter(target)
+    _train_on_greedy_text(target, drafter, steps=40)
+    layers = drafter.config.target_layer_ids
+    rows = prepare_walk(target, layers, PROMPTS, max_new_tokens, BS)
+    walked = walk_tau(drafter, rows, max_new_tokens, NO_STOP)
+    decoded = evaluate_tau(target, drafter, PROMPTS, max_new_tokens, stop_token_ids=NO_STOP)
+    assert decoded.tau_pooled > 1.2  # drafts are accepted: the comparison means something
+    assert walked.tau == pytest.approx(decoded.tau, abs=1e-12)
+    assert walked.tau_pooled == pytest.approx(decoded.tau_pooled, abs=1e-12)
+    assert walked.acceptance_per_position == pytest.approx(decoded.acceptance_per_position)
+    assert drafter.training  # the walk restores the mode it found
+
+
+def test_walk_cycles_count_as_decoding_does() -> None:
+    """Anchors 3 (the target's first token), then 3+2+1 = 6, then 6+0+1 = 7; a cycle
+    starts while fewer than max_new_tokens are out (anchor 7: 5 of them), and none after
+    a stop token among the accepted drafts and the verifier's own."""
+    tokens = [0, 1, 2, 10, 11, 12, 13, 14, 15, 16, 17, 18]
+    row = WalkRow(tokens, prompt_len=3, hidden=torch.zeros(1, len(tokens), 1))
+    drafts = torch.full((len(tokens) - 3, 3), -1)
+    drafts[0] = torch.tensor([11, 12, 99])  # at anchor 3: two accepted
+    drafts[3] = torch.tensor([99, 15, 16])  # at anchor 6: none
+    drafts[4] = torch.tensor([15, 16, 17])  # at anchor 7: three
+    assert walk_cycles(drafts, row, max_new_tokens=6) == [2, 0, 3]
+    assert walk_cycles(drafts, row, max_new_tokens=5) == [2, 0]
+    assert walk_cycles(drafts, row, max_new_tokens=4) == [2]
+    assert walk_cycles(drafts, row, max_new_tokens=5, stop_token_ids=[12]) == [2]
+    assert walk_cycles(drafts, row, max_new_tokens=5, stop_token_ids=[10]) == []
 
 
 def _exact_distribution(target: TargetModel, prompt: list[int], n: int, vocab: int, t: float):
