@@ -61,7 +61,9 @@ def metrics_run(
             tokens["drafter"] += 512
             step += 1
             loss, tau = 5.0 / step**0.5, 1.0 + step / 100
-            record_step(metrics, loss=loss, tau=tau, lr=1e-3, grad_norm=0.5, mfu=0.01)
+            held_out = tau + 2.0 if step % 5 == 1 else None  # on evaluated steps only
+            figures = {"loss": loss, "tau": tau, "eval_tau": held_out, "lr": 1e-3}
+            record_step(metrics, **figures, grad_norm=0.5, mfu=0.01)
 
     thread = threading.Thread(target=stage_threads, name="fake-stages", daemon=True)
     thread.start()
