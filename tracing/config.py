@@ -65,7 +65,21 @@ class TracingConfig:
     run_id: str = ""
     """One value for all ranks of a run (the application shares it); random when empty."""
     attribute_namespace: str = "tracing"
-    """Prefix of the resource keys for rank and run id (`<ns>.rank`, `<ns>.run.id`)."""
+    """Prefix of the resource keys for rank and run id (`<ns>.rank`, `<ns>.run.id`) and
+    for those below."""
+    world_size: int | None = None
+    """Processes in the run (torchrun's WORLD_SIZE): `<ns>.world_size`; None: not set."""
+    local_rank: int | None = None
+    """The rank on its node (LOCAL_RANK): `<ns>.local_rank`; None: not set."""
+    node_rank: int | None = None
+    """The node's rank among the run's nodes (torchrun's GROUP_RANK, or NODE_RANK):
+    `<ns>.node.rank`; the node's name is `host.name`. None: not set."""
+    device_model: str | None = None
+    """The device the rank computes on, in words (`NVIDIA H100 80GB HBM3`, a CPU's model
+    name): `<ns>.device.model`. The caller's: tracing never asks torch at import."""
+    config_hash: str | None = None
+    """A digest of the program's configuration (two runs with one hash ran one config):
+    `<ns>.config.hash`."""
     shutdown_timeout_s: float = 4.0
     """Default bound on `Telemetry.shutdown` (flush, exporter close)."""
     report_interval_s: float = 30.0
@@ -84,8 +98,12 @@ class TracingConfig:
         ratio = self.sample_ratio
         if ratio is not None and (not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1):
             raise TracingConfigError(f"sample_ratio must be in [0, 1], got {ratio!r}")
-        if not isinstance(self.rank, int) or self.rank < 0:
-            raise TracingConfigError(f"rank must be an integer >= 0, got {self.rank!r}")
+        for name, least in (("rank", 0), ("world_size", 1), ("local_rank", 0), ("node_rank", 0)):
+            value = getattr(self, name)
+            if (value is not None or name == "rank") and (
+                not isinstance(value, int) or isinstance(value, bool) or value < least
+            ):
+                raise TracingConfigError(f"{name} must be an integer >= {least}, got {value!r}")
         check_positive("shutdown_timeout_s", self.shutdown_timeout_s)
         check_positive("report_interval_s", self.report_interval_s)
         if "file" in (self.exporter or ()) and not self.trace_file:

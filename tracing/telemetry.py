@@ -17,6 +17,8 @@ import atexit
 import contextlib
 import logging
 import os
+import platform
+import socket
 import sys
 import threading
 import time
@@ -27,7 +29,7 @@ from importlib import metadata
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import OsResourceDetector, ProcessResourceDetector, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
@@ -147,17 +149,52 @@ class _HashOnceResource(Resource):
 
 _instance_id = str(uuid.uuid4())
 """`service.instance.id` where the SDK makes none (its detector does from 1.4x on)."""
+_detected: tuple[int, Resource] | None = None  # (pid, what the detectors found in it)
+
+
+def detected_resource() -> Resource:
+    """Where this process runs: the SDK's public process and OS detectors (`process.pid`,
+    `process.executable.*`, `process.runtime.*`, `os.type`, ...) and `host.name`,
+    `host.arch` as the SDK's host detector sets them (private in the SDK: `_Host...`).
+    Once per process; a detector that fails is logged once and left out."""
+    global _detected
+    pid = os.getpid()
+    if _detected is not None and _detected[0] == pid:
+        return _detected[1]
+    attributes: dict[str, Any] = {}
+    with contextlib.suppress(OSError):
+        attributes["host.name"] = socket.gethostname()
+    if machine := platform.machine():
+        attributes["host.arch"] = machine
+    resource = Resource(attributes)
+    for detector in (ProcessResourceDetector, OsResourceDetector):
+        try:
+            resource = resource.merge(detector().detect())
+        except Exception as exc:  # a resource is worth no failed setup
+            warn_once(f"detector {detector.__name__}", f"{detector.__name__} failed: {exc!r}")
+    _detected = (pid, resource)
+    return resource
 
 
 def build_resource(cfg: TracingConfig) -> Resource:
     """The resource of every signal of this process: `Resource.create` (its detectors,
     the OTEL_* variables), rank, run id and instance id, and the application's name and
-    version where no variable names them (`cfg.service_name` wins over the variables)."""
+    version where no variable names them (`cfg.service_name` wins over the variables);
+    the application's placement of the rank (world size, local and node rank, device,
+    config hash) beside its rank; under all of them, `detected_resource()`."""
     ns = cfg.attribute_namespace
     explicit: dict[str, Any] = {f"{ns}.rank": cfg.rank, f"{ns}.run.id": cfg.run_id}
+    placement = {
+        "world_size": cfg.world_size,
+        "local_rank": cfg.local_rank,
+        "node.rank": cfg.node_rank,
+        "device.model": cfg.device_model,
+        "config.hash": cfg.config_hash,
+    }
+    explicit.update({f"{ns}.{key}": value for key, value in placement.items() if value is not None})
     if cfg.service_name:
         explicit["service.name"] = cfg.service_name
-    resource = Resource.create(explicit)
+    resource = detected_resource().merge(Resource.create(explicit))
     named = resource.attributes
     fallback: dict[str, Any] = {"service.instance.id": _instance_id}
     if cfg.service_version:

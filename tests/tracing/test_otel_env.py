@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -13,10 +14,12 @@ from pathlib import Path
 
 import pytest
 from env_checks import warns_once
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import tracing
-from tracing import TracingConfig
+from tracing import TracingConfig, TracingConfigError
 from tracing.export import batch_settings
 from tracing.telemetry import build_resource
 
@@ -200,6 +203,45 @@ def test_resource_attributes_and_the_applications_own(clean_env) -> None:
 def test_resource_detectors_are_the_sdks(clean_env) -> None:
     clean_env.setenv("OTEL_EXPERIMENTAL_RESOURCE_DETECTORS", "otel,process")
     assert build_resource(TracingConfig()).attributes["process.pid"] == os.getpid()
+
+
+def test_the_resource_says_where_the_rank_ran(clean_env) -> None:
+    cfg = TracingConfig(
+        attribute_namespace="app",
+        rank=3,
+        world_size=4,
+        local_rank=1,
+        node_rank=1,
+        device_model="NVIDIA H200",
+        config_hash="0123abcd",
+    )
+    attributes = build_resource(cfg).attributes
+    assert attributes["host.name"] == socket.gethostname()
+    assert attributes["process.pid"] == os.getpid() and attributes["os.type"]
+    assert attributes["process.runtime.name"] and attributes["telemetry.sdk.version"]
+    placement = {key: attributes[f"app.{key}"] for key in ("world_size", "local_rank")}
+    assert placement == {"world_size": 4, "local_rank": 1}
+    assert attributes["app.node.rank"] == 1 and attributes["app.device.model"] == "NVIDIA H200"
+    assert attributes["app.config.hash"] == "0123abcd"
+    # Not given, not there (a single process says nothing of nodes); the variables win
+    # over the detectors, the application's own keys over the variables.
+    clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "host.name=node-7,app.world_size=9")
+    attributes = build_resource(TracingConfig(attribute_namespace="app", world_size=2)).attributes
+    assert attributes["host.name"] == "node-7" and attributes["app.world_size"] == 2
+    assert "app.node.rank" not in attributes and "app.device.model" not in attributes
+
+
+@pytest.mark.parametrize("field", ["world_size", "local_rank", "node_rank"])
+def test_placement_fields_are_checked(field) -> None:
+    with pytest.raises(TracingConfigError, match=field):
+        TracingConfig(**{field: -1})
+
+
+def test_an_applications_provider_keeps_its_resource(clean_env) -> None:
+    provider = TracerProvider(resource=Resource({"service.name": "theirs"}))
+    telemetry = tracing.setup(TracingConfig(world_size=2), provider=provider)
+    assert dict(telemetry.resource.attributes) == {"service.name": "theirs"}
+    telemetry.shutdown(timeout_s=1.0)
 
 
 def test_the_sampler_variables_are_the_sdks(clean_env, caplog) -> None:
