@@ -13,6 +13,7 @@ BATCH_QUEUE_WAIT = "batch_queue.wait"
 TARGET_FORWARD = "target.forward"
 TARGET_READ = "target.read"  # in place of target.forward when training from a hidden cache
 HS_QUEUE_WAIT = "hs_queue.wait"
+HS_QUEUE_PUT = "hs_queue.put"  # a target thread blocked on a full hs_queue: drafter-bound
 DRAFTER_STEP = "drafter.step"
 ANCHOR_SELECTION = "drafter.anchor_selection"
 BLOCK_PREDICTION = "drafter.block_prediction"
@@ -20,6 +21,13 @@ LOSS = "drafter.loss"
 BACKWARD = "drafter.backward"
 OPTIMIZER = "drafter.optimizer"
 DRAFTER_PHASES = (ANCHOR_SELECTION, BLOCK_PREDICTION, LOSS, BACKWARD, OPTIMIZER)
+# Between backward and optimizer when replicas or ranks combine gradients; its children
+# tell a replica waiting for the others of its process from the reduction itself (which,
+# across ranks, includes waiting for the slowest rank).
+GRAD_SYNC = "drafter.grad_sync"
+GRAD_SYNC_WAIT = "drafter.grad_sync.wait"
+GRAD_SYNC_REDUCE = "drafter.grad_sync.reduce"
+GRAD_SYNC_PHASES = (GRAD_SYNC, GRAD_SYNC_WAIT, GRAD_SYNC_REDUCE)
 # Traces of their own, outside any batch.
 CHECKPOINT_SAVE = "checkpoint.save"
 EVAL = "eval"
@@ -32,12 +40,17 @@ DATA_PREPARE = "data.prepare"  # reading, tokenizing and packing the data
 DATA_REGENERATE = "data.regenerate"  # the embedded default's regenerated text (cached)
 DRAFTER_BUILD = "drafter.build"  # the drafter, its trainer and their replicas
 STARTUP_PHASES = (RUN_RESUME, TARGET_LOAD, DATA_PREPARE, DATA_REGENERATE, DRAFTER_BUILD)
-_PER_BATCH = (BATCH, DATA_BATCH, BATCH_QUEUE_WAIT, TARGET_FORWARD, TARGET_READ, HS_QUEUE_WAIT)
+_PER_BATCH = (
+    BATCH,
+    DATA_BATCH,
+    BATCH_QUEUE_WAIT,
+    TARGET_FORWARD,
+    TARGET_READ,
+    HS_QUEUE_PUT,
+    HS_QUEUE_WAIT,
+)
 _OUTSIDE_BATCHES = (CHECKPOINT_SAVE, EVAL, EVAL_WALK, RUN_STARTUP, *STARTUP_PHASES)
-SPANS = (*_PER_BATCH, DRAFTER_STEP, *DRAFTER_PHASES, *_OUTSIDE_BATCHES)
-
-# --- statistics without a span ---------------------------------------------------------
-HS_QUEUE_PUT = "hs_queue.put"  # target threads blocked on a full hs_queue
+SPANS = (*_PER_BATCH, DRAFTER_STEP, *DRAFTER_PHASES, *GRAD_SYNC_PHASES, *_OUTSIDE_BATCHES)
 
 # --- what a stage thread is doing when it fails or stalls (no span, no statistics) ------
 BATCH_QUEUE_PUT = "batch_queue.put"
@@ -49,6 +62,8 @@ BATCH_ID = "dflash.batch.id"
 TOKENS = "dflash.tokens"
 QUEUE_DEPTH = "dflash.queue.depth"
 DEVICE = "dflash.device"
+GRAD_BYTES = "dflash.grad_sync.bytes"  # the gradients reduced, in bytes
+WORLD_SIZE = "dflash.world_size"
 RANK = "dflash.rank"
 ABANDONED = "dflash.batch.abandoned"
 THREAD_NAME = "thread.name"

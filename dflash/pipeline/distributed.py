@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import tracing
+from dflash import names
 from dflash.errors import DFlashError
 from dflash.pipeline.queues import StopAwareBarrier
 
@@ -254,19 +256,23 @@ class GradAverager:
         replica's loss together; -> that loss, sum(w*l) / denominator over all."""
         own_device = weighted.device
         self._sums[replica] = torch.stack([weighted.float(), denominator.float()])
-        self._barrier.wait()  # every replica's backward is done
+        with tracing.phase(names.GRAD_SYNC_WAIT):
+            self._barrier.wait()  # every replica's backward is done
         if replica == 0:
             device = self._params[0][0].device
             total = self._flat_grads(0, device)
-            for other in range(1, len(self._params)):
-                total += self._flat_grads(other, device)
-            sums = torch.stack([s.to(device) for s in self._sums if s is not None]).sum(0)
-            if self._world_size > 1:
-                reduced = self._all_reduce(torch.cat([total, sums]))
-                total, sums = reduced[:-2], reduced[-2:]
-            divide_by = sums[1].clamp(min=1e-8)
-            self._average, self._loss = total / divide_by, sums[0] / divide_by
-        self._barrier.wait()  # the result is ready; nobody overwrites it before the next step
+            attributes = {names.GRAD_BYTES: total.numel() * 4, names.WORLD_SIZE: self._world_size}
+            with tracing.phase(names.GRAD_SYNC_REDUCE, attributes=attributes):
+                for other in range(1, len(self._params)):
+                    total += self._flat_grads(other, device)
+                sums = torch.stack([s.to(device) for s in self._sums if s is not None]).sum(0)
+                if self._world_size > 1:
+                    reduced = self._all_reduce(torch.cat([total, sums]))
+                    total, sums = reduced[:-2], reduced[-2:]
+                divide_by = sums[1].clamp(min=1e-8)
+                self._average, self._loss = total / divide_by, sums[0] / divide_by
+        with tracing.phase(names.GRAD_SYNC_WAIT):
+            self._barrier.wait()  # the result is ready; nobody overwrites it before the next step
         assert self._average is not None and self._loss is not None
         offset = 0
         for p in self._params[replica]:

@@ -19,7 +19,6 @@ id, so only the order of optimizer updates changes).
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -198,7 +197,6 @@ class TargetForwardLoop(StageThread):
     def loop(self) -> None:
         attrs = _thread_attributes(self, self.device)
         where = {"device": self.device, "attributes": attrs}
-        stats = tracing.get_stats()
         while True:
             item = _take(self, self.in_q, self.counters, attrs)
             if item is END:
@@ -209,10 +207,10 @@ class TargetForwardLoop(StageThread):
                     target_out = self.forward(item.batch)
                 self.counters.add_target(item.batch.num_tokens)
                 self.enter(names.HS_QUEUE_PUT)
-                put_start_s = time.perf_counter()
-                self.out_q.put(HiddenItem(item.batch, target_out, item.span))
-                # A full hs_queue blocks here: the drafter-bound half of the verdict.
-                stats.add(names.HS_QUEUE_PUT, time.perf_counter() - put_start_s)
+                # A full hs_queue blocks here: the drafter-bound half of the verdict, a
+                # span of the batch's trace beside its wait on the drafter's side.
+                with tracing.phase(names.HS_QUEUE_PUT, parent=item.span, **where):
+                    self.out_q.put(HiddenItem(item.batch, target_out, item.span))
             except BaseException as exc:
                 _end_span(item.span, exc)
                 raise
@@ -271,6 +269,8 @@ class DrafterTrainLoop(StageThread):
             except BaseException as exc:
                 _end_span(item.span, exc)
                 raise
+            # On the root too: a query can compare the ranks' traces of one step.
+            item.span.set_attribute(names.STEP, number)
             item.span.end()
             self.counters.add_drafter(batch.num_tokens)
             self.enter(names.DRAFTER_BOOKKEEPING)

@@ -207,11 +207,11 @@ class DrafterTrainer:
             )
         with phase(names.BACKWARD):
             self.accumulator.backward(out.weighted_sum, out.denominator)
-            if last:
-                if self.grad_sync is None:
-                    self.last_loss = self.accumulator.finish()  # of all rows
-                else:  # every replica's sums together, before anyone steps
-                    self.last_loss = self.grad_sync(*self.accumulator.take())
+            if last and self.grad_sync is None:
+                self.last_loss = self.accumulator.finish()  # of all rows
+        if last and self.grad_sync is not None:
+            with phase(names.GRAD_SYNC):  # every replica's sums together, before anyone steps
+                self.last_loss = self.grad_sync(*self.accumulator.take())
         return out
 
     def check_figures(self, figures: dict[str, Any]) -> None:

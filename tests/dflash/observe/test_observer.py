@@ -41,6 +41,7 @@ PARENT = {
     names.DATA_BATCH: names.BATCH,
     names.BATCH_QUEUE_WAIT: names.BATCH,
     names.TARGET_FORWARD: names.BATCH,
+    names.HS_QUEUE_PUT: names.BATCH,  # the target thread handing the states over
     names.HS_QUEUE_WAIT: names.BATCH,
     names.DRAFTER_STEP: names.BATCH,
     **{p: names.DRAFTER_STEP for p in names.DRAFTER_PHASES},
@@ -75,6 +76,40 @@ def batch_trees(spans):
 
 
 @pytest.mark.usefixtures("tiny_target")
+def test_replicas_combine_gradients_in_a_phase_of_their_own(tmp_path) -> None:
+    """drafter.grad_sync follows drafter.backward under drafter.step: a replica waiting
+    for the others (.wait) apart from the reduction (.reduce, with bytes and world size),
+    so a slow replica no longer looks like a slow backward."""
+    obs, exporter = observer()
+    traced_run(tmp_path, obs, drafter_devices=("cpu", "cpu"))
+    spans = exporter.get_finished_spans()
+    by_id = {s.context.span_id: s for s in spans}
+
+    def parent(span) -> str:
+        return by_id[span.parent.span_id].name
+
+    syncs = [s for s in spans if s.name == names.GRAD_SYNC]
+    assert len(syncs) == 2 * STEPS and {parent(s) for s in syncs} == {names.DRAFTER_STEP}
+    waits = [s for s in spans if s.name == names.GRAD_SYNC_WAIT]
+    reduces = [s for s in spans if s.name == names.GRAD_SYNC_REDUCE]
+    assert len(waits) == 2 * 2 * STEPS and len(reduces) == STEPS  # replica 0 reduces
+    assert {parent(s) for s in waits + reduces} == {names.GRAD_SYNC}
+    attributes = reduces[0].attributes
+    assert attributes[names.GRAD_BYTES] > 0 and attributes[names.WORLD_SIZE] == 1
+    for step in (s for s in spans if s.name == names.DRAFTER_STEP):
+        children = sorted(
+            (s for s in spans if s.parent is not None and s.parent.span_id == step.context.span_id),
+            key=lambda s: s.start_time,
+        )
+        order = [c.name for c in children]
+        assert (
+            order.index(names.BACKWARD)
+            < order.index(names.GRAD_SYNC)
+            < order.index(names.OPTIMIZER)
+        )
+
+
+@pytest.mark.usefixtures("tiny_target")
 def test_every_batch_has_a_whole_tree_in_time_order(tmp_path) -> None:
     obs, exporter = observer()
     lines = traced_run(tmp_path, obs)
@@ -94,6 +129,8 @@ def test_every_batch_has_a_whole_tree_in_time_order(tmp_path) -> None:
         assert named["batch_queue.wait"].end_time <= named["target.forward"].start_time
         assert named["hs_queue.wait"].end_time <= named["drafter.step"].start_time
         assert named["target.forward"].end_time <= named["hs_queue.wait"].end_time
+        assert named["target.forward"].end_time <= named["hs_queue.put"].start_time
+        assert named["batch"].attributes[names.STEP] == named["drafter.step"].attributes[names.STEP]
         root = named["batch"].attributes
         assert root[names.TOKENS] > 0 and names.BATCH_ID in root and root[names.RANK] == 0
         step_attrs = named["drafter.step"].attributes
