@@ -1,0 +1,112 @@
+"""One row of the learning table: train a drafter, then let vLLM judge it.
+
+Runs `dflash-train train` with the given options (its own --output-dir), then serves the
+target with the saved drafter in vLLM (the engine's own spec-decode counters, as
+`eval --server` reads them) on each --judge file's chat prompts, and appends one JSON
+row to --results: the settings, steps, minutes of training, precision, the τ training
+measured on its held-out prompts (the final evaluation, and its curve), and τ by vLLM
+per judged set. The training and the judging run one after the other, nothing else
+should run meanwhile (2 cores: the minutes are the budget the issue states).
+
+Usage (the SmolLM2 recipe of docs/training.md; VLLM is the vLLM venv's python):
+  python bench/learning_run.py --results runs/learning.jsonl --name dpace-b8 \
+      --vllm "$VLLM -m vllm.entrypoints.openai.api_server --dtype float32 --enforce-eager \
+              --max-model-len 1024" \
+      --judge humaneval.jsonl --judge chat.jsonl --max-new-tokens 128 -- \
+      --config recipe.yaml --hidden-cache hs --steps 1750 --position-weighting dpace \
+      --output-dir runs/dpace-b8
+(VLLM_CPU_KVCACHE_SPACE=4 in the environment for vLLM's CPU build.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(args: list[str]) -> tuple[Path, float]:
+    """`dflash-train train ARGS`; (its output folder, wall seconds)."""
+    if "--output-dir" not in args:
+        sys.exit("learning_run: give the training an --output-dir of its own")
+    out = Path(args[args.index("--output-dir") + 1])
+    start_s = time.perf_counter()
+    code = subprocess.call([sys.executable, "-m", "dflash.cli", "train", *args], cwd=ROOT)
+    if code != 0:
+        sys.exit(f"learning_run: training exited {code}")
+    return out, time.perf_counter() - start_s
+
+
+def judge(run_dir: Path, vllm: str, files: list[Path], max_new_tokens: int) -> dict[str, Any]:
+    """τ by vLLM of the run's drafter on each file's chat prompts (every conversation)."""
+    from dflash.drafter.io import read_drafter_config
+    from dflash.eval.evaluate import evaluate_server
+    from dflash.eval.settings import EvalSettings
+    from dflash.run.engine import served_drafter
+    from dflash.target.served import ServerSettings
+
+    drafter_dir = run_dir / "drafter"
+    config = read_drafter_config(drafter_dir)
+    found: dict[str, Any] = {}
+    with served_drafter(vllm, config.target_spec, drafter_dir, config.block_size, run_dir) as url:
+        server = ServerSettings(url, concurrency=8, retries=1)
+        for path in files:
+            settings = EvalSettings(
+                eval_data=str(path), max_new_tokens=max_new_tokens, num_prompts=None
+            )
+            figures = evaluate_server(server, drafter_dir, None, settings, log=print)
+            found[path.name] = {
+                key: figures.get(key)
+                for key in ("prompts", "tau_pooled", "acceptance_per_position")
+            }
+    return found
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, required=True, help="JSONL the row goes to")
+    parser.add_argument("--name", required=True, help="the row's name in the table")
+    parser.add_argument("--vllm", required=True, help="command of vLLM's OpenAI server")
+    parser.add_argument("--judge", type=Path, action="append", default=[], help="chat JSONL")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train's options")
+    args = parser.parse_args()
+    train_args = [a for a in args.train_args if a != "--"]
+    run_dir, wall_s = train(train_args)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    config = json.loads((run_dir / "config.json").read_text())
+    judged = judge(run_dir, args.vllm, args.judge, args.max_new_tokens) if args.judge else {}
+    during = summary.get("evaluations_while_training") or {}
+    row = {
+        "name": args.name,
+        "train_args": train_args,
+        "config": config,
+        "steps": summary.get("steps"),
+        "train_min": round(summary.get("train_s", 0.0) / 60, 2),
+        "wall_min": round(wall_s / 60, 2),
+        "tokens_per_s": summary.get("tokens_per_s"),
+        "final_loss": summary.get("final_loss"),
+        "tau_in_training": summary.get("tau"),
+        "tau_pooled_in_training": summary.get("tau_pooled"),
+        "curve": during.get("curve"),
+        "vllm": judged,
+    }
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    with args.results.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+    by_vllm = ", ".join(f"{k} {v['tau_pooled']:.3f}" for k, v in judged.items())
+    print(
+        f"| {args.name} | {row['steps']} | {row['train_min']} min | "
+        f"{row['tau_pooled_in_training']} | {by_vllm} |"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
