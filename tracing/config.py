@@ -20,6 +20,7 @@ PROTOCOLS = ("grpc", "http/protobuf")
 LEVELS = ("off", "step", "phase")
 CUDA_TIMINGS = ("off", "sync", "events")
 TEMPORALITIES = ("cumulative", "delta", "lowmemory")
+PHASE_HISTOGRAMS = ("explicit", "exponential")
 
 
 class TracingConfigError(ValueError):
@@ -127,11 +128,18 @@ class MetricsConfig:
     temporality: str | None = None
     """cumulative, delta or lowmemory; None: OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE,
     read here: the reader takes it from the stats wrapper in front of each exporter."""
+    phase_histogram: str = "explicit"
+    """How the ProfileStats histograms are exported: `explicit`, octave bounds (what a
+    Prometheus exporter takes: the Collector's drops exponential histograms), or
+    `exponential`, an OTLP exponential histogram of scale 3 whose buckets are the
+    stats' own, 8 per octave (a backend that takes it, e.g. Prometheus' OTLP receiver
+    as a native histogram, answers quantiles within one bucket, about 9 %)."""
 
     def __post_init__(self) -> None:
         if self.exporter is not None:
             exporters = parse_exporters(self.exporter, ("none", "otlp", "console"))
             object.__setattr__(self, "exporter", exporters)  # frozen: normalized once
+        check_choice("metrics phase_histogram", self.phase_histogram, PHASE_HISTOGRAMS)
         if self.temporality is not None:
             check_choice("metrics temporality", self.temporality, TEMPORALITIES)
         for name in ("export_interval_s", "shutdown_timeout_s"):

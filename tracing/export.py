@@ -28,6 +28,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -361,10 +362,16 @@ class CountingExporter(SpanExporter):
         return self.inner.force_flush(timeout_millis)
 
 
+RECENT_SPANS = 64
+"""Sampled spans kept per name for the exemplars of the phase histograms (tracing.metrics)."""
+
+
 class SpanCounter(SpanProcessor):
     """Counts the sampled spans handed to the processors after it; once `closed`, counts
-    them as late (warned once). Thread contract: `on_end` on any thread, never blocking:
-    next() of itertools.count is atomic under the GIL; a read draws once more."""
+    them as late (warned once). Keeps the last RECENT_SPANS sampled spans of each name
+    (`recent`): the phase histograms' exemplars link a duration to its trace. Thread
+    contract: `on_end` on any thread, never blocking: next() of itertools.count and a
+    bounded deque's append are atomic under the GIL; a read draws once more."""
 
     def __init__(self) -> None:
         self.reset()
@@ -372,6 +379,12 @@ class SpanCounter(SpanProcessor):
 
     def reset(self) -> None:
         self._handed, self._late, self._reads = itertools.count(), itertools.count(), 0
+        self.recent: dict[str, deque[ReadableSpan]] = {}
+
+    def recent_spans(self, name: str) -> list[ReadableSpan]:
+        """The last sampled spans named `name`, oldest first (a copy; any thread)."""
+        spans = self.recent.get(name)
+        return list(spans) if spans is not None else []
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True  # nothing queued here; SDKs before 1.4x return None, read as a failure
@@ -381,6 +394,10 @@ class SpanCounter(SpanProcessor):
             return
         if not self.closed:
             next(self._handed)
+            recent = self.recent.get(span.name)
+            if recent is None:  # setdefault: two threads' first spans share one deque
+                recent = self.recent.setdefault(span.name, deque(maxlen=RECENT_SPANS))
+            recent.append(span)
         elif next(self._late) is not None and not self._warned:
             self._warned = True
             message = "tracing: span %r ended after shutdown began; it and later ones are late"

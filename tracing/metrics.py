@@ -27,11 +27,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import Counter, MeterProvider, ObservableCounter
+from opentelemetry.sdk.metrics import Counter, Exemplar, MeterProvider, ObservableCounter
 from opentelemetry.sdk.metrics import Histogram as HistogramInstrument
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
+    Buckets,
     ConsoleMetricExporter,
+    ExponentialHistogram,
+    ExponentialHistogramDataPoint,
     Histogram,
     HistogramDataPoint,
     Metric,
@@ -43,6 +46,7 @@ from opentelemetry.sdk.metrics.export import (
     ScopeMetrics,
 )
 from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from tracing.clock import now_ns
@@ -57,9 +61,9 @@ from tracing.export import (
     sdk_disabled,
     wanted_exporters,
 )
-from tracing.snapshot import BUCKETS_PER_OCTAVE
+from tracing.snapshot import BUCKETS_PER_OCTAVE, MIN_BUCKET, TINY_S, PhaseStats, bucket_of
 from tracing.stats import ProfileStats
-from tracing.telemetry import ShutdownReport, Telemetry, build_resource
+from tracing.telemetry import ShutdownReport, Telemetry, active, build_resource
 
 SCOPE = InstrumentationScope("tracing.metrics")
 TEMPORALITY_VARIABLE = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
@@ -70,6 +74,7 @@ STATS_SCOPE = InstrumentationScope("tracing.metrics.stats")
 # one of them, so the histogram counts are exact, and ms phases get several buckets.
 FIRST_OCTAVE = -14
 PHASE_BOUNDS_S = tuple(2.0**k for k in range(FIRST_OCTAVE, 4))
+EXPONENTIAL_SCALE = 3  # base 2**(2**-3): one OTLP bucket per ProfileStats bucket
 
 
 @dataclass(frozen=True)
@@ -176,12 +181,43 @@ class _StatsExporter(MetricExporter):
             self.inner.shutdown(timeout_millis=timeout_millis)
 
 
-class _StatsHistogram:
-    """Cumulative histogram of one ProfileStats, one point per phase name."""
+RecentSpans = Callable[[str], Sequence[ReadableSpan]]
+"""The last sampled spans of a phase name, oldest first (SpanCounter.recent_spans)."""
 
-    def __init__(self, stats: ProfileStats, name: str, description: str, phase_key: str) -> None:
+
+class _StatsHistogram:
+    """Cumulative histogram of one ProfileStats, one point per phase name, each bucket
+    with the latest sampled span of that phase that fell in it as its exemplar.
+
+    The durations come from the stats (every phase, sampled or not): the SDK's exemplar
+    reservoirs only see synchronous instruments recorded in a span's context, and
+    there is none here. The exemplars come from the spans tracing's own processors saw
+    end (SpanCounter keeps the last few per name: a deque append per sampled span), so
+    a bucket's exemplar is a trace the exporters were handed; a phase never sampled,
+    or recorded on an application's provider, has none."""
+
+    def __init__(
+        self,
+        stats: ProfileStats,
+        name: str,
+        description: str,
+        phase_key: str,
+        kind: str = "explicit",
+        spans: RecentSpans | None = None,
+    ) -> None:
         self.stats, self.name, self.description = stats, name, description
         self.phase_key, self.start_ns, self._last_total = phase_key, now_ns(), 0
+        self.kind, self.spans = kind, spans
+
+    def recent_spans(self, name: str) -> Sequence[ReadableSpan]:
+        """`spans(name)`; by default the active Telemetry's, when it feeds these stats."""
+        if self.spans is not None:
+            return self.spans(name)
+        telemetry = active()
+        counter = None if telemetry is None else telemetry.counter
+        if counter is None or telemetry.stats is not self.stats:  # type: ignore[union-attr]
+            return ()
+        return counter.recent_spans(name)
 
     def metric(self) -> Metric:
         snap = self.stats.snapshot()
@@ -190,24 +226,95 @@ class _StatsHistogram:
             self.start_ns = now_ns()
         self._last_total = total
         time_ns = now_ns()
+        exponential = self.kind == "exponential"
+        bucket = _stats_bucket if exponential else _octave_index
+        point = _exponential_point if exponential else _explicit_point
         points = [
-            HistogramDataPoint(
-                attributes={self.phase_key: name},
-                start_time_unix_nano=self.start_ns,
-                time_unix_nano=time_ns,
-                count=s.count,
-                sum=s.total_s,
-                bucket_counts=_bucket_counts(s.buckets),
-                explicit_bounds=list(PHASE_BOUNDS_S),
-                min=s.min_s,
-                max=s.max_s,
-                exemplars=[],
+            point(
+                {self.phase_key: name},
+                self.start_ns,
+                time_ns,
+                s,
+                _exemplars(self.recent_spans(name), bucket, self.start_ns),
             )
             for name, s in sorted(snap.phases.items())
             if s.count
         ]
-        data = Histogram(points, AggregationTemporality.CUMULATIVE)
+        kind = ExponentialHistogram if exponential else Histogram
+        data = kind(points, AggregationTemporality.CUMULATIVE)
         return Metric(self.name, self.description, "s", data)
+
+
+def _explicit_point(
+    attributes: dict[str, Any], start_ns: int, time_ns: int, s: PhaseStats, exemplars: list
+) -> HistogramDataPoint:
+    return HistogramDataPoint(
+        attributes=attributes,
+        start_time_unix_nano=start_ns,
+        time_unix_nano=time_ns,
+        count=s.count,
+        sum=s.total_s,
+        bucket_counts=_bucket_counts(s.buckets),
+        explicit_bounds=list(PHASE_BOUNDS_S),
+        min=s.min_s,
+        max=s.max_s,
+        exemplars=exemplars,
+    )
+
+
+def _exponential_point(
+    attributes: dict[str, Any], start_ns: int, time_ns: int, s: PhaseStats, exemplars: list
+) -> ExponentialHistogramDataPoint:
+    """The stats' buckets as they are: ProfileStats bucket b, [2**(b/8), 2**((b+1)/8)),
+    is OTLP bucket b of scale 3, (2**(b/8), 2**((b+1)/8)] (only a duration exactly on
+    an edge, a power of 2**(1/8), would be counted one bucket lower by the OTLP rule)."""
+    low, high = min(s.buckets), max(s.buckets)
+    counts = [0] * (high - low + 1)
+    for bucket, n in s.buckets.items():
+        counts[bucket - low] += n
+    return ExponentialHistogramDataPoint(
+        attributes=attributes,
+        start_time_unix_nano=start_ns,
+        time_unix_nano=time_ns,
+        count=s.count,
+        sum=s.total_s,
+        scale=EXPONENTIAL_SCALE,
+        zero_count=0,  # zero durations count in MIN_BUCKET, ~1 ns: no zero bucket
+        positive=Buckets(low, counts),
+        negative=Buckets(0, []),
+        flags=0,
+        min=s.min_s,
+        max=s.max_s,
+        exemplars=exemplars,
+    )
+
+
+def _stats_bucket(seconds: float) -> int:
+    """The ProfileStats bucket of a duration (the exponential histogram's index)."""
+    return MIN_BUCKET if seconds <= TINY_S else bucket_of(seconds)
+
+
+def _octave_index(seconds: float) -> int:
+    """The index of a duration's bucket among PHASE_BOUNDS_S (+Inf last)."""
+    index = _stats_bucket(seconds) // BUCKETS_PER_OCTAVE - FIRST_OCTAVE + 1
+    return min(max(index, 0), len(PHASE_BOUNDS_S))
+
+
+def _exemplars(
+    spans: Sequence[ReadableSpan], bucket: Callable[[float], int], since_ns: int
+) -> list[Exemplar]:
+    """Per bucket, the latest of `spans` (ended since `since_ns`) whose duration fell in
+    it: its duration in seconds, end time, trace and span id."""
+    chosen: dict[int, Exemplar] = {}
+    for span in reversed(spans):
+        start, end, context = span.start_time, span.end_time, span.context
+        if start is None or end is None or context is None or end < since_ns:
+            continue
+        seconds = (end - start) / 1e9
+        key = bucket(seconds)
+        if key not in chosen:
+            chosen[key] = Exemplar({}, seconds, end, context.span_id, context.trace_id)
+    return [chosen[key] for key in sorted(chosen)]
 
 
 def _bucket_counts(buckets: Mapping[int, int]) -> list[int]:
@@ -306,12 +413,22 @@ class Metrics:
                 instrument.set(float(value), attributes)
 
     def observe_stats(
-        self, stats: ProfileStats, name: str = "phase.duration", description: str = ""
+        self,
+        stats: ProfileStats,
+        name: str = "phase.duration",
+        description: str = "",
+        spans: RecentSpans | None = None,
     ) -> None:
-        """Exports `stats` as a histogram in seconds with attribute `<namespace>.phase`."""
+        """Exports `stats` as a histogram in seconds with attribute `<namespace>.phase`
+        (`MetricsConfig.phase_histogram`: octave bounds or exponential), each bucket's
+        exemplar the latest span of `spans(phase)` in it; `spans` None: the sampled
+        spans of the active Telemetry, when `stats` is its stats."""
         desc = description or "Duration of each phase, from every phase (sampled or not)."
         key = self.full_name("phase")
-        self._histograms.append(_StatsHistogram(stats, self.full_name(name), desc, key))
+        kind = self.cfg.phase_histogram
+        self._histograms.append(
+            _StatsHistogram(stats, self.full_name(name), desc, key, kind, spans)
+        )
 
     def _with_stats(self, data: MetricsData) -> MetricsData:
         if not self._histograms:

@@ -3,6 +3,7 @@ variables: test_metrics_env.py)."""
 
 from __future__ import annotations
 
+import math
 import random
 import socket
 import time
@@ -11,9 +12,10 @@ from typing import Any
 
 import pytest
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import tracing
-from tracing.metrics import PHASE_BOUNDS_S, MetricsConfig, start_metrics
+from tracing.metrics import PHASE_BOUNDS_S, MetricsConfig, _stats_bucket, start_metrics
 
 
 class MemoryMetricExporter(MetricExporter):
@@ -153,6 +155,106 @@ def test_phase_histogram_ignores_trace_sampling() -> None:
         metrics.force_flush()
         (point,) = memory.points()["phase.duration"][1]
         assert point.count == 50
+        metrics.shutdown()
+    finally:
+        telemetry.shutdown(timeout_s=1.0)
+
+
+def reference_exponential_counts(values: Sequence[float]) -> dict[int, int]:
+    """OTLP exponential rule at scale 3: index i counts 2**(i/8) < v <= 2**((i+1)/8)."""
+    counts: dict[int, int] = {}
+    for v in values:
+        index = math.ceil(math.log2(v) * 8) - 1
+        counts[index] = counts.get(index, 0) + 1
+    return counts
+
+
+def test_exponential_phase_histogram_is_the_stats_own_buckets() -> None:
+    from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
+
+    memory = MemoryMetricExporter()
+    cfg = MetricsConfig(export_interval_s=3600, phase_histogram="exponential")
+    metrics = start_metrics(cfg, tracing.TracingConfig(), exporters=[memory])
+    stats = tracing.ProfileStats()
+    metrics.observe_stats(stats, "phase.duration")
+    metrics.observe("gauge", "depth", lambda: 1, unit="{item}")
+    rng = random.Random(1)
+    values = [10 ** rng.uniform(-5, 1.3) for _ in range(3000)]
+    for v in values:
+        stats.add("fwd", v)
+    metrics.force_flush()
+    (fwd,) = memory.points()["phase.duration"][1]
+    assert fwd.scale == 3 and fwd.zero_count == 0 and fwd.count == 3000
+    counts = {fwd.positive.offset + i: n for i, n in enumerate(fwd.positive.bucket_counts) if n}
+    assert counts == reference_exponential_counts(values)
+    assert fwd.sum == pytest.approx(sum(values)) and (fwd.min, fwd.max) == (
+        min(values),
+        max(values),
+    )
+    # Every quantile from the exported buckets is within one bucket (9 %) of the truth;
+    # from the octave bounds it was up to 2x off.
+    ordered = sorted(values)
+    for q in (0.5, 0.9, 0.95, 0.99):
+        seen, rank = 0, q * len(values)
+        for index, n in sorted(counts.items()):
+            seen += n
+            if seen >= rank:
+                upper = 2 ** ((index + 1) / 8)
+                break
+        truth = ordered[math.ceil(rank) - 1]
+        assert truth <= upper <= truth * 2 ** (1 / 8) * 1.0001
+    request = encode_metrics(memory.exports[-1])
+    kinds = {
+        m.name: m.WhichOneof("data")
+        for rm in request.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+    }
+    assert kinds["phase.duration"] == "exponential_histogram"
+    metrics.shutdown()
+    with pytest.raises(tracing.TracingConfigError, match="phase_histogram"):
+        MetricsConfig(phase_histogram="octaves")
+
+
+@pytest.mark.parametrize("kind", ["explicit", "exponential"])
+def test_phase_buckets_carry_the_trace_of_a_recent_span(kind: str) -> None:
+    """Each bucket's exemplar is the latest sampled span of that phase in it: a metric
+    leads to the trace that made it."""
+    spans = InMemorySpanExporter()
+    telemetry = tracing.setup(tracing.TracingConfig(), exporters=[spans])
+    try:
+        memory = MemoryMetricExporter()
+        cfg = MetricsConfig(export_interval_s=3600, phase_histogram=kind)
+        metrics = start_metrics(cfg, telemetry.cfg, exporters=[memory])
+        metrics.observe_stats(telemetry.stats)
+        metrics.observe("gauge", "depth", lambda: 1, unit="{item}")
+        for _ in range(40):
+            with tracing.phase("step", level="step"):
+                pass
+        for _ in range(3):
+            with tracing.phase("slow", level="step"):
+                time.sleep(0.02)
+        metrics.force_flush()
+        telemetry.force_flush(2.0)
+        exported = {s.context.span_id: s for s in spans.get_finished_spans()}
+        points = {p.attributes["phase"]: p for p in memory.points()["phase.duration"][1]}
+        assert points["step"].count == 40  # every phase; the exemplars are sampled ones
+        for name, point in points.items():
+            assert point.exemplars, name
+            for exemplar in point.exemplars:
+                span = exported[exemplar.span_id]  # a span the exporter was handed
+                assert span.name == name and span.context.trace_id == exemplar.trace_id
+                assert exemplar.value == (span.end_time - span.start_time) / 1e9
+                assert exemplar.time_unix_nano == span.end_time
+        # One exemplar per bucket: the latest span in it.
+        for name, point in points.items():
+            buckets = [_stats_bucket(e.value) for e in point.exemplars]
+            assert len(set(buckets)) == len(buckets)
+            named = sorted(
+                (s for s in exported.values() if s.name == name), key=lambda s: s.end_time
+            )
+            last = named[-1]
+            assert last.context.span_id in {e.span_id for e in point.exemplars}
         metrics.shutdown()
     finally:
         telemetry.shutdown(timeout_s=1.0)
