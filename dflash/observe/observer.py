@@ -10,13 +10,14 @@ averager's cross-rank hook, between steps.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -28,6 +29,7 @@ from dflash import __version__
 from dflash.config.settings import TelemetryConfig
 from dflash.files import write_text_atomic
 from dflash.observe import bottleneck
+from dflash.observe.flops import _cpu_name
 from dflash.observe.instruments import (
     TIMELINE_SAMPLE_S,
     FlopsFigures,
@@ -41,7 +43,14 @@ from dflash.pipeline.queues import CounterSnapshot, Stopped
 from tracing import Reporter, StatsSnapshot, TracingConfig, TracingConfigError
 from tracing.metrics import Metrics, MetricsReport, shutdown_all
 
-__all__ = ["ObserveError", "Observer", "describe", "shared_run_id", "start_observer"]
+__all__ = [
+    "ObserveError",
+    "Observer",
+    "describe",
+    "rank_placement",
+    "shared_run_id",
+    "start_observer",
+]
 
 SERVICE_NAME = "dflash-train"
 STATS_FILE = "stats.json"
@@ -56,10 +65,11 @@ _RECORDED = {
 _Readers = dict[str, Callable[[], int]]  # {name: a counter, read when called}
 
 
-def tracing_config(tel: TelemetryConfig, rank: int, run_id: str) -> TracingConfig:
+def tracing_config(tel: TelemetryConfig, rank: int, run_id: str, **placement: Any) -> TracingConfig:
     """TracingConfig from cfg.telemetry: a flag left unset (None) leaves the choice to
     the OTEL_* variables, which the SDK reads; no endpoint (flag or variable) sends
-    nothing over the network."""
+    nothing over the network. `placement`: where the rank runs, for the resource
+    (world_size=, local_rank=, node_rank=, device_model=, config_hash=; `rank_placement`)."""
     try:
         return TracingConfig(
             default_service_name=SERVICE_NAME,
@@ -76,6 +86,7 @@ def tracing_config(tel: TelemetryConfig, rank: int, run_id: str) -> TracingConfi
             rank=rank,
             run_id=run_id,
             report_interval_s=tel.profile_interval_s,
+            **placement,
         )
     except TracingConfigError as exc:
         raise ObserveError(f"telemetry: {exc}") from None
@@ -100,6 +111,40 @@ def describe(cfg: TracingConfig, telemetry: tracing.Telemetry) -> str:
         f"service {resource.get('service.name')} ({resource.get('service.instance.id')}, "
         f"run {cfg.run_id})"
     )
+
+
+def rank_placement(
+    world_size: int,
+    local_rank: int | None = None,
+    devices: Sequence[Any] = (),
+    config: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The resource's account of where this rank runs (tracing_config's `placement`):
+    world size, local rank, the node's rank (torchrun's GROUP_RANK, else NODE_RANK; the
+    node's name is the resource's host.name), the model of `devices` (the rank's drafter
+    devices: the CUDA device's name, which the run initializes anyway, or the CPU's) and
+    the first 16 hex digits of the SHA-256 of `config` (the run's config.json) as JSON."""
+    env = os.environ if env is None else env
+    node = next((env[k] for k in ("GROUP_RANK", "NODE_RANK") if env.get(k, "").isdigit()), None)
+    models = dict.fromkeys(_device_model(torch.device(d)) for d in devices)
+    digest = None
+    if config is not None:
+        text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return {
+        "world_size": world_size,
+        "local_rank": local_rank,
+        "node_rank": None if node is None else int(node),
+        "device_model": ", ".join(models) or None,
+        "config_hash": digest,
+    }
+
+
+def _device_model(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return _cpu_name() if device.type == "cpu" else device.type
 
 
 def shared_run_id(world_size: int) -> str:
@@ -428,12 +473,18 @@ def start_observer(
     run_id: str,
     output_dir: Path,
     log: Callable[[str], None] = print,
+    local_rank: int | None = None,
+    devices: Sequence[Any] = (),
+    config: Mapping[str, Any] | None = None,
 ) -> Observer:
     """Sets tracing up for this process from cfg.telemetry (call once, before training).
+    `local_rank`, `devices` (the rank's drafter devices) and `config` (the run's config
+    as a dict) go to the resource (`rank_placement`).
 
     The timeline and profiler paths are checked first: a bad one is one ObserveError."""
     instruments = build_instruments(tel, output_dir, rank, log)
-    cfg = tracing_config(tel, rank, run_id)
+    placement = rank_placement(world_size, local_rank, devices, config)
+    cfg = tracing_config(tel, rank, run_id, **placement)
     problems = ExportProblems(log, rank)
     telemetry = setup_tracing(cfg, phase_hooks=instruments.hooks, on_export_problem=problems)
     observer = Observer(

@@ -187,7 +187,17 @@ def run_training(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
     try:
         output_dir = Path(cfg.run.output_dir)
         run_info = {"run_id": shared_run_id(info.world_size), "output_dir": output_dir}
-        observer = start_observer(cfg.telemetry, info.rank, info.world_size, **run_info, log=log)
+        # The resource says where this rank ran: its devices, the config's hash.
+        where = {"local_rank": info.local_rank, "devices": start.placement.drafters}
+        observer = start_observer(
+            cfg.telemetry,
+            info.rank,
+            info.world_size,
+            **run_info,
+            **where,
+            log=log,
+            config=cfg.to_dict(),
+        )
     except BaseException:
         destroy_distributed()
         raise
