@@ -635,6 +635,42 @@ def expiration_problems(stack: Stack) -> list[str]:
     return []
 
 
+def prometheus_feature_flags(stack: Stack) -> list[str]:
+    """The --enable-feature values of the compose Prometheus (the integration tests run
+    the real Prometheus with them)."""
+    command = services(stack)["prometheus"].get("command", [])
+    flags = [arg.split("=", 1)[1] for arg in command if arg.startswith("--enable-feature=")]
+    return [feature for flag in flags for feature in flag.split(",")]
+
+
+def exemplar_problems(stack: Stack) -> list[str]:
+    """From a latency point to its trace: the connector keeps exemplars, the collector
+    exposes them (OpenMetrics), Prometheus stores them, Grafana links them to the trace
+    datasources, and a trace links back to the metrics of its own run."""
+    problems = []
+    if not spanmetrics_config(stack).get("exemplars", {}).get("enabled"):
+        problems.append("spanmetrics: exemplars not enabled")
+    exporter = stack["collector"]["exporters"].get("prometheus", {})
+    if exporter.get("enable_open_metrics") is not True:
+        problems.append("collector prometheus exporter: enable_open_metrics is not true")
+    if "exemplar-storage" not in prometheus_feature_flags(stack):
+        problems.append("prometheus: --enable-feature=exemplar-storage missing")
+    sources = {source["uid"]: source for source in stack["datasources"]["datasources"]}
+    links = sources["prometheus"].get("jsonData", {}).get("exemplarTraceIdDestinations", [])
+    for link in links:
+        if link.get("name") != "trace_id" or link.get("datasourceUid") not in sources:
+            problems.append(
+                f"prometheus datasource: exemplar link {link} is not trace_id to a source"
+            )
+    if {link.get("datasourceUid") for link in links} < {"jaeger", "tempo"}:
+        problems.append("prometheus datasource: exemplars do not link to Jaeger and Tempo")
+    for uid in ("jaeger", "tempo"):
+        tags = sources[uid].get("jsonData", {}).get("tracesToMetrics", {}).get("tags", [])
+        if {"key": "dflash.run.id", "value": "dflash_run_id"} not in tags:
+            problems.append(f"{uid} datasource: traces-to-metrics not keyed by dflash.run.id")
+    return problems
+
+
 def trainer_user_problems(stack: Stack) -> list[str]:
     """The trainer writes its bind-mounted output as the host user, with a writable HOME."""
     problems = []
@@ -684,8 +720,24 @@ def test_real_stack_has_no_problems(stack: Stack) -> None:
         + jaeger_test_config_problems(stack)
         + expiration_problems(stack)
         + trainer_user_problems(stack)
+        + exemplar_problems(stack)
     )
     assert problems == []
+
+
+def test_exemplar_check_catches_a_broken_link(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    broken["collector"]["exporters"]["prometheus"]["enable_open_metrics"] = False
+    services(broken)["prometheus"]["command"].remove("--enable-feature=exemplar-storage")
+    sources = {source["uid"]: source for source in broken["datasources"]["datasources"]}
+    sources["prometheus"]["jsonData"]["exemplarTraceIdDestinations"].pop()
+    sources["jaeger"]["jsonData"]["tracesToMetrics"]["tags"].pop()
+    assert exemplar_problems(broken) == [
+        "collector prometheus exporter: enable_open_metrics is not true",
+        "prometheus: --enable-feature=exemplar-storage missing",
+        "prometheus datasource: exemplars do not link to Jaeger and Tempo",
+        "jaeger datasource: traces-to-metrics not keyed by dflash.run.id",
+    ]
 
 
 def test_expiration_check_catches_series_that_never_expire(stack: Stack) -> None:
