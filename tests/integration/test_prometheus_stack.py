@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import requests
 import yaml
-from conftest import REPO_ROOT, die_with_parent, free_port
+from conftest import REPO_ROOT, JaegerProcess, die_with_parent, free_port
 from run_metrics_sender import metrics_run
 from test_collector_pipeline import Collector, load_stack_checks
 from test_collector_pipeline import collector as collector  # the fixture, re-exported
@@ -81,6 +81,9 @@ def prometheus(
     flags = {"config.file": config, "storage.tsdb.path": tmp_path / "tsdb"}
     flags["web.listen-address"] = f"127.0.0.1:{port}"
     command = [str(prometheus_binary), *(f"--{k}={v}" for k, v in flags.items())]
+    # The compose file's features (exemplar storage), as the stack runs it.
+    features = load_stack_checks().prometheus_feature_flags(load_stack_checks().load_stack())
+    command += [f"--enable-feature={feature}" for feature in features]
     pipes = dict(stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     process = subprocess.Popen(command, **pipes, preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{port}"
@@ -109,6 +112,20 @@ def query(url: str, promql: str) -> list[dict[str, Any]]:
     reply = requests.get(f"{url}/api/v1/query", params={"query": promql}, timeout=10).json()
     assert reply["status"] == "success", (promql, reply)
     return reply["data"]["result"]
+
+
+def exemplar_trace_ids(url: str, selector: str) -> set[str]:
+    """The trace ids of the exemplars Prometheus holds for `selector` (the last hour)."""
+    now = time.time()
+    params = {"query": selector, "start": now - 3600, "end": now}
+    reply = requests.get(f"{url}/api/v1/query_exemplars", params=params, timeout=10).json()
+    assert reply["status"] == "success", (selector, reply)
+    return {
+        exemplar["labels"]["trace_id"]
+        for series in reply["data"]
+        for exemplar in series["exemplars"]
+        if "trace_id" in exemplar["labels"]
+    }
 
 
 def grafana_to_promql(expr: str, service: str, run: str) -> str:
@@ -151,8 +168,9 @@ def test_dashboard_queries_return_series_and_the_verdict(
         time.sleep(3 * SCRAPE_S)  # a few more scrapes: every rate() window has two samples
         empty = []
         for where, expr in checks.prometheus_queries(stack):
-            if "traces_span_metrics" in expr:
-                continue  # span metrics: this run sends no spans (the collector test does)
+            if "traces_span_metrics" in expr or "$__tags" in expr:
+                continue  # span metrics: no spans here (the collector test sends them);
+                # trace-to-metrics links: Grafana fills $__tags from a span
             if not query(prometheus, grafana_to_promql(expr, service, ".*")):
                 empty.append(where)
         assert empty == [], f"dashboard queries without series: {empty}"
@@ -177,12 +195,14 @@ RUN_ID_RE = re.compile(r"^telemetry: .*, run (\S+)\)$", re.M)
 def test_a_real_training_run_fills_every_dashboard_query(
     prometheus: str,
     collector: tuple[Collector, dict[str, int]],
+    jaeger: JaegerProcess,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`dflash-train train` itself (traces and metrics over OTLP gRPC to the stack's
     collector): every PromQL query of the dashboards, span metrics included, returns
-    series labelled with the run's own id."""
+    series labelled with the run's own id; the exemplars of the span metrics and of
+    the phase histograms name traces that Jaeger holds."""
     _, ports = collector
     service = unique_service("prom-train")
     checks = load_stack_checks()
@@ -200,10 +220,16 @@ def test_a_real_training_run_fills_every_dashboard_query(
     otlp = ["--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}", "--otlp-protocol", "grpc"]
     process = train(tmp_path, service, *otlp, "--profile-interval", "5", steps=1_000_000)
     try:
+        selectors = [
+            f'traces_span_metrics_duration_milliseconds_bucket{{service_name="{service}"}}',
+            f'dflash_phase_duration_seconds_bucket{{service_name="{service}"}}',
+        ]
         deadline = time.monotonic() + 90
         while True:
             empty = [where for where, expr in dashboard_queries if not has_series(expr)]
-            if not empty or process.poll() is not None or time.monotonic() > deadline:
+            exemplars = {s: exemplar_trace_ids(prometheus, s) for s in selectors}
+            done = not empty and all(exemplars.values())
+            if done or process.poll() is not None or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
         assert process.poll() is None, "training ended early"
@@ -218,3 +244,15 @@ def test_a_real_training_run_fills_every_dashboard_query(
         prometheus, f'count by (dflash_run_id) (dflash_tokens_total{{service_name="{service}"}})'
     )
     assert {r["metric"]["dflash_run_id"] for r in runs} == {match[1]}
+    assert all(exemplars.values()), f"no exemplars in Prometheus: {exemplars}"
+
+    def trace(trace_id: str) -> list[Any]:
+        try:
+            return jaeger._get(f"traces/{trace_id}")
+        except requests.HTTPError:  # 404 until Jaeger has it
+            return []
+
+    for selector, trace_ids in exemplars.items():  # the run has ended: its spans are in
+        trace_id = sorted(trace_ids)[0]
+        found = jaeger.wait_for(lambda t=trace_id: trace(t), bool, waiting_for=selector)
+        assert found[0]["traceID"] == trace_id, (selector, trace_id)
