@@ -11,12 +11,17 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 FILE_MODE = 0o644
+RECORD_SUFFIX = ".run.json"
+"""`<output>.run.json`: the record of the command that wrote `output` (regenerate's run
+record; `eval --json` and `inspect-data --json`: the command and the file's SHA-256), so
+that a later command replaces only what it wrote itself."""
 
 
 def cache_dir() -> Path:
@@ -55,6 +60,79 @@ def free_space_note(path: Path | str) -> str:
         return f"{shutil.disk_usage(probe).free / 2**30:.2f} GiB free there"
     except OSError:
         return "free space unknown"
+
+
+def write_failure(exc: BaseException, path: Path | str) -> str:
+    """'could not write PATH (why; N GiB free there)': the start of the one line of a
+    write that failed (a full disk, a folder gone read-only)."""
+    text = str(getattr(exc, "strerror", None) or exc).strip()
+    reason = text.splitlines()[0] if text else type(exc).__name__
+    reason = reason.rsplit("I/O error: ", 1)[-1]  # safetensors: "Error while serializing: ..."
+    if special_file(path) is not None:  # a device: the disk's free space says nothing
+        return f"could not write {path} ({reason})"
+    return f"could not write {path} ({reason}; {free_space_note(path)})"
+
+
+def special_file(path: Path | str) -> str | None:
+    """What `path` is when it exists and is neither a regular file nor a folder ("a
+    FIFO", "a character device", ...), found without opening it; None otherwise. Such a
+    path is read or written in place, never replaced: opening a FIFO to read waits for a
+    writer, so an input that is one is refused."""
+    try:
+        mode = os.stat(Path(path).expanduser()).st_mode
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kinds = {
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+    }
+    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+
+
+def record_path(output: Path | str) -> Path:
+    """`<output>.run.json`, the record beside an output (RECORD_SUFFIX)."""
+    out = Path(output)
+    return out.with_name(out.name + RECORD_SUFFIX)
+
+
+def written_by(output: Path | str, command: str) -> bool:
+    """`output` is as `command` last wrote it: its record names the command and the
+    file's SHA-256 (a file changed since is not the command's any more)."""
+    try:
+        record = json.loads(record_path(output).read_text(encoding="utf-8"))
+        return (
+            isinstance(record, dict)
+            and record.get("command") == command
+            and record.get("sha256") == sha256_file(output)
+        )
+    except (OSError, ValueError):
+        return False
+
+
+def write_output(path: Path | str, text: str, command: str) -> None:
+    """`path` holds `text`, written by `command`: a regular file (or a new one) is
+    replaced atomically and recorded beside it (`record_path`), so the next run of
+    `command` may replace it; a device or FIFO (`/dev/stdout`, `/dev/null`) is written in
+    place, never replaced, a FIFO only when a reader has it open. Raises OSError when the
+    write fails (`/dev/full`, a full disk)."""
+    target = Path(path).expanduser()
+    if special_file(target) is not None:
+        fd = os.open(target, os.O_WRONLY | os.O_NONBLOCK)  # a FIFO without reader: ENXIO
+        try:
+            os.set_blocking(fd, True)
+            data = memoryview(text.encode("utf-8"))
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+        return
+    write_text_atomic(target, text)
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    write_json_atomic(record_path(target), {"command": command, "sha256": digest})
 
 
 @contextmanager

@@ -6,12 +6,14 @@ options and calls one entry point of the library.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 
 import click
 
 from dflash.cli import data, results, train
+from dflash.cli.options import echo_err, unknown_variables
 from dflash.signals import Interrupted, StopSignals, TrainingInterrupted
 
 
@@ -54,12 +56,21 @@ def _main_phase() -> str | None:
 
 @click.group(cls=_DefaultGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="dflash-train")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """Train DFlash block-diffusion drafters; every pipeline phase is traced.
 
     Without a command, runs `train` on the embedded default (a built-in tiny target
     on the Python standard library's source; CPU, no downloads).
     """
+    known = [
+        name
+        for command in ctx.command.commands.values()  # type: ignore[attr-defined]
+        for param in command.params
+        for name in ([param.envvar] if isinstance(param.envvar, str) else param.envvar or [])
+    ]
+    for line in unknown_variables(os.environ, known):
+        echo_err(line)
 
 
 COMMANDS = (

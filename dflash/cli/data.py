@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from dflash.cli.options import (
+    OVERWRITE_JSON,
     Command,
     check_cache_dir,
     check_output,
@@ -212,8 +213,9 @@ def cache_hidden_command(config_file: str | None, **given: Any) -> None:
 
 INSPECT_DATA = Command(
     {"inspect_data": InspectSettings},
-    """rows json target chat_template_kwargs chat_rendering data seq_len batch_size
+    """rows json overwrite target chat_template_kwargs chat_rendering data seq_len batch_size
     heldout_fraction packing seed debug""".split(),
+    help={"overwrite": OVERWRITE_JSON},
     config_help="The config file of the `train` run whose data to show (its other keys are "
     "not used).",
 )
@@ -229,7 +231,8 @@ def inspect_data_command(config_file: str | None, **given: Any) -> None:
     settings = report_errors(debug, lambda: INSPECT_DATA.resolve(config_file, given))
     job = settings.get(InspectSettings)
     inputs = [("--config", config_file), ("--data", settings.given.get("data"))]
-    check_output(job.json, "--json", inputs=inputs)
+    overwrite = settings.run.run.overwrite
+    check_output(job.json, "--json", inputs=inputs, command="inspect-data", overwrite=overwrite)
     with exiting_at_once():
         from dflash.run.inspect import inspect_data  # deferred: torch
 

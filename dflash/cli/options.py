@@ -27,7 +27,7 @@ from dflash.config.commands import ServerConfig
 from dflash.config.schema import FileValues, Option, Schema, Section
 from dflash.config.settings import TrainConfig, config_from_options, option_map, read_values
 from dflash.errors import DFlashError, first_line
-from dflash.files import cache_dir, write_text_atomic
+from dflash.files import cache_dir, special_file, write_failure, write_output
 from dflash.run.folder import FolderLock
 from dflash.run.outputs import Output, output_problem, write_problem
 from dflash.target.served import ServerSettings
@@ -107,6 +107,11 @@ CONFIG_HELP = (
     "YAML, TOML or JSON file of option values: flat option names (snake_case or kebab-case) "
     "or sections; a train config or a run's config.json may be given (the options this "
     "command lacks are not used). Flags and DFLASH_* variables override it."
+)
+
+OVERWRITE_JSON = (
+    "Replace a --json file that this command did not write (one it wrote, as its record "
+    "beside it says, is replaced anyway); without it such a file is refused."
 )
 
 S = TypeVar("S", bound=Section)
@@ -216,7 +221,11 @@ def _found(values: FileValues, source: str) -> _Found:
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """Raw mapping of a YAML, TOML or JSON config file (by suffix; YAML otherwise)."""
+    """Raw mapping of a YAML, TOML or JSON config file (by suffix; YAML otherwise). A
+    FIFO or device is refused unread: reading a FIFO waits for a writer."""
+    kind = special_file(path)
+    if kind is not None:
+        raise InputError(f"--config {str(path)!r}: {kind}, not a regular file")
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
@@ -283,15 +292,18 @@ def check_output(
     *,
     inputs: Iterable[tuple[str, str | None]] = (),
     own_run: str | None = None,
+    command: str | None = None,
+    overwrite: bool = False,
 ) -> None:
     """An output path the command will write, checked before any model loads: one line
     naming it (exit 2) when it cannot be written, is one of the command's `inputs`
-    ((flag, path) pairs) or inside one, or is a file a run writes (dflash.run.outputs;
-    `own_run`: the folder of the run this command is). `-` (standard output) and None
-    pass."""
+    ((flag, path) pairs) or inside one, is a file a run writes (dflash.run.outputs;
+    `own_run`: the folder of the run this command is), or (`command`) is a file that
+    command did not write, unless `overwrite`. `-` (standard output) and None pass."""
     if value is None or value == "-":
         return
-    why = output_problem(Output(flag, value, folder=folder), inputs, own_run)
+    output = Output(flag, value, folder=folder, command=command, overwrite=overwrite)
+    why = output_problem(output, inputs, own_run)
     if why is not None:
         raise InputError(why)
 
@@ -335,23 +347,64 @@ def server_settings(server: ServerConfig, concurrency: int) -> ServerSettings:
     )
 
 
+# DFLASH_* variables that are not options: read by dflash itself (the cache folder), by
+# the scripts (bootstrap's venvs, docker compose's user and steps, llama.cpp's build) and
+# by the tests (DFLASH_REQUIRE_*, the binaries *_BIN, the report's screenshot).
+NOT_OPTIONS = (
+    "DFLASH_CACHE_DIR",
+    "DFLASH_VENV",
+    "DFLASH_DEPS_VENV",
+    "DFLASH_UID",
+    "DFLASH_GID",
+    "DFLASH_TRAIN_STEPS",
+    "DFLASH_LLAMA_NATIVE",
+    "DFLASH_REPORT_SCREENSHOT",
+    "DFLASH_VLLM_TEST_RUN",
+)
+
+
+def unknown_variables(env: Mapping[str, str], known: Iterable[str]) -> list[str]:
+    """One warning line per DFLASH_* variable of `env` that is no option's (`known`, the
+    DFLASH_<OPTION> of every command) nor one of NOT_OPTIONS, naming the nearest known
+    name: a misspelt variable is ignored, as it always was, but no longer silently. A
+    warning, not a refusal: a shell may hold variables of another version or tool."""
+    import difflib
+
+    names = sorted({*known, *NOT_OPTIONS})
+    lines = []
+    for name in sorted(env):
+        if not name.startswith("DFLASH_") or name in names:
+            continue
+        if name.startswith("DFLASH_REQUIRE_") or name.endswith("_BIN"):
+            continue
+        stems = {known_name.removeprefix("DFLASH_"): known_name for known_name in names}
+        near = difflib.get_close_matches(name.removeprefix("DFLASH_"), stems, n=1, cutoff=0.6)
+        hint = (
+            f"did you mean {stems[near[0]]}?"
+            if near
+            else "`dflash-train COMMAND --help` lists them"
+        )
+        lines.append(f"warning: {name} is not a dflash-train variable and is ignored ({hint})")
+    return lines
+
+
 def echo_err(line: str) -> None:
     click.echo(line, err=True)
 
 
-def write_json(json_path: str | None, figures: dict[str, Any]) -> None:
+def write_json(json_path: str | None, figures: dict[str, Any], command: str = "eval") -> None:
     """Figures as JSON to `json_path` (`-`: standard output; None: nowhere), replaced
-    atomically. When the file cannot be written after all (a full disk), the figures go
-    to standard output before the one-line error: minutes of measuring are not lost."""
+    atomically and recorded as `command`'s (dflash.files.write_output). When the file
+    cannot be written after all (a full disk), the figures go to standard output before
+    the one-line error: minutes of measuring are not lost."""
     text = json.dumps(figures, indent=2)
     if json_path == "-":
         click.echo(text)
     elif json_path:
         try:
-            write_text_atomic(json_path, text + "\n")
+            write_output(json_path, text + "\n", command)
         except OSError as exc:
             click.echo(text)
             raise InputError(
-                f"--json {json_path!r} could not be written ({exc.strerror}): the figures "
-                "are on standard output"
+                f"--json: {write_failure(exc, json_path)}: the figures are on standard output"
             ) from None

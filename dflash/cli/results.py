@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from dflash.cli.options import (
+    OVERWRITE_JSON,
     Command,
     Settings,
     check_cache_dir,
@@ -30,7 +31,7 @@ EVAL = Command(
     {"eval": EvalSettings, "eval_job": EvalJob, "server": ServerConfig, "device": DeviceConfig},
     """drafter server concurrency request_timeout retries server_model target eval_data data
     eval_prompts eval_prompt_tokens chat_template_kwargs max_new_tokens temperature seed
-    timing_repeats draft_sampling device dtype json debug""".split(),
+    timing_repeats draft_sampling device dtype json overwrite debug""".split(),
     help={
         "server": "An OpenAI-compatible server running the target with a DFlash drafter (vLLM "
         "with --speculative-config): the prompts go to its /v1/completions and τ comes from "
@@ -46,6 +47,7 @@ EVAL = Command(
         "seed": "Seed of sampling when --temperature is above 0.",
         "device": "Device for target and drafter (cpu, cuda:0, ...); auto picks cuda:0 when "
         "present.",
+        "overwrite": OVERWRITE_JSON,
     },
     shown={"target": "the target the drafter was trained for"},
 )
@@ -81,7 +83,8 @@ def eval_command(config_file: str | None, **given: Any) -> None:
     inputs = [("--config", config_file), ("--drafter", job.drafter)]
     inputs += [("--eval-data", decoding.eval_data), ("--data", settings.given.get("data"))]
     inputs += [("--target", target)]
-    check_output(job.json, "--json", inputs=inputs)
+    overwrite = settings.run.run.overwrite
+    check_output(job.json, "--json", inputs=inputs, command="eval", overwrite=overwrite)
     check_cache_dir()
     with exiting_at_once():
         from dflash.eval.evaluate import evaluate_drafter_dir, evaluate_server  # deferred: torch

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.errors import DFlashError, first_line
-from dflash.files import unwritable, write_text_atomic
+from dflash.files import special_file, unwritable, write_text_atomic
 from dflash.observe.bottleneck import snapshot_verdict
 from dflash.observe.report_svg import Slice, bar_chart, line_chart, timeline_chart
 from tracing import StatsSnapshot
@@ -33,7 +33,17 @@ class ReportError(DFlashError):
     """RUN_DIR is not a run directory, or one of its files is unreadable (one line)."""
 
 
+def _regular(path: Path) -> Path:
+    """`path`, unless it is a FIFO, a device or a socket: reading a FIFO waits for a
+    writer that may never come."""
+    kind = special_file(path)
+    if kind is not None:
+        raise ReportError(f"report: {path} is {kind}, not a regular file: a run writes files")
+    return path
+
+
 def _load_json(path: Path) -> Any:
+    _regular(path)
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -43,6 +53,7 @@ def _load_json(path: Path) -> Any:
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
+    _regular(path)
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,8 +19,14 @@ from dflash.data.corpus import EMBEDDED, EMBEDDED_CORPUS
 from dflash.data.datasets import PackedDataset, datasets_from_corpus, load_corpus
 from dflash.data.packing import Document
 from dflash.data.tokenizer import Tokenizer
-from dflash.files import write_text_atomic
+from dflash.errors import DFlashError
+from dflash.files import write_failure, write_output
 from dflash.target import load as target_load
+
+
+class InspectError(DFlashError):
+    """What inspect-data could not do (write its --json); one line naming the path."""
+
 
 LEARNED = ("⟦", "⟧")  # around the tokens the loss learns
 DOCUMENT = "\n──── document {n} ────\n"
@@ -72,7 +77,10 @@ def inspect_data(
         log(f"\n======== row {index} ========\n{render_row(tokenizer, train, index)}")
     if json_path is not None:
         docs = [_document(tokenizer, doc) for doc in corpus.train]
-        write_text_atomic(Path(json_path), json.dumps(docs, ensure_ascii=False) + "\n")
+        try:
+            write_output(json_path, json.dumps(docs, ensure_ascii=False) + "\n", "inspect-data")
+        except OSError as exc:
+            raise InspectError(f"--json: {write_failure(exc, json_path)}") from None
         log(f"inspect-data: {len(docs)} documents in {json_path}")
     return counts
 

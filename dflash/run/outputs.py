@@ -10,7 +10,10 @@ over what it reads or what a run owns:
   checkpoints/, drafter/, ...), of another run or of the run this command is (a
   `--trace-file` onto the run's own metrics.jsonl); a run's folder is never inside
   another run's folder;
-- two outputs of one command are not one path.
+- two outputs of one command are not one path;
+- a file that exists is replaced only when this command wrote it (its record,
+  dflash.files.record_path, says so) or --overwrite is given: `eval --json` never
+  replaces a JSON the user wrote.
 Paths are compared as they resolve (symbolic links followed, hard links by inode).
 """
 
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from dflash.config.settings import TrainConfig
 from dflash.errors import DFlashError
+from dflash.files import record_path, special_file, written_by
 from dflash.run.folder import LOCK_FILE, METRICS_FILE, RUN_DIRS, RUN_FILES, earlier_run
 
 NAME_MAX_BYTES = 255  # where the file system does not say (os.pathconf)
@@ -43,12 +47,15 @@ class OutputError(DFlashError):
 class Output:
     """A path a command writes: `flag` names it in messages; `folder`: the command writes
     into it; `own_name`: the file of the run's own folder this option writes anyway (its
-    default, e.g. timeline.json for --timeline)."""
+    default, e.g. timeline.json for --timeline); `command`: an existing regular file is
+    replaced only when this command wrote it (its record) or with `overwrite`."""
 
     flag: str
     path: str
     folder: bool = False
     own_name: str | None = None
+    command: str | None = None
+    overwrite: bool = False
 
 
 # --------------------------------------------------------------------------- writability
@@ -248,7 +255,23 @@ def output_problem(
     why = write_problem(output.path, folder=output.folder)
     if why is not None:
         return f"{output.flag} {output.path!r} cannot be written: {why}"
-    return input_clash(output, list(inputs)) or run_clash(output, own_run)
+    clash = input_clash(output, list(inputs)) or run_clash(output, own_run)
+    return clash or replace_problem(output)
+
+
+def replace_problem(output: Output) -> str | None:
+    """The line refusing to replace an existing file that `output.command` did not write
+    (no record of it, or the file changed since), unless `output.overwrite`."""
+    if output.command is None or output.overwrite:
+        return None
+    path = Path(output.path).expanduser()
+    if not path.is_file() or special_file(path) is not None or written_by(path, output.command):
+        return None
+    return (
+        f"{output.flag} {output.path!r} exists and was not written by dflash-train "
+        f"{output.command} (no record of it in {record_path(path).name}, or changed since): "
+        "--overwrite replaces it, or choose another path"
+    )
 
 
 def check_outputs(
