@@ -8,8 +8,12 @@ text of each reply, evaluation the engine's own speculative-decoding counters
 (dflash.eval.served). The target's tokenizer (and its chat template) is all that loads
 here.
 
-Failures: a request that cannot connect, times out or gets 429/5xx is retried with
-exponential backoff up to `retries` times; another 4xx is one line at once. The model
+Failures: the first request, the probe of the server (`GET /v1/models`), has a deadline
+of its own (PROBE_S, as the hub's probe) and is not retried: a server that is not there,
+refuses the connection or never answers is one line within seconds. Later, a request
+that times out, loses its connection or gets 429/5xx is retried with exponential backoff
+up to `retries` times; a refused connection (nothing listens any more) and another 4xx
+are one line at once. The model
 the server serves is checked against `--target`'s tokenizer before any prompt is sent:
 by the server's `/tokenize` where it has one (vLLM, SGLang and llama.cpp do), else by
 name.
@@ -36,6 +40,8 @@ from dflash.data.tokenizer import Tokenizer, encode_texts, tokenizer_fingerprint
 from dflash.errors import DFlashError, first_line
 
 PROBE = "Speculative decoding drafts 16 tokens; the target checks them all at once."
+PROBE_S = 3.0
+"""The deadline of the probe of a server (its first request), as the hub's (HUB_PROBE_S)."""
 
 
 class ServerError(DFlashError):
@@ -141,17 +147,26 @@ class CompletionClient:
     # -- HTTP
 
     def _request(
-        self, method: str, path: str, body: dict[str, Any] | None = None, *, text: bool = False
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        text: bool = False,
+        probe: bool = False,
     ) -> Any:
-        """The reply parsed as JSON (`text`: as it came), retried as the module says."""
+        """The reply parsed as JSON (`text`: as it came), retried as the module says;
+        `probe`: the first request, one try within PROBE_S."""
         url = self.settings.base + path
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", "Authorization": "Bearer EMPTY"}
         wait = self.settings.backoff_s
-        for attempt in range(self.settings.retries + 1):
+        timeout_s = min(self.settings.timeout_s, PROBE_S) if probe else self.settings.timeout_s
+        retries = 0 if probe else self.settings.retries
+        for attempt in range(retries + 1):
             request = urllib.request.Request(url, data=data, headers=headers, method=method)
             try:
-                with urllib.request.urlopen(request, timeout=self.settings.timeout_s) as reply:
+                with urllib.request.urlopen(request, timeout=timeout_s) as reply:
                     payload = reply.read().decode()
                     return payload if text else json.loads(payload)
             except urllib.error.HTTPError as err:
@@ -160,13 +175,23 @@ class CompletionClient:
                 if err.code != 429 and err.code < 500:
                     raise ServerError(f"--server {url}: {why}", err.code) from None
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as err:
-                why = first_line(getattr(err, "reason", err))
+                reason = getattr(err, "reason", err)
+                if isinstance(reason, ConnectionRefusedError):
+                    raise ServerError(
+                        f"--server {url}: connection refused: nothing listens there (is the "
+                        "server up, at this port?)"
+                    ) from None
+                why = first_line(reason)
+                if probe and isinstance(reason, TimeoutError):
+                    raise ServerError(
+                        f"--server {url}: no answer within {timeout_s:g} s: is it an "
+                        "OpenAI-compatible server that has finished starting?"
+                    ) from None
             except ValueError as err:
                 raise ServerError(f"--server {url}: the reply is not JSON: {err}") from None
-            if attempt == self.settings.retries:
-                raise ServerError(
-                    f"--server {url}: {why} (after {self.settings.retries} retries)"
-                ) from None
+            if attempt == retries:
+                after = f" (after {retries} retries)" if retries else ""
+                raise ServerError(f"--server {url}: {why}{after}") from None
             self._sleep(wait)
             wait *= 2
         raise AssertionError("unreachable")
@@ -178,7 +203,7 @@ class CompletionClient:
     # -- checks
 
     def served_models(self) -> list[str]:
-        reply = self._request("GET", "/v1/models")
+        reply = self._request("GET", "/v1/models", probe=True)
         try:
             return [str(m["id"]) for m in reply["data"]]
         except (KeyError, TypeError):
