@@ -57,14 +57,37 @@ Signal = Literal["traces", "metrics"]
 EXPORT_THREAD_NICENESS = 10
 
 
+_FILE_ERRORS: dict[str, str] = {}  # trace file -> why its first write failed
+
+
+def trace_file_errors() -> dict[str, str]:
+    """The trace files of this process a write failed on ({path: the reason}), so that
+    the program can end with one line and a non-zero exit: spans were lost."""
+    return dict(_FILE_ERRORS)
+
+
 class OtlpJsonFileExporter(SpanExporter):
     """Appends one OTLP/JSON `ExportTraceServiceRequest` per line (ids in hex): the
-    format of the collector's file exporter, which Jaeger's UI can load."""
+    format of the collector's file exporter, which Jaeger's UI can load. A write that
+    fails (a full disk, /dev/full) fails its export without a traceback; the first is
+    told through `report` (else the `tracing` logger) and kept (`trace_file_errors`)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, report: Report | None = None) -> None:
         self.path = path
+        self.report = report
+        self.error: str | None = None  # why the first failed write failed
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in shutdown
         self._lock = threading.Lock()
+
+    def _failed(self, exc: OSError) -> SpanExportResult:
+        if self.error is None:
+            self.error = _FILE_ERRORS[self.path] = exc.strerror or type(exc).__name__
+            line = f"trace file {self.path}: could not write ({self.error}): spans are lost"
+            if self.report is not None:
+                self.report(line)
+            else:
+                logger.warning(line)
+        return SpanExportResult.FAILURE
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         from google.protobuf.json_format import MessageToDict
@@ -81,13 +104,19 @@ class OtlpJsonFileExporter(SpanExporter):
         with self._lock:
             if self._file.closed:
                 return SpanExportResult.FAILURE
-            self._file.write(json.dumps(message, separators=(",", ":")) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(message, separators=(",", ":")) + "\n")
+                self._file.flush()
+            except OSError as exc:
+                return self._failed(exc)
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
         with self._lock:
-            self._file.close()
+            try:
+                self._file.close()  # flushes what a failed write left in its buffer
+            except OSError as exc:
+                self._failed(exc)
 
 
 # The loggers of the SDK's public exporter modules that report failed exports.
@@ -270,7 +299,7 @@ def build_exporters(
         elif name == "file":
             # PATH for rank 0, PATH.rankN for the others: ranks appending to one file interleave
             path = cfg.trace_file if cfg.rank == 0 else f"{cfg.trace_file}.rank{cfg.rank}"
-            exporters.append(OtlpJsonFileExporter(path))
+            exporters.append(OtlpJsonFileExporter(path, report))
             sinks.append(f"file {path}")
     return exporters, sinks
 

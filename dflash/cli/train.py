@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from dflash.cli.options import Command, check_cache_dir, echo_err, report_errors
+from dflash.cli.options import Command, InputError, check_cache_dir, echo_err, report_errors
 from dflash.cli.startup import exiting_at_once
 from dflash.config.settings import options
 from dflash.errors import first_line
@@ -47,6 +47,21 @@ def train(config_file: str | None, **given: Any) -> None:
             raise
         # A stage failed at run time: one line (the traceback is in the log file), exit 1.
         raise click.ClickException(first_line(exc)) from None
+    lost_trace_file(cfg.telemetry.trace_file, cfg.run.output_dir)
+
+
+def lost_trace_file(trace_file: str | None, output_dir: str) -> None:
+    """A --trace-file that a write failed on (a full disk, /dev/full) ends the command
+    with one line and exit 2 once the run is complete: training does not stop for it
+    (an exporter never blocks training), but the spans are lost."""
+    from tracing.export import trace_file_errors  # deferred: OpenTelemetry, after the run
+
+    failed = trace_file_errors()
+    if trace_file is not None and trace_file in failed:
+        raise InputError(
+            f"--trace-file {trace_file!r}: could not write ({failed[trace_file]}): spans "
+            f"are lost; the run itself is complete in {output_dir}"
+        )
 
 
 PREPARE_TARGET = Command(
