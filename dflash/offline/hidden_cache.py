@@ -33,12 +33,15 @@ from torch import Tensor
 from dflash.data.datasets import Batch, PackedDataset
 from dflash.data.sources import DataError
 from dflash.data.tokenizer import tokenizer_fingerprint
-from dflash.files import replacing, sha256_file, write_json_atomic
+from dflash.files import replacing, sha256_file, write_failure, write_json_atomic
 from dflash.offline.settings import BATCHES_PER_SHARD
 from dflash.target.model import TargetModel, TargetOutput, target_fingerprint
 
 FORMAT_VERSION = 1
 INDEX_NAME = "index.json"
+WRITE_FAILURES = (OSError, SafetensorError)
+"""What a failed write of a cache file raises (a full disk: ENOSPC, or EFBIG past a
+file size limit; safetensors reports them as SafetensorError)."""
 
 
 class HiddenCacheError(DataError):
@@ -168,23 +171,36 @@ def write_hidden_cache(
     )
     index = _open_for_writing(directory, fingerprint)
     shard_of = _ShardWriter(target, dataset, directory, layer_ids, with_final_norm)
-    for position, shard in enumerate(index["shards"]):
-        why = shard_damage(directory, shard)
-        if why is not None:
-            first, count = shard["first_batch"], shard["num_batches"]
-            index["shards"][position] = shard_of(shard["file"], first, count)
-            write_json_atomic(directory / INDEX_NAME, index)
-            if log is not None:
-                log(f"cache-hidden: {directory / shard['file']} was {why}: written again")
-    done = cached_batches(index)
-    while done < num_batches:
-        count = min(batches_per_shard, num_batches - done)
-        name = f"shard-{len(index['shards']):05d}.safetensors"
-        index["shards"].append(shard_of(name, done, count))
-        write_json_atomic(directory / INDEX_NAME, index)
-        done += count
-        if progress is not None:
-            progress(done, num_batches)
+    writing = directory / INDEX_NAME  # the file a failed write was writing
+    done = 0
+    try:
+        for position, shard in enumerate(index["shards"]):
+            why = shard_damage(directory, shard)
+            if why is not None:
+                first, count = shard["first_batch"], shard["num_batches"]
+                writing = directory / shard["file"]
+                index["shards"][position] = shard_of(shard["file"], first, count)
+                writing = directory / INDEX_NAME
+                write_json_atomic(writing, index)
+                if log is not None:
+                    log(f"cache-hidden: {directory / shard['file']} was {why}: written again")
+        done = cached_batches(index)
+        while done < num_batches:
+            count = min(batches_per_shard, num_batches - done)
+            name = f"shard-{len(index['shards']):05d}.safetensors"
+            writing = directory / name
+            shard = shard_of(name, done, count)
+            writing = directory / INDEX_NAME
+            write_json_atomic(writing, {**index, "shards": [*index["shards"], shard]})
+            index["shards"].append(shard)
+            done += count
+            if progress is not None:
+                progress(done, num_batches)
+    except WRITE_FAILURES as exc:  # a full disk: the line train gives at a checkpoint
+        raise HiddenCacheError(
+            f"{write_failure(exc, writing)}: the cache's first {done} of {num_batches} "
+            "batches are complete; the same command continues after them once there is room"
+        ) from None
     return directory
 
 

@@ -9,7 +9,8 @@ same config does, so the cache's batch i is the run's batch i.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,13 @@ from dflash.config.devices import (
 from dflash.config.settings import TrainConfig
 from dflash.data.chat import use_template_kwargs as use_chat_kwargs
 from dflash.data.corpus import EMBEDDED
-from dflash.offline.hidden_cache import open_hidden_cache, write_hidden_cache
+from dflash.files import write_failure
+from dflash.offline.hidden_cache import (
+    WRITE_FAILURES,
+    HiddenCacheError,
+    open_hidden_cache,
+    write_hidden_cache,
+)
 from dflash.offline.regenerate import RegenProgress, RegenReport, regenerate
 from dflash.offline.sample_cache import SAMPLES_DIR, sample_files
 from dflash.offline.sample_writer import write_sample_cache, write_sample_plan
@@ -74,7 +81,8 @@ def write_run_cache(
     train, heldout = run_datasets(cfg, target, log)
     start_s = time.perf_counter()
     if samples_only:
-        path = write_sample_plan(target, train, heldout, output_dir, layer_ids=layer_ids)
+        with _writes(output_dir):
+            path = write_sample_plan(target, train, heldout, output_dir, layer_ids=layer_ids)
         with path.open() as lines:
             count = sum(1 for _ in lines)
         aux = [i + 1 for i in layer_ids]
@@ -92,7 +100,8 @@ def write_run_cache(
             log(f"cache-hidden: {done}/{of} rows, {rate:,.0f} tokens/s")
 
         options = {"layer_ids": layer_ids, "with_last_layer": True, "progress": rows_done}
-        out = write_sample_cache(target, train, heldout, output_dir, **options)
+        with _writes(output_dir):
+            out = write_sample_cache(target, train, heldout, output_dir, **options)
         files = sample_files(out)
         size = sum(p.stat().st_size for p in files.values())
         aux = [i + 1 for i in layer_ids]
@@ -114,6 +123,20 @@ def write_run_cache(
     tokens = reader.num_batches * reader.dataset.batch_size * reader.dataset.seq_len
     size = f"{tokens:,} tokens, {reader.total_bytes / 2**20:,.1f} MiB"
     return f"cache-hidden: {reader.num_batches} batches ({size}) in {output_dir}"
+
+
+@contextmanager
+def _writes(output_dir: Path | str) -> Iterator[None]:
+    """A write of speculators' layout that fails (a full disk) is one line, as train's
+    at a checkpoint; the samples written are kept, and a rerun writes them all again."""
+    try:
+        yield
+    except WRITE_FAILURES as exc:
+        where = getattr(exc, "filename", None) or output_dir
+        raise HiddenCacheError(
+            f"{write_failure(exc, where)}: --output {output_dir} is incomplete; run the same "
+            "command again once there is room"
+        ) from None
 
 
 def regenerate_data(
