@@ -26,6 +26,7 @@ from dflash.cli.startup import exiting_at_once
 from dflash.config.commands import DeviceConfig, ExportSettings, ServerConfig
 from dflash.eval.settings import EvalJob, EvalSettings
 from dflash.observe.report import write_report
+from dflash.target.served import CompletionClient
 
 EVAL = Command(
     {"eval": EvalSettings, "eval_job": EvalJob, "server": ServerConfig, "device": DeviceConfig},
@@ -86,6 +87,9 @@ def eval_command(config_file: str | None, **given: Any) -> None:
     overwrite = settings.run.run.overwrite
     check_output(job.json, "--json", inputs=inputs, command="eval", overwrite=overwrite)
     check_cache_dir()
+    if server.server is not None:  # the server's 3 s probe, before seconds of imports
+        client = CompletionClient(server_settings(server, job.concurrency))
+        report_errors(debug, client.served_models)
     with exiting_at_once():
         from dflash.eval.evaluate import evaluate_drafter_dir, evaluate_server  # deferred: torch
 

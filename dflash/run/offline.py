@@ -169,12 +169,12 @@ def regenerate_data(
     dtype = target_load.target_dtype(dev, precision)
     target = target_load.load_target(target_spec, dev, dtype, log=log)
     target_load.run_precision(target, precision, dev)
-    log(precision_text(precision, dev, target.hidden_size))
-    use_template_kwargs(target, chat_template_kwargs or {}, log)
     outside = [i for i in settings.stop_token_ids if not 0 <= i < target.vocab_size]
     if outside:  # such an id never comes: every reply would run to --max-new-tokens
         raise RegenerateError(
             f"--stop-token-ids {','.join(map(str, outside))}: not in the vocabulary of target "
             f"{target_spec} (ids 0..{target.vocab_size - 1})"
         )
+    log(precision_text(precision, dev, target.hidden_size))  # once the flags are good
+    use_template_kwargs(target, chat_template_kwargs or {}, log)
     return regenerate(target, source, output, settings=settings, progress=progress)
