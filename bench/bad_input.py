@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -584,6 +585,116 @@ def issue_31_cases(work: Path, hub: str) -> list[Case]:
     ]
 
 
+def issue_41_cases(work: Path, hub: str) -> list[Case]:
+    """Nothing replaced that the command did not write, failed writes are one line,
+    servers and FIFOs that never answer are bounded, unknown variables are told."""
+    done, corpus = work / "done", work / "corpus.txt"
+    data, drafter = ["--data", str(corpus)], str(done / "drafter")
+    new = ["--output-dir", str(work / "new")]
+    mine = work / "mine.json"
+    mine.write_text('{"mine": 1}\n')
+    device = full_device(work)
+    fifo = work / "fifo.yaml"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    fifo_run = work / "fifo-run"
+    if not fifo_run.exists():
+        shutil.copytree(done, fifo_run)
+        (fifo_run / "metrics.jsonl").unlink()
+        os.mkfifo(fifo_run / "metrics.jsonl")
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))
+    closed_port = refused.getsockname()[1]
+    refused.close()  # nothing listens there now
+    full = [sys.executable, "-c", FULL_DISK.format(limit=3000)]
+    train_full = ["train", *SMALL, *data, "--output-dir", str(work / "trace-full")]
+    return [
+        # 2. never replace a file the command did not write
+        Case(
+            "eval --json onto a user's JSON",
+            ["eval", "--drafter", drafter, "--json", str(mine)],
+            "was not written by dflash-train eval",
+            check=unchanged(mine, '{"mine": 1}\n'),
+        ),
+        Case(
+            "inspect-data --json onto a user's JSON",
+            ["inspect-data", *data, "--rows", "0", "--json", str(mine)],
+            "was not written by dflash-train inspect-data",
+            check=unchanged(mine, '{"mine": 1}\n'),
+        ),
+        Case(
+            "inspect-data --json onto /dev/full",
+            ["inspect-data", *data, "--rows", "0", "--json", str(device)],
+            "could not write",
+            check=still_a_device(device),
+        ),
+        Case(
+            "--trace-file onto /dev/full",
+            [*train_full, "--trace-file", str(device)],
+            "--trace-file",
+            alone=False,
+            within_s=60,
+            check=still_a_device(device),
+        ),
+        # 5. servers and files that never answer
+        Case(
+            "eval --server that never answers",
+            ["eval", "--server", hub, "--target", "builtin:tiny"],
+            "no answer within 3 s",
+        ),
+        Case(
+            "eval --server where nothing listens",
+            ["eval", "--server", f"http://127.0.0.1:{closed_port}", "--target", "builtin:tiny"],
+            "connection refused",
+        ),
+        Case("--config a FIFO", ["train", "--config", str(fifo), *new], "a FIFO"),
+        Case("report on a FIFO metrics.jsonl", ["report", str(fifo_run)], "is a FIFO"),
+        # 7. unknown settings are told; a full disk in cache-hidden is train's line
+        Case(
+            "DFLASH_STPES=5",
+            ["inspect-data", *data, "--rows", "0"],
+            "did you mean DFLASH_STEPS?",
+            code=0,
+            env={"DFLASH_STPES": "5"},
+            alone=False,
+        ),
+        Case(
+            "full disk during cache-hidden",
+            ["cache-hidden", *CACHE, *data, "--output", str(work / "full-cache")],
+            "could not write",
+            program=full,
+            alone=False,
+            within_s=60,
+        ),
+    ]
+
+
+def full_device(work: Path) -> Path:
+    """A device whose writes fail with ENOSPC: a private twin of /dev/full where mknod is
+    allowed (so that no run of older code can replace the system's), else /dev/full."""
+    twin = work / "full"
+    if not twin.exists():
+        try:
+            os.mknod(twin, stat.S_IFCHR | 0o666, os.makedev(1, 7))
+        except OSError:
+            return Path("/dev/full")
+    return twin
+
+
+def unchanged(path: Path, text: str) -> Callable[[subprocess.Popen | None], list[str]]:
+    def check(_: subprocess.Popen | None) -> list[str]:
+        return [] if path.read_text() == text else [f"{path.name} was replaced"]
+
+    return check
+
+
+def still_a_device(path: Path) -> Callable[[subprocess.Popen | None], list[str]]:
+    def check(_: subprocess.Popen | None) -> list[str]:
+        return [] if stat.S_ISCHR(os.stat(path).st_mode) else [f"{path} was replaced"]
+
+    return check
+
+
 def whole_lines(output: Path) -> Callable[[subprocess.Popen | None], list[str]]:
     def check(_: subprocess.Popen | None) -> list[str]:
         text = output.read_text() if output.exists() else ""
@@ -620,20 +731,28 @@ def main() -> int:
         "from-cache",
         "held-cache",
         "held-export",
+        "full-cache",
+        "trace-full",
     ):
         shutil.rmtree(work / leftover, ignore_errors=True)
     for leftover in ("full.jsonl", "full.jsonl.run.json", "shared.jsonl", "shared.jsonl.run.json"):
         (work / leftover).unlink(missing_ok=True)
     before = folder_state(done)
     good = counted = 0
-    all_cases = [*cases(work), *issue_31_cases(work, silent_hub())]
+    hub = silent_hub()
+    all_cases = [*cases(work), *issue_31_cases(work, hub), *issue_41_cases(work, hub)]
     for case in all_cases:
         if case.root_only and os.geteuid() != 0:
             print(f"skip {case.name:<44} (not root: permission bits already refuse it)")
             continue
         first = case.before() if case.before is not None else None
         started = time.monotonic()
-        result = run(case.args, case.env, timeout=300, program=case.program, cwd=case.cwd)
+        try:
+            result = run(
+                case.args, case.env, timeout=case.within_s + 60, program=case.program, cwd=case.cwd
+            )
+        except subprocess.TimeoutExpired:  # a hang: the case fails, the others still run
+            result = subprocess.CompletedProcess(case.args, -9, "", "(killed: it hung)")
         took = time.monotonic() - started
         problems = judge(case, result, took)
         if case.check is not None:
