@@ -1,6 +1,6 @@
 """`load_target(spec)`: the kinds of target behind one `TargetModel`.
 
-`builtin:tiny` is the project's own byte-level LM (trained once and cached); anything
+`builtin:tiny` is the project's own byte-level LM (its weights ship in the repository); anything
 else is a local Hugging Face directory or a hub id (dflash.target.hf). Callers reach
 `load_target` through this module (`target_load.load_target`), the seam tests replace.
 """
@@ -85,7 +85,7 @@ def load_target(
     log: Callable[[str], None] = print,
     head_only: bool = False,
 ) -> TargetModel:
-    """`builtin:tiny` (prepared and cached on first use), a local HF directory or a hub id.
+    """`builtin:tiny` (the shipped weights), a local HF directory or a hub id.
     `head_only`: a local HF directory's embedding, LM head and final norm alone, on the
     CPU (`load_hf_head`); other targets load whole."""
     if spec.startswith(BUILTIN_PREFIX):
@@ -118,9 +118,10 @@ def load_tokenizer(spec: str) -> Any:
 
 
 def prepare_target_spec(spec: str, log: Callable[[str], None] = print) -> Path | str:
-    """`dflash-train prepare-target`: train/cache builtin:tiny, or load a HF target once."""
+    """`dflash-train prepare-target`: check builtin:tiny's shipped weights, or load a HF
+    target once."""
     if spec == "builtin:tiny":
-        return prepare_builtin_target(log=log)  # the seed and cache `train` will look for
+        return prepare_builtin_target(log=log)  # the shipped directory `train` loads
     target = load_target(spec, torch.device("cpu"), torch.float32)
     log(f"target {spec}: {target.num_layers} layers, hidden size {target.hidden_size}")
     return spec

@@ -1,8 +1,10 @@
 """The built-in tiny target: a Llama-style byte-level causal LM.
 
-The project trains it itself on the embedded corpus (deterministically for a seed)
-and caches the weights, so the embedded default needs no download and no committed
-weights. The model part reads top to bottom; preparation (training + cache) follows.
+The project trained it itself on the embedded corpus (scripts/train_tiny_target.py)
+and ships its weights (SHIPPED_DIR, 2.5 MB in bfloat16), so the embedded default needs
+no download, trains no target on a fresh machine and decodes with the same weights
+everywhere. Other shapes and recipes (tests, experiments) are trained once and cached.
+The model part reads top to bottom; preparation (shipped, or trained + cached) follows.
 """
 
 from __future__ import annotations
@@ -26,11 +28,17 @@ from dflash.data.corpus import embedded_corpus
 from dflash.data.documents import document_causal_mask, document_positions
 from dflash.data.tokenizer import BOS_ID, BYTE_VOCAB_SIZE, EOS_ID
 from dflash.files import cache_dir as cache_dir_default
+from dflash.files import replacing, sha256_file, write_json_atomic
 from dflash.nn.kvcache import KVCache
 from dflash.nn.layers import RMSNorm, SwiGLU, apply_rope, merge_heads, rope_cos_sin, split_heads
 from dflash.nn.rope import RopeSpec
 from dflash.nn.schedule import warmup_cosine
-from dflash.target.geometry import TargetGeometry
+from dflash.target.geometry import TargetError, TargetGeometry
+
+SHIPPED_DIR = Path(__file__).resolve().parent / "weights" / "tiny"
+"""The shipped weights of builtin:tiny (made by scripts/train_tiny_target.py)."""
+SHIPPED_SHA256 = "968c9bc210b9c20a4aebf38053d950d38abb27480fc1353c0c167e0d14e5caa0"
+"""SHA-256 of SHIPPED_DIR/model.safetensors: every machine decodes with these weights."""
 
 Rope = tuple[Tensor, Tensor]  # (cos, sin), each float32[B, T, Hd], of the rows' positions
 
@@ -172,13 +180,14 @@ class TinyLM(nn.Module):
 
 @dataclass(frozen=True)
 class TinyRecipe:
-    """How the tiny target is trained; part of the cache key."""
+    """How the tiny target is trained; part of the cache key. The defaults made the shipped
+    weights (scripts/train_tiny_target.py: about half an hour on two CPU cores)."""
 
-    steps: int = 300
+    steps: int = 2400
     batch_size: int = 16
-    seq_len: int = 128
+    seq_len: int = 256
     lr: float = 3e-3
-    warmup_steps: int = 20
+    warmup_steps: int = 100
     weight_decay: float = 0.01
     eval_batches: int = 8
     format_version: int = 1
@@ -271,6 +280,22 @@ def cache_key(cfg: TinyLMConfig, recipe: TinyRecipe, seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def shipped_target(directory: Path = SHIPPED_DIR, sha256: str = SHIPPED_SHA256) -> Path:
+    """`directory` when its weights are the shipped ones, else one line saying how to
+    get them back."""
+    weights = directory / "model.safetensors"
+    if not (directory / "config.json").is_file() or not weights.is_file():
+        why = "are missing"
+    elif sha256_file(weights) != sha256:
+        why = "are not the shipped file (another SHA-256)"
+    else:
+        return directory
+    raise TargetError(
+        f"the weights of builtin:tiny ({weights}) {why}: restore them from the repository "
+        f"(git checkout -- {directory}) or remake them with scripts/train_tiny_target.py"
+    )
+
+
 def prepare_builtin_target(
     cache_dir: Path | str | None = None,
     seed: int = 0,
@@ -278,12 +303,16 @@ def prepare_builtin_target(
     cfg: TinyLMConfig | None = None,
     recipe: TinyRecipe | None = None,
 ) -> Path:
-    """Train (once) and cache the tiny target; returns its directory.
+    """The tiny target's directory: the shipped weights for the default architecture,
+    recipe and seed (checked against SHIPPED_SHA256; never retrained: that takes half an
+    hour and would give other weights); any other combination is trained once and cached.
 
-    Written to a temporary sibling then renamed, so an interrupted preparation never
-    leaves a directory that looks complete.
+    A cached one is written to a temporary sibling then renamed, so an interrupted
+    preparation never leaves a directory that looks complete.
     """
     cfg, recipe = cfg or TinyLMConfig(), recipe or TinyRecipe()
+    if (cfg, recipe, seed) == (TinyLMConfig(), TinyRecipe(), 0):
+        return shipped_target()
     root = Path(cache_dir) if cache_dir is not None else cache_dir_default()
     final = root / "targets" / cache_key(cfg, recipe, seed)
     if (final / "config.json").is_file() and (final / "model.safetensors").is_file():
@@ -319,6 +348,31 @@ def prepare_builtin_target(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def save_tiny_lm(
+    model: TinyLM,
+    directory: Path,
+    recipe: TinyRecipe,
+    seed: int,
+    extra: dict | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """The weights (in `dtype`) and config.json of a trained tiny LM, each written
+    atomically (scripts/train_tiny_target.py writes the shipped directory with this)."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
+    meta = {
+        "arch": asdict(model.config),
+        "recipe": asdict(recipe),
+        "seed": seed,
+        "dtype": str(dtype).removeprefix("torch."),
+        **(extra or {}),
+    }
+    with replacing(Path(directory) / "model.safetensors") as tmp:
+        save_file(state, str(tmp))
+    write_json_atomic(Path(directory) / "config.json", meta)
 
 
 def load_tiny_lm(directory: Path) -> TinyLM:

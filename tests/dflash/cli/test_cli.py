@@ -252,7 +252,7 @@ def test_help_shows_units_defaults_and_env_vars() -> None:
     assert invoke(["prepare-target", "--help"]).exit_code == 0
 
 
-@pytest.mark.slow  # prepares the built-in tiny target on first use (cached afterwards)
+@pytest.mark.slow  # regenerates the embedded default's data on first use (cached afterwards)
 def test_tiny_end_to_end_on_the_embedded_default(tmp_path) -> None:
     small = "--steps 4 --batch-size 2 --seq-len 64 --num-anchors 4 --eval-prompts 2"
     result = invoke(

@@ -227,6 +227,48 @@ def test_tiny_cache_key_depends_on_seed_and_arch() -> None:
     assert base != cache_key(SMALL_LM, TinyRecipe(), 0)
 
 
+def test_builtin_tiny_is_the_shipped_weights(tmp_path: Path, monkeypatch) -> None:
+    """A fresh machine trains no target: the default recipe's weights ship in the
+    repository, so every machine decodes with the same ones (and the first run is the
+    drafter's)."""
+    from dataclasses import asdict
+
+    from dflash.files import sha256_file
+    from dflash.target import tiny
+
+    def no_training(*_args, **_kwargs):
+        raise AssertionError("the default tiny target must not be trained")
+
+    monkeypatch.setattr(tiny, "train_tiny_lm", no_training)
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    path = prepare_builtin_target(log=no_training)
+    assert path == tiny.SHIPPED_DIR
+    assert sha256_file(path / "model.safetensors") == tiny.SHIPPED_SHA256
+    meta = json.loads((path / "config.json").read_text())
+    assert meta["arch"] == asdict(TinyLMConfig()) and meta["recipe"] == asdict(tiny.TinyRecipe())
+    model = tiny.load_tiny_lm(path)  # stored in bfloat16, loaded as float32
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not list(tmp_path.iterdir())  # nothing written to the cache
+
+
+def test_missing_or_changed_shipped_weights_are_one_line(tmp_path: Path) -> None:
+    import shutil
+
+    from dflash.target import tiny
+
+    copy = tmp_path / "tiny"
+    shutil.copytree(tiny.SHIPPED_DIR, copy)
+    assert tiny.shipped_target(copy) == copy
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    with pytest.raises(TargetError, match="not the shipped file") as err:
+        tiny.shipped_target(copy)
+    assert "\n" not in str(err.value) and "scripts/train_tiny_target.py" in str(err.value)
+    weights.unlink()
+    with pytest.raises(TargetError, match="are missing"):
+        tiny.shipped_target(copy)
+
+
 @pytest.mark.slow
 def test_prepare_builtin_target_caches_atomically(tmp_path: Path) -> None:
     """A few-step recipe: exercises the train-save-rename path and the cache hit."""
