@@ -308,7 +308,7 @@ class RunConfig(Section):
     """Length, seed, outputs, logging and evaluation of one run."""
 
     steps: int = setting(
-        600, "Number of optimizer steps to train, counted from step 0 (also when resuming).", min=1
+        3000, "Number of optimizer steps to train, counted from step 0 (also when resuming).", min=1
     )
     seed: int = setting(0, "Seed of the data order, anchor sampling and drafter initialization.")
     output_dir: str = setting(
