@@ -165,7 +165,8 @@ def test_bad_servers_are_one_line(server, model, tmp_path):
         return lines[0]
 
     dead = f"http://127.0.0.1:{free_port()}"
-    assert "after 1 retries" in error("--retries", "1", url=dead)
+    # A refused connection is not retried: nothing listens there (issue 41 item 5).
+    assert "connection refused: nothing listens there" in error("--retries", "1", url=dead)
     assert "not --server-model 'nope'" in error("--server-model", "nope")
     proc = _regenerate(server, "builtin:tiny", data, tmp_path / "tiny.jsonl")
     _, stderr = proc.communicate(timeout=120)

@@ -93,8 +93,12 @@ def recipe(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> dict[
         "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS)
     )
     regen = root / "regen.jsonl"
+    # fp32, as vLLM serves the target here: under --precision auto a CPU with native bf16
+    # would regenerate in bf16, whose greedy replies are not fp32's.
     dflash_ok(
         "regenerate",
+        "--precision",
+        "fp32",
         "--target",
         str(smollm2_dir),
         "--data",
