@@ -49,7 +49,10 @@ TOLERANCE = 0.02
 GENERATE = REPO_ROOT / "tools" / "vllm" / "generate.py"
 # Small rows, one drafter layer, every position an anchor, a steep schedule: the replies
 # are learned by heart.
+# fp32, as vLLM serves these drafters and as `eval` measures them: --precision auto would
+# train SmolLM2 (hidden 576) in bf16 on a CPU with native bf16.
 TRAIN = (
+    "--precision fp32 "
     f"--heldout-fraction {HELDOUT} --keep-cut-replies --seq-len 128 --batch-size 4 "
     "--block-size 8 --drafter-layers 1 --num-anchors 32 --steps 80 --warmup-steps 5 "
     "--lr 3e-3 --eval-prompts 0 --trace-level off --profile-interval 1000"
