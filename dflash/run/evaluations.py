@@ -6,13 +6,15 @@ Training's own τ figures (`tau_estimate`, `tau_chain`) score random anchors of 
 rows against the data's next tokens; these decode what the run will be judged on. Their
 cost is bounded: by default (--eval-every unset) an evaluation runs at a logged step only
 while all of them, the next one included at the last one's cost, stay within
-`BUDGET_SHARE` of the training time so far; --eval-every N evaluates every N steps. The
-logged steps between them get the serving walk (dflash.eval.walk: the same greedy
-decoding replayed from one drafter forward over the target's continuations, computed
-once; `walk_tau` equals `eval_tau` up to rounding) where the same budget leaves room. The
-last step's evaluation is the final one (dflash.run.lifecycle.complete_run), never a
-second measurement. With --keep-best the weights of the best evaluation are kept, to be
-saved as OUTPUT_DIR/drafter in place of the last ones.
+`BUDGET_SHARE` of the training time so far (the first one at a cost estimated from one
+prompt's prefill and two decoding cycles, as if no draft were accepted); --eval-every N
+evaluates every N steps. The logged steps between them get the serving walk
+(dflash.eval.walk: the same greedy decoding replayed from one drafter forward over the
+target's continuations, computed once; `walk_tau` equals `eval_tau` up to rounding)
+where the same budget leaves room. The last step's evaluation is the final one
+(dflash.run.lifecycle.complete_run), never a second measurement. With --keep-best the
+weights of the best evaluation are kept, to be saved as OUTPUT_DIR/drafter in place of
+the last ones.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class TrainingEvals:
     history: list[dict[str, Any]] = field(default_factory=list)
     spent_s: float = 0.0
     best: Best | None = None
-    _last_cost_s: float = 0.0
+    _last_cost_s: float | None = None  # None until measured or estimated
     _last_walk_s: float = 0.0
     _walk_rows: list[WalkRow] | None = None
 
@@ -93,7 +95,28 @@ class TrainingEvals:
         every = self.cfg.eval_every
         if every is not None:
             return step % every == 0
-        return not self.history or self._fits(self._last_cost_s, train_s)
+        return self._fits(self._next_cost_s(), train_s)
+
+    def _next_cost_s(self) -> float:
+        """The next evaluation's cost: the last one's, or before the first a pessimistic
+        estimate (no draft accepted: one target forward per new token), whose own
+        measurement counts as spent."""
+        if self._last_cost_s is None:
+            start_s = time.perf_counter()
+            self._last_cost_s = self._estimate_cost_s()
+            self.spent_s += time.perf_counter() - start_s
+        return self._last_cost_s
+
+    def _estimate_cost_s(self) -> float:
+        prompt, new = self.prompts[0], self.cfg.eval_new_tokens
+        with torch.no_grad(), self.target.forward_lock:
+            times = []
+            for tokens in (1, 3):  # the prefill alone, then the prefill and two cycles
+                start_s = time.perf_counter()
+                evaluate_tau(self.target, self.drafter, [prompt], tokens)
+                times.append(time.perf_counter() - start_s)
+        cycle_s = max(times[1] - times[0], 0.0) / 2
+        return len(self.prompts) * (times[0] + max(new - 1, 0) * cycle_s)
 
     def _fits(self, cost_s: float, train_s: float) -> bool:
         """Whether what was spent, and `cost_s` more, stays within the budget's share of

@@ -99,14 +99,33 @@ def _evals(**run: object) -> TrainingEvals:
 
 def test_the_default_evaluates_within_its_budget() -> None:
     evals = _evals()
-    assert evals.due(1, train_s=0.01)  # the first logged step: the untrained drafter's τ
-    evals.history.append({"step": 1})
-    evals.spent_s, evals._last_cost_s = 1.0, 1.0
+    evals._last_cost_s = 1.0  # the first one's estimate
+    # The first evaluation waits until its estimated cost fits the budget: a run whose
+    # first logged step comes early does not spend its share on the untrained drafter.
+    assert not evals.due(1, train_s=1 / BUDGET_SHARE - 0.1)
+    assert evals.due(2, train_s=1 / BUDGET_SHARE + 0.1)
+    evals.history.append({"step": 2})
+    evals.spent_s = 1.0
     # Two evaluations of 1 s fit once the training proper (evaluations not counted) is
     # 2 / BUDGET_SHARE s long.
     assert not evals.due(10, train_s=1.0 + 2 / BUDGET_SHARE - 0.1)
     assert evals.due(11, train_s=1.0 + 2 / BUDGET_SHARE + 0.1)
     assert not evals.due(100, train_s=10_000.0)  # the last step's is the final one
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_the_first_evaluations_estimate_does_not_undershoot(tmp_path) -> None:
+    """The estimate (one prompt's prefill and two cycles, scaled as if nothing were
+    accepted) is at least what the untrained drafter's evaluation then costs, give or
+    take the timer's noise: the budget is a bound, not a hope."""
+    run = cpu_run(small_cfg(tmp_path, steps=10, **EVAL))
+    evals = run.evals
+    assert evals is not None
+    estimate_s = evals._next_cost_s()
+    assert evals.spent_s > 0  # measuring it counts
+    start = evals.spent_s
+    evals.evaluate(1)
+    assert estimate_s >= 0.5 * (evals.spent_s - start)
 
 
 def test_eval_every_asks_for_exact_steps() -> None:
