@@ -56,8 +56,11 @@ METRICS: tuple[MetricSpec, ...] = (
         "{token}",
         "τ on the held-out prompts (speculative decoding) at the last evaluation.",
     ),
-    MetricSpec("train.learning_rate", "gauge", "1", "Learning rate at the last logged step."),
-    MetricSpec("train.grad_norm", "gauge", "1", "Gradient norm at the last logged step."),
+    # Dimensionless but not ratios: an annotation, so Prometheus adds no `_ratio` suffix.
+    MetricSpec(
+        "train.learning_rate", "gauge", "{learning_rate}", "Learning rate at the last logged step."
+    ),
+    MetricSpec("train.grad_norm", "gauge", "{norm}", "Gradient norm at the last logged step."),
     MetricSpec("train.mfu", "gauge", "1", "Model FLOPs utilization of the drafter devices."),
     MetricSpec(
         "device.memory.peak",
