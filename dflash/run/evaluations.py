@@ -37,6 +37,7 @@ from dflash.eval.walk import WalkRow, prepare_walk, walk_tau
 from dflash.target.model import TargetModel
 
 BUDGET_SHARE = 0.10  # of the training time: what the default's evaluations may cost
+WALK_SHARE = 0.5  # of that budget, at most, for serving walks: they never starve decoding
 EVAL_KEYS = ("tau", "tau_pooled", "acceptance_per_position", "tau_without_repeats")
 
 
@@ -63,6 +64,7 @@ class TrainingEvals:
     layer_ids: list[int] = field(default_factory=list)
     history: list[dict[str, Any]] = field(default_factory=list)
     spent_s: float = 0.0
+    walk_spent_s: float = 0.0
     best: Best | None = None
     _last_cost_s: float | None = None  # None until measured or estimated
     _last_walk_s: float = 0.0
@@ -123,13 +125,19 @@ class TrainingEvals:
         the training proper (`train_s` less the evaluations)."""
         return self.spent_s + cost_s <= BUDGET_SHARE * (train_s - self.spent_s)
 
+    def _walk_fits(self, train_s: float) -> bool:
+        """Whether the next walk fits both the whole budget and the walks' share of it."""
+        share = WALK_SHARE * BUDGET_SHARE * (train_s - self.spent_s)
+        cost_s = self._last_walk_s
+        return self._fits(cost_s, train_s) and self.walk_spent_s + cost_s <= share
+
     def on_logged_step(self, step: int, train_s: float) -> dict[str, Any]:
         """The figures a logged step gains: the decoding's when due, else the serving
         walk's where the budget leaves room for it (never at the last step: the final
         evaluation measures it)."""
         if self.due(step, train_s):
             return self.evaluate(step)
-        if step < self.cfg.steps and self._fits(self._last_walk_s, train_s):
+        if step < self.cfg.steps and self._walk_fits(train_s):
             return self.walk(step)
         return {}
 
@@ -151,6 +159,7 @@ class TrainingEvals:
         now_s = time.perf_counter()
         self._last_walk_s = now_s - walk_start_s  # the next walk's cost: without the rows'
         self.spent_s += now_s - start_s
+        self.walk_spent_s += now_s - start_s
         return {"walk_tau": result.tau, "walk_tau_pooled": result.tau_pooled}
 
     def evaluate(self, step: int) -> dict[str, Any]:
@@ -191,6 +200,7 @@ class TrainingEvals:
         share = self.spent_s / train_s if train_s > 0 else None
         out: dict[str, Any] = {
             "evaluations": len(during),
+            "walk_seconds": round(self.walk_spent_s, 3),
             "seconds": round(self.spent_s, 3),
             "share_of_training": None if share is None else round(share, 4),
             "curve": [{"step": h["step"], "tau": h.get("eval_tau")} for h in self.history],

@@ -113,6 +113,20 @@ def test_the_default_evaluates_within_its_budget() -> None:
     assert not evals.due(100, train_s=10_000.0)  # the last step's is the final one
 
 
+def test_walks_leave_half_the_budget_to_decoding() -> None:
+    """Serving walks are cheap and run at every logged step they fit; were they free to
+    take the whole budget, the default would never decode (the default run did not,
+    once the first evaluation waited for its cost)."""
+    evals = _evals()
+    evals._last_cost_s, evals._last_walk_s = 1e9, 1.0  # decoding never fits here
+    # 1,000 s of training with 40 s of walks in it: the budget is 10 % of the 960 s of
+    # training proper, half of it (48 s) for walks.
+    evals.walk_spent_s = evals.spent_s = 40.0
+    assert evals._walk_fits(1000.0)
+    evals.walk_spent_s = evals.spent_s = 47.0  # 48 s with the next walk: over 47.65
+    assert not evals._walk_fits(1000.0)
+
+
 @pytest.mark.usefixtures("tiny_target")
 def test_the_first_evaluations_estimate_does_not_undershoot(tmp_path) -> None:
     """The estimate (one prompt's prefill and two cycles, scaled as if nothing were
