@@ -8,6 +8,8 @@ on that thread meanwhile is that export failing: `LogFilter` hands it to the wat
 drops it. The watch's first failure starts `probe` on a daemon thread (one TCP connect
 and one HTTP/1.1 request, each bounded by PROBE_TIMEOUT_S: never the training's time),
 and its verdict goes to the watch's `report` as one line. A successful export re-arms it.
+An endpoint found unreachable is told once per outage to one `report`, whichever signal
+(traces, metrics, logs) fails there first: the others' failures are counted.
 """
 
 from __future__ import annotations
@@ -160,6 +162,9 @@ class ExportWatch:
 
     def succeeded(self) -> None:
         _unreachable.discard(self._key)
+        with _told_lock:
+            if _told.get((id(self.report), self._key)) is self:
+                del _told[(id(self.report), self._key)]
         if self.failing:
             self.failing, self.verdict = False, None
 
@@ -186,6 +191,9 @@ class ExportWatch:
         verdict = verdict if isinstance(verdict, Verdict) else Verdict(None)
         if verdict.unreachable:
             _unreachable.add(self._key)
+            if self._told_elsewhere():
+                self.verdict = verdict
+                return
         self.verdict = verdict
         cause = verdict.cause
         if cause is None:
@@ -197,6 +205,19 @@ class ExportWatch:
         )
         call_logged(self.report, line)
 
+    def _told_elsewhere(self) -> bool:
+        """Whether another signal's watch with this `report` has told this endpoint
+        unreachable in this outage (and is still open); else this one tells it: one
+        line per endpoint, not one per signal sent there."""
+        key = (id(self.report), self._key)
+        with _told_lock:
+            teller = _told.get(key)
+            if teller is not None and teller is not self and not teller.closed:
+                return True
+            if not self.closed:
+                _told[key] = self
+        return False
+
     @property
     def unreachable(self) -> bool:
         """A probe found the endpoint unreachable or speaking another protocol (this
@@ -207,6 +228,9 @@ class ExportWatch:
 
 _unreachable: set[tuple[str, int, str]] = set()  # (host, port, protocol) found unreachable
 _in_flight: dict[int, ExportWatch] = {}  # thread ident -> the watch exporting on it
+# (id(report), endpoint) -> the watch that told it unreachable, until an export succeeds
+_told: dict[tuple[int, tuple[str, int, str]], ExportWatch] = {}
+_told_lock = threading.Lock()
 _watches: weakref.WeakKeyDictionary[Any, ExportWatch] = weakref.WeakKeyDictionary()
 
 

@@ -33,7 +33,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from opentelemetry.environment_variables import OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
+from opentelemetry.environment_variables import (
+    OTEL_LOGS_EXPORTER,
+    OTEL_METRICS_EXPORTER,
+    OTEL_TRACES_EXPORTER,
+)
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export import (
     BatchSpanProcessor,
@@ -53,7 +57,18 @@ from tracing.config import (
 from tracing.diagnose import PORTS, ExportWatch, LogFilter, Report, watch, watch_of
 
 logger = logging.getLogger("tracing")
-Signal = Literal["traces", "metrics"]
+Signal = Literal["traces", "metrics", "logs"]
+_EXPORTER_VARIABLES = {
+    "traces": OTEL_TRACES_EXPORTER,
+    "metrics": OTEL_METRICS_EXPORTER,
+    "logs": OTEL_LOGS_EXPORTER,
+}
+# The SDK's OTLP exporter of each signal: (module under ...proto.<transport>, class).
+_OTLP_CLASSES = {
+    "traces": ("trace_exporter", "OTLPSpanExporter"),
+    "metrics": ("metric_exporter", "OTLPMetricExporter"),
+    "logs": ("_log_exporter", "OTLPLogExporter"),
+}
 EXPORT_THREAD_NICENESS = 10
 
 
@@ -124,16 +139,19 @@ _OTLP_LOGGERS = (
     "opentelemetry.exporter.otlp.proto.grpc.exporter",
     "opentelemetry.exporter.otlp.proto.http.trace_exporter",
     "opentelemetry.exporter.otlp.proto.http.metric_exporter",
+    "opentelemetry.exporter.otlp.proto.http._log_exporter",
 )
 _log_filter = LogFilter()
 SDK_OTLP_TIMEOUT_S = 10.0  # the SDK's default bound on one export (its unit: seconds)
 # The SDK's BatchSpanProcessor defaults, applied where an OTEL_BSP_* value is unusable.
 BSP_DEFAULTS = {
-    "OTEL_BSP_MAX_QUEUE_SIZE": 2048,
-    "OTEL_BSP_SCHEDULE_DELAY": 5000,
-    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": 512,
-    "OTEL_BSP_EXPORT_TIMEOUT": 30000,
+    "MAX_QUEUE_SIZE": 2048,
+    "SCHEDULE_DELAY": 5000,
+    "MAX_EXPORT_BATCH_SIZE": 512,
+    "EXPORT_TIMEOUT": 30000,
 }
+# The SDK's BatchLogRecordProcessor defaults (OTEL_BLRP_*): it raises on a value <= 0.
+BLRP_DEFAULTS = {**BSP_DEFAULTS, "SCHEDULE_DELAY": 1000}
 
 
 def sdk_disabled() -> bool:
@@ -149,7 +167,7 @@ def wanted_exporters(
     specification's `otlp` default, nothing goes over the network unless asked."""
     if explicit is not None:
         return explicit
-    variable = OTEL_TRACES_EXPORTER if signal == "traces" else OTEL_METRICS_EXPORTER
+    variable = _EXPORTER_VARIABLES[signal]
     named = os.environ.get(variable, "").strip()
     if named:
         try:
@@ -247,12 +265,12 @@ def otlp_exporter(
     OTEL_*; a base URL gets the signal's path over HTTP. Its module is imported only
     here: an unused transport need not exist."""
     transport = "grpc" if protocol == "grpc" else "http"
-    kind = "trace_exporter" if signal == "traces" else "metric_exporter"
+    kind, class_name = _OTLP_CLASSES[signal]
     module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.{transport}.{kind}")
     url, from_variable = otlp_url(signal, protocol, endpoint)
     for name in _OTLP_LOGGERS:
         logging.getLogger(name).addFilter(_log_filter)  # once: addFilter skips a known one
-    exporter_cls = module.OTLPSpanExporter if signal == "traces" else module.OTLPMetricExporter
+    exporter_cls = getattr(module, class_name)
     timeout_s, hidden = otlp_timeout_s(signal)
     if timeout_s is not None:
         options["timeout"] = timeout_s
@@ -440,12 +458,16 @@ class SpanCounter(SpanProcessor):
         return DeliveryCounts(handed * len(exporters), exported, failed, late)
 
 
-def batch_settings() -> dict[str, int]:
-    """OTEL_BSP_* as the SDK reads them (whole numbers; ms for the delay and timeout),
-    each checked first: a value the SDK would refuse (with a traceback, or by raising) is
-    one line naming it, and the SDK's default applies."""
+def batch_settings(prefix: str = "OTEL_BSP") -> dict[str, int]:
+    """OTEL_BSP_* (`prefix` OTEL_BLRP: the logs' OTEL_BLRP_*) as the SDK reads them (whole
+    numbers; ms for the delay and timeout), by variable name, each checked first: a value
+    the SDK would refuse (with a traceback, or by raising) is one line naming it, and the
+    SDK's default applies."""
+    defaults = BLRP_DEFAULTS if prefix == "OTEL_BLRP" else BSP_DEFAULTS
+    what = "records" if prefix == "OTEL_BLRP" else "spans"
     values: dict[str, int] = {}
-    for name, default in BSP_DEFAULTS.items():
+    for key, default in defaults.items():
+        name = f"{prefix}_{key}"
         text = os.environ.get(name, "").strip()
         values[name] = default
         if not text:
@@ -459,11 +481,11 @@ def batch_settings() -> dict[str, int]:
         else:
             why = "not a whole number above 0"
             warn_once(f"{name}={text}", f"ignoring {name}={text!r} ({why}); using {default}")
-    queue, batch = values["OTEL_BSP_MAX_QUEUE_SIZE"], values["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"]
+    queue, batch = values[f"{prefix}_MAX_QUEUE_SIZE"], values[f"{prefix}_MAX_EXPORT_BATCH_SIZE"]
     if batch > queue:
-        name = "OTEL_BSP_MAX_EXPORT_BATCH_SIZE"
+        name = f"{prefix}_MAX_EXPORT_BATCH_SIZE"
         if os.environ.get(name, "").strip():
-            why = f"above the queue's {queue} spans"
+            why = f"above the queue's {queue} {what}"
             warn_once(name, f"ignoring {name}={batch} ({why}); using {queue}")
         values[name] = queue
     return values

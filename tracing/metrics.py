@@ -13,8 +13,8 @@ and added to each export the SDK makes (it makes one when an instrument has data
 metrics go where the traces' flags send them, else the SDK's variables say (it reads
 OTEL_METRIC_EXPORT_INTERVAL and the OTLP ones); a collector that is down costs the reader
 thread one bounded export per interval, counted in the report, and its first failure
-is one line naming the likely cause (tracing.diagnose). `shutdown_all` ends the traces
-and the metrics together, within one bound.
+is one line naming the likely cause (tracing.diagnose). `shutdown_all` ends the traces,
+the metrics and the logs (tracing.logs) together, within one bound.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from tracing.export import (
     sdk_disabled,
     wanted_exporters,
 )
+from tracing.logs import Logs
 from tracing.snapshot import BUCKETS_PER_OCTAVE, MIN_BUCKET, TINY_S, PhaseStats, bucket_of
 from tracing.stats import ProfileStats
 from tracing.telemetry import ShutdownReport, Telemetry, active, build_resource
@@ -515,20 +516,28 @@ def start_metrics(
 
 
 def shutdown_all(
-    telemetry: Telemetry, metrics: Metrics | None, timeout_s: float | None = None
+    telemetry: Telemetry,
+    metrics: Metrics | None,
+    timeout_s: float | None = None,
+    logs: Logs | None = None,
 ) -> tuple[ShutdownReport, MetricsReport | None]:
-    """Shuts the traces and the metrics down side by side, within one bound (`timeout_s`,
-    default the traces' `shutdown_timeout_s`): a dead collector costs one bound, not
-    one per signal."""
+    """Shuts the traces, the metrics and the logs (`logs`; its report is then
+    `logs.report()`) down side by side, within one bound (`timeout_s`, default the
+    traces' `shutdown_timeout_s`): a dead collector costs one bound, not one per signal."""
     bound_s = telemetry.cfg.shutdown_timeout_s if timeout_s is None else timeout_s
-    if metrics is None:
-        return telemetry.shutdown(bound_s), None
     started = time.monotonic()
     box: list[MetricsReport] = []
-    closing = threading.Thread(
-        target=lambda: box.append(metrics.shutdown(bound_s)), name="tracing-shutdown", daemon=True
-    )
-    closing.start()
+    others = []
+    if metrics is not None:
+        others.append(lambda: box.append(metrics.shutdown(bound_s)))
+    if logs is not None:
+        others.append(lambda: logs.shutdown(bound_s))
+    threads = [threading.Thread(target=fn, name="tracing-shutdown", daemon=True) for fn in others]
+    for thread in threads:
+        thread.start()
     report = telemetry.shutdown(bound_s)
-    closing.join(max(0.0, started + bound_s - time.monotonic()))
+    for thread in threads:
+        thread.join(max(0.0, started + bound_s - time.monotonic()))
+    if metrics is None:
+        return report, None
     return report, (box[0] if box else metrics.report(time.monotonic() - started))

@@ -116,6 +116,10 @@ class Runtime:
         self.plain = self.tracer is None and self.clock is None and not self.hooks
 
 
+EXCEPTION_SINKS: list[Callable[[BaseException, Context | None], None]] = []
+"""Told of each exception a span records, with the span's context (tracing.logs makes a
+log record of it); empty unless logs are set up, so a phase's exit costs nothing more."""
+
 DEFAULT_STATS = ProfileStats()
 _runtime = Runtime(DEFAULT_STATS)
 _current: ContextVar[SpanHandle | None] = ContextVar("tracing_current_phase", default=None)
@@ -186,8 +190,14 @@ class SpanHandle:
                 span.set_attribute(key, value)
 
     def record_exception(self, exc: BaseException) -> None:
-        """Marks the span ERROR with an exception event."""
+        """Marks the span ERROR with an exception event; each of EXCEPTION_SINKS is told."""
         span = self._span
+        if EXCEPTION_SINKS and span is not None:
+            for sink in list(EXCEPTION_SINKS):
+                try:
+                    sink(exc, self.context)
+                except Exception:  # a sink must break neither tracing nor the program
+                    logger.exception("tracing: exception sink %r raised", sink)
         if span is not None and span.is_recording():
             span.record_exception(exc)
             span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))

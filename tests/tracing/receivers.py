@@ -1,7 +1,7 @@
 """Real OTLP receivers for tests: OTLP/HTTP (protobuf bodies) and OTLP/gRPC, in-process.
 
 Each records, per request, the headers (or gRPC metadata) and the span names (or, for
-a metrics request, the metric names) it got.
+a metrics request, the metric names; for a logs request over HTTP, the records) it got.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import grpc
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2 as logs_pb
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2 as metrics_pb
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2_grpc as metrics_rpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as pb
@@ -25,6 +26,7 @@ class Received:
     span_names: list[str]
     resource: dict[str, str] = field(default_factory=dict)
     metric_names: list[str] = field(default_factory=list)
+    log_records: list[dict[str, object]] = field(default_factory=list)
 
 
 def _decode(body: bytes) -> tuple[list[str], dict[str, str]]:
@@ -49,6 +51,28 @@ def _decode_metrics(body: bytes) -> tuple[list[str], dict[str, str]]:
     return names, resource
 
 
+def _decode_logs(body: bytes) -> tuple[list[dict[str, object]], dict[str, str]]:
+    """Each record's event name, severity, body, attribute keys and ids (hex)."""
+    request = logs_pb.ExportLogsServiceRequest.FromString(body)
+    records, resource = [], {}
+    for resource_logs in request.resource_logs:
+        for attribute in resource_logs.resource.attributes:
+            resource[attribute.key] = str(attribute.value).strip()
+        for scope_logs in resource_logs.scope_logs:
+            for record in scope_logs.log_records:
+                records.append(
+                    {
+                        "event_name": record.event_name,
+                        "severity": record.severity_text,
+                        "body": record.body.string_value,
+                        "attributes": sorted(a.key for a in record.attributes),
+                        "trace_id": record.trace_id.hex(),
+                        "span_id": record.span_id.hex(),
+                    }
+                )
+    return records, resource
+
+
 class HttpReceiver:
     """OTLP/HTTP on a free 127.0.0.1 port; `.endpoint` is its base URL."""
 
@@ -63,6 +87,9 @@ class HttpReceiver:
                 if "metrics" in self.path:  # the tests' metrics URLs all say so
                     names, resource = _decode_metrics(body)
                     received = Received(self.path, headers, [], resource, names)
+                elif self.path.endswith("/v1/logs"):
+                    records, resource = _decode_logs(body)
+                    received = Received(self.path, headers, [], resource, [], records)
                 else:
                     received = Received(self.path, headers, *_decode(body))
                 receiver.requests.append(received)
