@@ -14,6 +14,7 @@ import click
 
 from dflash.cli import data, results, train
 from dflash.cli.options import echo_err, unknown_variables
+from dflash.log import line_writer
 from dflash.signals import Interrupted, StopSignals, TrainingInterrupted
 
 
@@ -28,7 +29,8 @@ class _DefaultGroup(click.Group):
     def invoke(self, ctx: click.Context) -> object:
         signals = StopSignals(_main_phase).install()
         try:
-            return super().invoke(ctx)
+            with line_writer(echo_err):  # the `dflash` logger's lines: standard error
+                return super().invoke(ctx)
         except Interrupted as exc:  # one line, and the exit code (130, 143, 129) it carries
             click.echo(f"Error: {exc.describe()}", err=True)
             raise

@@ -22,6 +22,7 @@ from dflash.cli.options import (
 )
 from dflash.cli.startup import exiting_at_once
 from dflash.config.commands import DeviceConfig, InspectSettings, ServerConfig
+from dflash.log import say
 from dflash.offline.settings import (
     CacheHiddenSettings,
     RegenerateJob,
@@ -139,7 +140,7 @@ def regenerate_command(config_file: str | None, **given: Any) -> None:
                 output,
                 decoding,
                 progress=bar,
-                log=echo_err,
+                log=say,
                 chat_template_kwargs=cfg.target.template_kwargs,
                 server=served,
                 precision=cfg.pipeline.precision,
@@ -204,7 +205,7 @@ def cache_hidden_command(config_file: str | None, **given: Any) -> None:
                 batches_per_shard=job.batches_per_shard,
                 fmt=job.format,
                 samples_only=job.samples_only,
-                log=echo_err,
+                log=say,
             )
 
         echo_err(report_errors(debug, go))

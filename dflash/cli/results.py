@@ -25,6 +25,7 @@ from dflash.cli.options import (
 from dflash.cli.startup import exiting_at_once
 from dflash.config.commands import DeviceConfig, ExportSettings, ServerConfig
 from dflash.eval.settings import EvalJob, EvalSettings
+from dflash.log import say
 from dflash.observe.report import write_report
 from dflash.target.served import CompletionClient
 
@@ -104,7 +105,7 @@ def eval_command(config_file: str | None, **given: Any) -> None:
                 drafter,
                 target,
                 decoding,
-                log=echo_err,
+                log=say,
                 chat_template_kwargs=kwargs,
             )
         if drafter is None:
@@ -115,7 +116,7 @@ def eval_command(config_file: str | None, **given: Any) -> None:
             target,
             decoding,
             device,
-            log=echo_err,
+            log=say,
             chat_template_kwargs=kwargs,
             dtype=job.dtype,
         )

@@ -6,10 +6,11 @@ from typing import Any
 
 import click
 
-from dflash.cli.options import Command, InputError, check_cache_dir, echo_err, report_errors
+from dflash.cli.options import Command, InputError, check_cache_dir, report_errors
 from dflash.cli.startup import exiting_at_once
 from dflash.config.settings import options
 from dflash.errors import first_line
+from dflash.log import say
 from dflash.pipeline.queues import PipelineError
 from dflash.run.outputs import check_run_outputs
 
@@ -41,7 +42,7 @@ def train(config_file: str | None, **given: Any) -> None:
     with exiting_at_once():
         from dflash.run.pipelined import run_training  # deferred: torch, so --help answers at once
     try:
-        report_errors(cfg.run.debug, lambda: run_training(cfg, log=echo_err))
+        report_errors(cfg.run.debug, lambda: run_training(cfg, log=say))
     except PipelineError as exc:
         if cfg.run.debug:
             raise
@@ -86,4 +87,4 @@ def prepare_target(config_file: str | None, **given: Any) -> None:
     with exiting_at_once():
         from dflash.target.load import prepare_target_spec  # deferred: torch
 
-    click.echo(str(report_errors(debug, lambda: prepare_target_spec(spec, log=echo_err))))
+    click.echo(str(report_errors(debug, lambda: prepare_target_spec(spec, log=say))))

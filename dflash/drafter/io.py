@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import platform
 import sys
-from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from dflash.drafter.model import DFlashDrafter, DrafterConfig, DrafterError
 from dflash.errors import first_line
 from dflash.files import replacing, write_json_atomic
+from dflash.log import Log
 from dflash.nn.rope import RopeError, RopeSpec, rope_from_config
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.model import TargetModel, last_layer_warning
@@ -333,7 +333,7 @@ def export_drafter(
     new_dir: Path | str,
     *,
     num_target_layers: int | None = None,
-    log: Callable[[str], None] = _to_stderr,
+    log: Log = _to_stderr,
 ) -> Path:
     """Convert a drafter saved by the first dflash-train layout into the DFlash format.
 

@@ -28,6 +28,7 @@ from dflash.eval.prompts import PromptError, read_conversations, render_prompt
 from dflash.eval.served import evaluate_served, format_served
 from dflash.eval.settings import EvalSettings
 from dflash.eval.speculative import SpecStats, speculative_generate
+from dflash.log import Log, say
 from dflash.target import load as target_mod  # by module: tests swap load_target
 from dflash.target.decoding import check_decoding
 from dflash.target.generation import generate
@@ -228,7 +229,7 @@ class _PromptSource:
     """Where `dflash-train eval` takes its prompts; chat files are read (and refused)
     before the models load, rendered once the tokenizer is known."""
 
-    def __init__(self, settings: EvalSettings, log: Callable[[str], None]) -> None:
+    def __init__(self, settings: EvalSettings, log: Log) -> None:
         self.settings = settings
         self.conversations: list[list[dict[str, str]]] | None = None
         self.followups: list[list[str]] = []
@@ -282,7 +283,7 @@ def evaluate_drafter_dir(
     target_spec: str | None,
     settings: EvalSettings,
     device: str = "auto",
-    log: Callable[[str], None] = print,
+    log: Log = say,
     chat_template_kwargs: dict[str, Any] | None = None,
     dtype: str = "auto",
 ) -> dict[str, Any]:
@@ -340,7 +341,7 @@ def evaluate_server(
     drafter_dir: Path | None,
     target_spec: str | None,
     settings: EvalSettings,
-    log: Callable[[str], None] = print,
+    log: Log = say,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """`dflash-train eval --server URL`: τ as the serving engine measures it, on the

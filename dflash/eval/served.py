@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dflash.log import Log, say
 from dflash.target.served import CompletionClient, ServerError
 
 _PREFIX = "vllm:spec_decode_"
@@ -199,7 +199,7 @@ def evaluate_served(
     stop_token_ids: tuple[int, ...],
     *,
     concurrency: int = 1,
-    log: Callable[[str], None] = print,
+    log: Log = say,
 ) -> ServedResult:
     """Greedy completions of `prompts` by the server, measured by its own counters."""
     meter = SpecMeter(client)

@@ -19,6 +19,7 @@ import torch
 from dflash.config.devices import native_bf16
 from dflash.config.settings import TelemetryConfig
 from dflash.errors import DFlashError
+from dflash.log import Log
 from dflash.observe.flops import cpu_matmul_peak_gflops, device_peak_tflops, peak_memory_reader
 from dflash.observe.profile_window import ProfileWindow
 from dflash.observe.timeline import Timeline
@@ -40,7 +41,7 @@ class ObserveError(DFlashError):
 class _LineHandler(logging.Handler):
     """Hands the library's one-line notes to the run's log."""
 
-    def __init__(self, log: Callable[[str], None]) -> None:
+    def __init__(self, log: Log) -> None:
         super().__init__()
         self._log = log
 
@@ -110,9 +111,7 @@ def timeline_file(tel: TelemetryConfig, output_dir: Path) -> tuple[Path | None, 
     return Path(tel.timeline), None
 
 
-def build_instruments(
-    tel: TelemetryConfig, output_dir: Path, rank: int, log: Callable[[str], None]
-) -> Instruments:
+def build_instruments(tel: TelemetryConfig, output_dir: Path, rank: int, log: Log) -> Instruments:
     """Timeline, profiler window and NVTX hook of cfg.telemetry (`tel`) for `rank`."""
     out = Instruments()
     path, max_events = timeline_file(tel, output_dir)

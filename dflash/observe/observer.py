@@ -10,6 +10,7 @@ averager's cross-rank hook, between steps.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,17 +18,19 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 import torch.distributed as dist
+from opentelemetry import context as otel_context
 
 import tracing
 from dflash import __version__
 from dflash.config.settings import TelemetryConfig
 from dflash.files import write_text_atomic
+from dflash.log import NOT_PRINTED, Log, get_logger, say
 from dflash.observe import bottleneck
 from dflash.observe.flops import _cpu_name
 from dflash.observe.instruments import (
@@ -41,6 +44,7 @@ from dflash.observe.instruments import (
 from dflash.observe.metrics import NAMESPACE, record_step, start_run_metrics
 from dflash.pipeline.queues import CounterSnapshot, Stopped
 from tracing import Reporter, StatsSnapshot, TracingConfig, TracingConfigError
+from tracing.logs import Logs, LogsReport, start_logs
 from tracing.metrics import Metrics, MetricsReport, shutdown_all
 
 __all__ = [
@@ -54,6 +58,11 @@ __all__ = [
 
 SERVICE_NAME = "dflash-train"
 STATS_FILE = "stats.json"
+STEP_EVENT = "dflash.step"
+"""The event (a log record of that name) of each logged step: the metrics.jsonl line."""
+BRIDGED_LOGGERS = ("dflash", "tracing")
+"""The loggers whose warnings and errors become OTLP log records while a run exports logs."""
+logger = get_logger("observe")
 # A logged step's figures in the metrics: record_step's keyword -> the figure's key.
 _RECORDED = {
     "loss": "loss",
@@ -199,15 +208,18 @@ class RankTables:
 
 class ExportProblems:
     """Prints the line tracing tells a failing export with (its probe thread calls it):
-    above the progress bar once the reporter has its stream, else to the live log."""
+    above the progress bar once the reporter has its stream, else to the live log; and
+    a WARNING record of it for telemetry (the logs, when their endpoint is not the one
+    that fails)."""
 
-    def __init__(self, log: Callable[[str], None], rank: int = 0) -> None:
+    def __init__(self, log: Log, rank: int = 0) -> None:
         self.log = getattr(log, "live", log)  # a HeldLog would hold it until the run starts
         self.prefix = "telemetry: " if rank == 0 else f"telemetry (rank {rank}): "
         self.stream: IO[str] | None = None
 
     def __call__(self, line: str) -> None:
         stream = self.stream
+        logger.warning("%s", self.prefix + line, extra=NOT_PRINTED)
         if stream is not None:
             print(self.prefix + line, file=stream, flush=True)
         else:
@@ -226,8 +238,10 @@ class Observer:
         instruments: Instruments | None = None,
         output_dir: Path | None = None,
         problems: ExportProblems | None = None,
+        logs: Logs | None = None,
     ) -> None:
         self.cfg = cfg
+        self.logs = logs  # tracing.logs: the bridge and the step events (None: no logs)
         self.problems = problems or ExportProblems(print, cfg.rank)
         self.telemetry = telemetry
         self.stats = telemetry.stats
@@ -334,13 +348,34 @@ class Observer:
         if self.reporter is not None:
             self.reporter.report_soon()
 
-    def record_step(self, figures: dict[str, Any], mfu: float | None = None) -> None:
-        """A logged step's figures into the metrics (the training thread, off the hot path)."""
-        if isinstance(figures.get("bad_steps"), int):
-            self.bad_steps = figures["bad_steps"]
+    def record_step(
+        self, figures: dict[str, Any], mfu: float | None = None, context: Any = None
+    ) -> None:
+        """A logged step's figures into the metrics, and as one `dflash.step` event (its
+        attributes the metrics.jsonl line's figures, its body that line) tied to
+        `context`, the step's span (SpanHandle.context); a step skipped as non-finite
+        since the last logged one is a WARNING record (the training thread, off the
+        hot path)."""
+        bad = figures.get("bad_steps")
+        if isinstance(bad, int):
+            if bad > (self.bad_steps or 0):
+                step, now = figures.get("step"), bad - (self.bad_steps or 0)
+                with _current(context):  # the record names the step's trace
+                    logger.warning(
+                        "step %s: %d steps skipped since the last logged step (loss or "
+                        "gradient norm not finite: no update), %d in the run",
+                        step,
+                        now,
+                        bad,
+                        extra={**NOT_PRINTED, "dflash.step": step, "dflash.bad_steps": bad},
+                    )
+            self.bad_steps = bad
         if self.metrics is not None:
             recorded = {name: figures.get(key) for name, key in _RECORDED.items()}
             record_step(self.metrics, **recorded, mfu=mfu)
+        if self.logs is not None:
+            line = json.dumps(figures)
+            self.logs.event(STEP_EVENT, figures, context=context, body=line)
 
     def gather_final(self) -> None:
         """Every rank, right after training (before rank 0 saves and evaluates, which
@@ -356,7 +391,7 @@ class Observer:
         finals = self._final_ranks
         return StatsSnapshot.merge(finals) if finals is not None else self.stats.snapshot()
 
-    def close(self, log: Callable[[str], None], table: bool = True) -> dict[str, Any]:
+    def close(self, log: Log, table: bool = True) -> dict[str, Any]:
         """Final cumulative table (`table` False: none, for a refusal that is one line),
         then the bounded shutdown; figures for summary.json.
 
@@ -385,10 +420,12 @@ class Observer:
                 title = f"interval: total {final.wall_s:.1f}s, {len(finals)} ranks"
                 log(reporter.render(final, title, cumulative=True, rank_snapshots=finals))
         files = self.instruments.close(write=self.folder_written)
-        # Traces and metrics end side by side, within the one bound of the traces.
-        report, metrics = shutdown_all(self.telemetry, self.metrics)
+        # Traces, metrics and logs end side by side, within the one bound of the traces.
+        report, metrics = shutdown_all(self.telemetry, self.metrics, logs=self.logs)
+        logs = self.logs.report() if self.logs is not None and self.logs.enabled else None
         if self.is_main:
-            log(f"telemetry: {report.summary()}" + (f"; {metrics.summary()}" if metrics else ""))
+            line = f"telemetry: {report.summary()}" + (f"; {metrics.summary()}" if metrics else "")
+            log(line + (f"; {logs.summary()}" if logs else ""))
             if self.folder_written:
                 files.update(self._write_stats(final))
         self._closed = {
@@ -397,6 +434,7 @@ class Observer:
             "spans_not_delivered": report.spans_not_delivered,
             "shutdown_s": round(report.duration_s, 3),
             **_metrics_counts(metrics),
+            **_logs_counts(logs),
             "files": files,
             "verdict": self.verdict(final),
         }
@@ -411,6 +449,17 @@ class Observer:
         except OSError:
             return {}
         return {"stats": str(path)}
+
+
+@contextlib.contextmanager
+def _current(context: Any) -> Iterator[None]:
+    """`context` (an OTel Context, e.g. a phase's) is the current one inside the block."""
+    token = None if context is None else otel_context.attach(context)
+    try:
+        yield
+    finally:
+        if token is not None:
+            otel_context.detach(token)
 
 
 def _readers(snapshot: Callable[[], CounterSnapshot], **fields: str) -> _Readers:
@@ -465,6 +514,16 @@ def _metrics_counts(report: MetricsReport | None) -> dict[str, Any]:
     }
 
 
+def _logs_counts(report: LogsReport | None) -> dict[str, Any]:
+    if report is None:
+        return {}
+    return {
+        "log_records_exported": report.records_exported,
+        "log_records_failed": report.records_failed,
+        "log_records_dropped": report.records_dropped,
+    }
+
+
 def start_observer(
     tel: TelemetryConfig,
     rank: int,
@@ -472,12 +531,13 @@ def start_observer(
     *,
     run_id: str,
     output_dir: Path,
-    log: Callable[[str], None] = print,
+    log: Log = say,
     local_rank: int | None = None,
     devices: Sequence[Any] = (),
     config: Mapping[str, Any] | None = None,
 ) -> Observer:
-    """Sets tracing up for this process from cfg.telemetry (call once, before training).
+    """Sets tracing up for this process from cfg.telemetry (call once, before training),
+    with the logs beside it: the bridge on BRIDGED_LOGGERS while they export.
     `local_rank`, `devices` (the rank's drafter devices) and `config` (the run's config
     as a dict) go to the resource (`rank_placement`).
 
@@ -487,6 +547,8 @@ def start_observer(
     cfg = tracing_config(tel, rank, run_id, **placement)
     problems = ExportProblems(log, rank)
     telemetry = setup_tracing(cfg, phase_hooks=instruments.hooks, on_export_problem=problems)
+    logs = start_logs(cfg, resource=telemetry.resource, on_export_problem=problems)
+    logs.attach(*BRIDGED_LOGGERS)
     observer = Observer(
         cfg,
         telemetry,
@@ -494,6 +556,7 @@ def start_observer(
         instruments=instruments,
         output_dir=output_dir,
         problems=problems,
+        logs=logs,
     )
     observer.folder_written = False  # until the run has passed its checks
     return observer

@@ -34,6 +34,7 @@ from dflash.data.datasets import Batch, PackedDataset
 from dflash.data.sources import DataError
 from dflash.data.tokenizer import tokenizer_fingerprint
 from dflash.files import replacing, sha256_file, write_failure, write_json_atomic
+from dflash.log import Log
 from dflash.offline.settings import BATCHES_PER_SHARD
 from dflash.target.model import TargetModel, TargetOutput, target_fingerprint
 
@@ -151,7 +152,7 @@ def write_hidden_cache(
     with_final_norm: bool = False,
     batches_per_shard: int = BATCHES_PER_SHARD,
     progress: Callable[[int, int], None] | None = None,
-    log: Callable[[str], None] | None = None,
+    log: Log | None = None,
 ) -> Path:
     """Cache batches [0, num_batches) of `dataset`; continues an interrupted cache.
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypedDict
@@ -46,6 +46,7 @@ from dflash.data.datasets import PackedDataset
 from dflash.data.packing import PackReport, RowBuilder
 from dflash.data.sources import DataReport
 from dflash.data.tokenizer import tokenizer_fingerprint
+from dflash.log import Log, say
 from dflash.offline.hidden_cache import INDEX_NAME
 from dflash.offline.sample_file import LOSS_MASK, SampleCacheError, SampleFile, dtype_name
 from dflash.target.model import TargetModel
@@ -402,7 +403,7 @@ def sample_datasets(
     seed: int,
     heldout_fraction: float,
     pad_id: int,
-    log: Callable[[str], None] = print,
+    log: Log = say,
 ) -> tuple[PackedDataset, PackedDataset, SampleRows]:
     """(train, held-out) rows of the samples, and the train rows' segments: the rows the
     manifest records, else the samples split by name and packed whole."""

@@ -8,9 +8,12 @@ import torch
 from torch import Tensor
 
 from dflash.data.datasets import Batch, PackedDataset
+from dflash.log import NOT_PRINTED, get_logger
 from dflash.offline.sample_cache import SampleCache, SampleRows
 from dflash.offline.sample_file import DTYPES, HIDDEN, VERIFIER, SampleFile
 from dflash.target.model import TargetOutput
+
+logger = get_logger("offline")
 
 
 class SampleCacheReader:
@@ -68,10 +71,10 @@ class SampleCacheReader:
                 read += self._fill(
                     sample, hidden[r, span], None if final is None else final[r, span]
                 )
-                places.append((r, span))
+                places.append((r, span, index))
         # One check of the whole batch; only a batch with a bad sample looks for it.
         if not (torch.isfinite(hidden).all() and (final is None or torch.isfinite(final).all())):
-            for r, span in places:
+            for r, span, index in places:
                 bad = not torch.isfinite(hidden[r, span]).all() or (
                     final is not None and not torch.isfinite(final[r, span]).all()
                 )
@@ -82,6 +85,16 @@ class SampleCacheReader:
                     batch.loss_mask[r, span] = False  # learned from: nothing
                     with self._lock:
                         self.cache.skipped.nonfinite += 1
+                        skipped = self.cache.skipped.nonfinite
+                    # For telemetry, tied to the batch's span: the summary counts them.
+                    logger.warning(
+                        "hidden cache: sample hs_%d (batch %d) has non-finite hidden states: "
+                        "its positions are not learned from (%d such samples so far)",
+                        index,
+                        batch.batch_id,
+                        skipped,
+                        extra={**NOT_PRINTED, "dflash.batch_id": batch.batch_id},
+                    )
         with self._lock:
             self.bytes_read += read
         if final is not None and self.norm is not None:

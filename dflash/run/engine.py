@@ -20,12 +20,13 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from dflash.errors import DFlashError
 from dflash.eval.served import evaluate_served, format_served
+from dflash.log import Log, say
 from dflash.target.served import CompletionClient, ServerSettings, TokenizerTarget
 
 START_TIMEOUT_S = 900.0  # a large target loads for minutes
@@ -155,7 +156,7 @@ def measure_with_vllm(
     max_new_tokens: int,
     stop_token_ids: tuple[int, ...],
     log_dir: Path,
-    log: Callable[[str], None] = print,
+    log: Log = say,
 ) -> dict[str, Any]:
     """τ of the saved drafter as vLLM serves it: the eval figures, measured by the engine."""
     log(f"eval: starting vLLM with {drafter_dir} ({command}; its output in {log_dir / LOG_NAME})")

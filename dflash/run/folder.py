@@ -17,12 +17,12 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from dflash.config.schema import ConfigError
 from dflash.config.settings import TrainConfig
 from dflash.files import write_json_atomic
+from dflash.log import Log
 
 LOCK_FILE = ".dflash-run.lock"
 OUTPUT_LOCK_SUFFIX = ".dflash-lock"  # `.NAME.dflash-lock`: the lock of output NAME
@@ -201,7 +201,7 @@ def claim_output_dir(cfg: TrainConfig) -> FolderLock:
     return lock
 
 
-def write_run_start(cfg: TrainConfig, log: Callable[[str], None]) -> None:
+def write_run_start(cfg: TrainConfig, log: Log) -> None:
     """Once every check has passed: --overwrite removes the earlier run, then the run's
     config.json is written (and a fresh run starts without metrics.jsonl)."""
     output_dir = Path(cfg.run.output_dir)

@@ -8,7 +8,6 @@ packing dropped or cut.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,7 @@ from dflash.data.packing import Document
 from dflash.data.tokenizer import Tokenizer
 from dflash.errors import DFlashError
 from dflash.files import write_failure, write_output
+from dflash.log import Log, say
 from dflash.target import load as target_load
 
 
@@ -36,7 +36,7 @@ def inspect_data(
     cfg: TrainConfig,
     rows: int = 3,
     json_path: str | None = None,
-    log: Callable[[str], None] = print,
+    log: Log = say,
 ) -> dict[str, Any]:
     """Prints the first `rows` training rows (learned spans marked, document boundaries
     shown) and the packing report; `json_path` gets every training document as

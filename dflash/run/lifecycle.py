@@ -15,7 +15,6 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +47,7 @@ from dflash.drafter.model import DFlashDrafter, DrafterConfig, DrafterError
 from dflash.drafter.vocab import DraftVocab, check_draft_vocab_size, select_draft_vocab
 from dflash.eval.evaluate import eval_figures, evaluate_run
 from dflash.files import write_json_atomic
+from dflash.log import Log, say
 from dflash.offline.regenerate import embedded_regeneration, regenerated_corpus
 from dflash.pipeline.distributed import DistInfo, dist_info_from_env, init_distributed
 from dflash.run.checkpoint import (
@@ -156,7 +156,7 @@ class Start:
     placement: Placement
     lock: FolderLock | None = None
 
-    def begin_training(self, cfg: TrainConfig, log: Callable[[str], None]) -> None:
+    def begin_training(self, cfg: TrainConfig, log: Log) -> None:
         """Every check has passed: rank 0 writes the run's start into its folder."""
         if self.info.is_main:
             write_run_start(cfg, log)
@@ -220,7 +220,7 @@ def check_draft_vocab(cfg: TrainConfig, target: TargetModel) -> None:
 
 
 def choose_draft_vocab(
-    cfg: TrainConfig, target: TargetModel, train: PackedDataset, log: Callable[[str], None]
+    cfg: TrainConfig, target: TargetModel, train: PackedDataset, log: Log
 ) -> DraftVocab | None:
     """--draft-vocab-size: the most frequent tokens of the training labels, said at start."""
     size = cfg.drafter.draft_vocab_size
@@ -235,9 +235,7 @@ def choose_draft_vocab(
     return vocab
 
 
-def use_template_kwargs(
-    target: TargetModel, kwargs: dict[str, Any], log: Callable[[str], None]
-) -> None:
+def use_template_kwargs(target: TargetModel, kwargs: dict[str, Any], log: Log) -> None:
     """--chat-template-kwargs for every rendering of a conversation, said at start."""
     if not kwargs:
         return
@@ -346,7 +344,7 @@ class EarlyRows:
 
 
 def rows_before_target(
-    cfg: TrainConfig, features: FeatureSource, log: Callable[[str], None] = print
+    cfg: TrainConfig, features: FeatureSource, log: Log = say
 ) -> EarlyRows | None:
     """Data that cannot train (no learnable tokens, most conversations dropped, an
     explicit mask id it uses) is refused before the target's weights load, minutes for a
@@ -372,7 +370,7 @@ def rows_before_target(
 def run_datasets(
     cfg: TrainConfig,
     target: TargetModel,
-    log: Callable[[str], None] = print,
+    log: Log = say,
     features: FeatureSource | None = None,
     early: EarlyRows | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
@@ -408,7 +406,7 @@ def run_datasets(
 
 
 def _file_rows(
-    cfg: TrainConfig, tokenizer: Tokenizer, log: Callable[[str], None]
+    cfg: TrainConfig, tokenizer: Tokenizer, log: Log
 ) -> tuple[PackedDataset, PackedDataset]:
     """The data file's (train, held-out) rows, in batches of --batch-size x --grad-accum."""
     d = cfg.data
@@ -439,7 +437,7 @@ def check_trainable(train: PackedDataset, cfg: TrainConfig) -> None:
         )
 
 
-def build_run(cfg: TrainConfig, placement: Placement, log: Callable[[str], None] = print) -> Run:
+def build_run(cfg: TrainConfig, placement: Placement, log: Log = say) -> Run:
     """Target, data, drafter and trainer for `cfg` on `placement`; restores `--resume`
     or warm-starts from `--init-from`."""
     start_s = time.perf_counter()
@@ -560,7 +558,7 @@ def save_checkpoint_or_fail(run: Run) -> Path:
         raise save_failure(exc, checkpoints / f"step-{run.step:08d}", complete) from None
 
 
-def save_final(run: Run, log: Callable[[str], None] = print) -> None:
+def save_final(run: Run, log: Log = say) -> None:
     """The final checkpoint, then OUTPUT_DIR/drafter/, each written aside and renamed into
     place: a full disk leaves the last complete checkpoint and drafter as they were, and
     is one SaveError naming the path, the space left and what is complete. What the
@@ -598,7 +596,7 @@ def save_dtype(run: Run) -> torch.dtype:
 
 
 def complete_run(
-    run: Run, phase: PhaseFn = null_phase, log: Callable[[str], None] = print
+    run: Run, phase: PhaseFn = null_phase, log: Log = say
 ) -> tuple[dict[str, Any], float]:
     """Final checkpoint and drafter, then τ on held-out: (its figures, seconds spent).
     The evaluation joins the last step's metrics.jsonl line; with --keep-best a better
@@ -615,7 +613,7 @@ def complete_run(
     return figures, eval_s
 
 
-def keep_best(run: Run, log: Callable[[str], None]) -> None:
+def keep_best(run: Run, log: Log) -> None:
     """--keep-best: OUTPUT_DIR/drafter from the best evaluation's weights, when it is not
     the last step's (whose weights stay in the final checkpoint)."""
     best = run.evals.best if run.evals is not None else None
@@ -634,9 +632,7 @@ def keep_best(run: Run, log: Callable[[str], None]) -> None:
     )
 
 
-def _final_evaluation(
-    run: Run, phase: PhaseFn, log: Callable[[str], None]
-) -> tuple[dict[str, Any], float]:
+def _final_evaluation(run: Run, phase: PhaseFn, log: Log) -> tuple[dict[str, Any], float]:
     """τ on the held-out prompts at the end: in process or by vLLM."""
     eval_start_s = time.perf_counter()
     if run.cfg.run.eval_engine == "vllm" and run.cfg.run.eval_prompts:
@@ -653,7 +649,7 @@ def _final_evaluation(
     return eval_figures(result), time.perf_counter() - eval_start_s
 
 
-def _measure_with_vllm(run: Run, log: Callable[[str], None]) -> dict[str, Any]:
+def _measure_with_vllm(run: Run, log: Log) -> dict[str, Any]:
     """--eval-engine vllm: τ on the held-out prompts as vLLM serves the saved drafter."""
     cfg = run.cfg.run
     prompts = heldout_prompts(run.heldout_data, cfg.eval_prompts, cfg.eval_prompt_tokens)
@@ -741,7 +737,7 @@ def _finite_or_none(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
-def write_summary(run: Run, summary: dict[str, Any], log: Callable[[str], None]) -> None:
+def write_summary(run: Run, summary: dict[str, Any], log: Log) -> None:
     write_json_atomic(run.output_dir / "summary.json", summary)
     log(format_summary(summary))
 
@@ -749,7 +745,7 @@ def write_summary(run: Run, summary: dict[str, Any], log: Callable[[str], None])
 def finish_run(
     run: Run,
     stats: RunStats,
-    log: Callable[[str], None] = print,
+    log: Log = say,
     started_s: float | None = None,
     phase: PhaseFn = null_phase,
 ) -> dict[str, Any]:
@@ -761,9 +757,7 @@ def finish_run(
     return summary
 
 
-def log_startup(
-    run: Run, log: Callable[[str], None], devices: str, telemetry_line: str | None = None
-) -> None:
+def log_startup(run: Run, log: Log, devices: str, telemetry_line: str | None = None) -> None:
     """The loss line, the telemetry line (when traced), then the run line."""
     log(format_loss_config(run.cfg))
     if telemetry_line is not None:

@@ -26,6 +26,7 @@ from dflash.config.settings import TrainConfig
 from dflash.data.chat import use_template_kwargs as use_chat_kwargs
 from dflash.data.corpus import EMBEDDED
 from dflash.files import write_failure
+from dflash.log import Log, say
 from dflash.offline.hidden_cache import (
     WRITE_FAILURES,
     HiddenCacheError,
@@ -54,7 +55,7 @@ def write_run_cache(
     batches_per_shard: int = BATCHES_PER_SHARD,
     fmt: str = "dflash",
     samples_only: bool = False,
-    log: Callable[[str], None] = print,
+    log: Log = say,
 ) -> str:
     """`dflash-train cache-hidden`: the features a `train` run of `cfg` would compute, for
     batches [0, num_batches) (None: --steps of one drafter device) in this project's
@@ -147,7 +148,7 @@ def regenerate_data(
     settings: RegenerateSettings,
     *,
     progress: Callable[[RegenProgress], None] | None = None,
-    log: Callable[[str], None] = print,
+    log: Log = say,
     chat_template_kwargs: dict[str, Any] | None = None,
     server: ServerSettings | None = None,
     precision: str = "auto",

@@ -24,7 +24,8 @@ from dflash import names
 from dflash.config.devices import Placement
 from dflash.config.settings import TrainConfig
 from dflash.data.datasets import Batch
-from dflash.errors import DFlashError
+from dflash.errors import DFlashError, first_line
+from dflash.log import NOT_PRINTED, Log, get_logger, say
 from dflash.observe.flops import drafter_flops, linear_params, mfu, target_flops_per_token
 from dflash.observe.instruments import FlopsFigures, flops_figures
 from dflash.observe.observer import Observer, shared_run_id, start_observer
@@ -62,6 +63,7 @@ from dflash.train.step_metrics import StageRates, StepMetrics, span_attributes
 
 __all__ = ["DEFAULT_STALL_TIMEOUT_S", "PipelineError", "TrainingInterrupted", "run_pipeline"]
 
+logger = get_logger("run")
 # A stage that spends this long in one phase (not waiting on a queue) fails the run.
 DEFAULT_STALL_TIMEOUT_S = 600.0
 
@@ -139,7 +141,7 @@ class _StepBook:
                 figures.update(evals.on_logged_step(run.step, train_s))
         self.progress.update(run.step, batch.num_tokens * self.batches_per_step, figures)
         if figures is not None:
-            self._log_step(figures)
+            self._log_step(figures, result.context)
             run.trainer.check_figures(figures)  # a diverged run stops before it saves
         if self.info.is_main and run.cfg.run.checkpoint_due(run.step):
             # replica 0's weights cannot move while it is here
@@ -147,8 +149,9 @@ class _StepBook:
             with tracing.phase(names.CHECKPOINT_SAVE, level="step", attributes=attributes):
                 save_checkpoint_or_fail(run)
 
-    def _log_step(self, figures: dict[str, Any]) -> None:
-        """A logged step: metrics.jsonl (rank 0) and the metrics signal (every rank)."""
+    def _log_step(self, figures: dict[str, Any], context: Any = None) -> None:
+        """A logged step: metrics.jsonl (rank 0), the metrics signal and the step's event
+        (every rank; `context`: its drafter.step span's, so the event names its trace)."""
         if self.rates is not None:
             figures.update(self.rates.figures())
         rates = figures.get("tokens_per_s", {})
@@ -158,7 +161,7 @@ class _StepBook:
         if drafter_mfu is not None:
             figures["mfu"] = drafter_mfu
         if self.observer is not None:
-            self.observer.record_step(figures, mfu=drafter_mfu)
+            self.observer.record_step(figures, mfu=drafter_mfu, context=context)
         if self.info.is_main:
             self.metrics.write(figures)
 
@@ -177,7 +180,7 @@ class _Setup:
     train_cpu_s: float = 0.0
 
 
-def run_training(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+def run_training(cfg: TrainConfig, log: Log = say) -> dict[str, Any]:
     """`dflash-train train`: tracing set up from cfg.telemetry, then `run_pipeline`.
 
     Under torchrun the process group starts first: every rank's telemetry carries
@@ -210,18 +213,29 @@ def run_training(cfg: TrainConfig, log: Callable[[str], None] = print) -> dict[s
         if info.is_main and not earlier_run(output_dir):
             observer.folder_written = True
         raise
-    except DFlashError:
+    except DFlashError as exc:
+        _log_failure(exc)
         if not observer.folder_written:  # refused before training: one line
             observer.close(lambda _: None, table=False)
+        raise
+    except Exception as exc:  # a stage that failed (PipelineError), a diverged run, ...
+        _log_failure(exc)
         raise
     finally:
         observer.close(log)  # no-op after a normal finish
         start.end()  # the folder's lock: after the last file the run writes
 
 
+def _log_failure(exc: BaseException) -> None:
+    """The line the command ends with, as an ERROR record for telemetry (the command line
+    prints it): while the logs still export, with the exception's type and stack trace
+    (the phase it passed through has its own record, tied to that phase's span)."""
+    logger.error("Error: %s", first_line(exc), exc_info=exc, extra=NOT_PRINTED)
+
+
 def run_pipeline(
     cfg: TrainConfig,
-    log: Callable[[str], None] = print,
+    log: Log = say,
     *,
     start: Start | None = None,
     observer: Observer | None = None,
@@ -287,7 +301,7 @@ def _share_cpu_cores(placement: Placement, local_world_size: int) -> None:
 
 def _setup(
     cfg: TrainConfig,
-    log: Callable[[str], None],
+    log: Log,
     start: Start,
     observer: Observer | None,
     progress_stream: IO[str] | None,
@@ -382,6 +396,7 @@ def _step_fn(
             result.figures = metrics.read(trainer.step_count, result)
             span = tracing.current_phase()
             if span is not None:
+                result.context = span.context
                 for key, value in span_attributes(result.figures).items():
                     span.set_attribute(key, value)
         return result
@@ -406,7 +421,7 @@ def _finish(
     setup: _Setup,
     info: DistInfo,
     observer: Observer | None,
-    log: Callable[[str], None],
+    log: Log,
     train_s: float,
     started_s: float,
     signum: int | None,
@@ -460,7 +475,7 @@ def _extra(figures: dict[str, Any], telemetry: dict[str, Any] | None) -> dict[st
     return {"pipeline": figures, "verdict": telemetry.pop("verdict", None), "telemetry": telemetry}
 
 
-def _write_report(run_dir: Path, log: Callable[[str], None]) -> None:
+def _write_report(run_dir: Path, log: Log) -> None:
     """report.html beside summary.json; a report that cannot be made costs only itself."""
     try:
         log(f"report: {write_report(run_dir)}")
@@ -480,7 +495,7 @@ def _write_error_log(run_dir: Path, info: DistInfo, failure: StageFailure) -> st
 
 
 def _checkpoint_after_signal(
-    run: Run, info: DistInfo, name: str, stuck: list[str], log: Callable[[str], None]
+    run: Run, info: DistInfo, name: str, stuck: list[str], log: Log
 ) -> bool:
     """Rank 0 saves where the run stands; True when the summary should be written."""
     if not info.is_main:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from dflash.config.settings import TrainConfig
+from dflash.log import Log
 from dflash.objective.noise import NoiseSchedule
 from dflash.observe.report import tau_notes
 
@@ -26,7 +27,7 @@ class HeldLog:
     itself, for progress that must show while it happens (minutes of target preparation
     or regeneration)."""
 
-    def __init__(self, log: Callable[[str], None]) -> None:
+    def __init__(self, log: Log) -> None:
         self.live = live_log(log)
         self._log = log
         self._held: list[str] | None = []
@@ -44,7 +45,7 @@ class HeldLog:
             self._log(line)
 
 
-def live_log(log: Callable[[str], None]) -> Callable[[str], None]:
+def live_log(log: Log) -> Callable[[str], None]:
     """The log that prints at once: `log` itself unless it holds its lines (HeldLog)."""
     return getattr(log, "live", log)
 
@@ -141,7 +142,7 @@ class Progress:
         start_step: int = 0,
         stream: TextIO | None = None,
         interval_s: float = 10.0,
-        log: Callable[[str], None] | None = None,
+        log: Log | None = None,
     ) -> None:
         self.total_steps, self.start_step = total_steps, start_step
         self.stream = stream if stream is not None else sys.stderr

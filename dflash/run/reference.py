@@ -8,13 +8,13 @@ with the pipeline.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from dflash.config.settings import TrainConfig
+from dflash.log import Log, say
 from dflash.pipeline.distributed import DistInfo
 from dflash.run.folder import METRICS_FILE
 from dflash.run.lifecycle import (
@@ -32,7 +32,7 @@ from dflash.train.step_metrics import StepMetrics
 
 
 def train_reference(
-    cfg: TrainConfig, log: Callable[[str], None] = print, progress_stream: IO[str] | None = None
+    cfg: TrainConfig, log: Log = say, progress_stream: IO[str] | None = None
 ) -> dict[str, Any]:
     """Trains `cfg` in this thread on the first target and drafter device; the summary."""
     started_s = time.perf_counter()
@@ -46,7 +46,7 @@ def train_reference(
 def _train(
     cfg: TrainConfig,
     start: Start,
-    log: Callable[[str], None],
+    log: Log,
     progress_stream: IO[str] | None,
     started_s: float,
 ) -> dict[str, Any]:

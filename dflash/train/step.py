@@ -76,6 +76,7 @@ class StepResult:
     # chunked_loss.block_metrics, grad_norm, and "nonfinite": NonFiniteGuard.state
     metrics: dict[str, Tensor] = field(default_factory=dict)
     figures: dict[str, Any] | None = None  # host values, on logged steps (step_metrics)
+    context: Any = None  # on logged steps: the OTel context of its drafter.step span, if any
 
 
 def micro_batches(num_rows: int, grad_accum: int) -> list[slice]:
