@@ -184,13 +184,16 @@ class BatchCache(_FromDisk):
 
 class SampleFiles(_FromDisk):
     """--hidden-cache of per-sample files (speculators' layout, or `cache-hidden
-    --format speculators`): the samples are the rows, only the target's embedding, LM
-    head and final norm load, and its decoder never runs."""
+    --format speculators`): the samples are the rows and the target's decoder never runs
+    while training. Only its embedding, LM head and final norm load, unless the run
+    evaluates in process and the whole target fits in half the host's memory: then it
+    loads whole, for the evaluations alone (τ while training, and the final one)."""
 
-    head_only = has_rows = True
+    has_rows = True
 
     def __init__(self, cfg: TrainConfig, directory: Path) -> None:
         super().__init__(cfg, directory)
+        self.head_only = not evaluates_whole_target(cfg)
         if cfg.data.packing != "docs":
             raise SampleCacheError(
                 f"--hidden-cache {directory} holds one file per sample: each is a document "
@@ -220,6 +223,12 @@ class SampleFiles(_FromDisk):
                 f"target {target.spec}: only its embedding, LM head and final norm are loaded "
                 "(the decoder stays unallocated); evaluation needs the whole target: run "
                 "`dflash-train eval` where it fits"
+            )
+        elif self.cfg.run.eval_prompts:
+            log(
+                f"target {target.spec}: loaded whole for the evaluations alone (it fits in "
+                "half the host's memory); its decoder never runs for training rows "
+                "(--eval-prompts 0 loads only its embedding, LM head and final norm)"
             )
         if d.source != DataConfig.source:
             unread = f"--data {d.source} is not read"
@@ -265,6 +274,27 @@ class SampleFiles(_FromDisk):
         if self._cache is None:
             return {}
         return {"hidden_cache_skipped": dataclasses.asdict(self._cache.skipped)}  # by why
+
+
+HOST_SHARE = 0.5  # of the host's memory a whole target may take beside the training
+
+
+def evaluates_whole_target(cfg: TrainConfig) -> bool:
+    """Whether a run from sample files loads its whole target: it evaluates in process
+    and the target's weights (from its config) fit in HOST_SHARE of the host's memory.
+    Without the whole target there is no τ while training and no final evaluation."""
+    if not cfg.run.eval_prompts or cfg.run.eval_engine != "in-process":
+        return False
+    # Deferred: dflash.run.estimate imports this module (target_runs).
+    from dflash.run.estimate import EstimateError, device_memory_bytes, geometry_for_spec
+
+    try:
+        geometry, _ = geometry_for_spec(cfg.target.spec)
+    except EstimateError:
+        return False
+    host = device_memory_bytes("cpu")
+    width = 2 if cfg.pipeline.precision == "bf16" else 4
+    return host is not None and geometry.params() * width <= HOST_SHARE * host
 
 
 def feature_source(cfg: TrainConfig) -> FeatureSource:

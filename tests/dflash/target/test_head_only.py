@@ -9,7 +9,6 @@ import torch
 from click.testing import CliRunner
 
 from dflash.cli import cli
-from dflash.target import hf
 from dflash.target.load import load_target
 from tests.dflash.app_fixtures import record_losses
 from tests.dflash.hf_fixtures import WORDS, save_hf_target
@@ -30,9 +29,7 @@ def test_the_head_is_the_whole_models_and_the_decoder_holds_nothing(tmp_path, ar
         head.capture(torch.tensor([[1, 2, 3]]), [0], with_logits=False)
 
 
-def test_training_from_files_with_the_head_alone_gives_the_whole_targets_losses(
-    tmp_path, monkeypatch
-):
+def test_training_from_files_loads_the_whole_target_only_to_evaluate(tmp_path, monkeypatch):
     directory = save_hf_target(tmp_path / "target", "qwen3")
     corpus = tmp_path / "chats.jsonl"
     chats = []
@@ -48,23 +45,29 @@ def test_training_from_files_with_the_head_alone_gives_the_whole_targets_losses(
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
 
-    def train(out: str):
+    def train(out: str, *more: str):
         seen = record_losses(monkeypatch)
-        run = ["--steps", "5", "--eval-prompts", "2", "--output-dir", str(tmp_path / out)]
+        run = ["--steps", "5", "--output-dir", str(tmp_path / out), *more]
         rest = "--log-every 1 --block-size 4".split()
         args = ["train", "--hidden-cache", str(cache), *opts, *run, *rest]
         result = CliRunner().invoke(cli, args, catch_exceptions=False)
         assert result.exit_code == 0, result.output
-        return [loss for _, loss in seen], result.output
+        summary = json.loads((tmp_path / out / "summary.json").read_text())
+        return [loss for _, loss in seen], result.output, summary
 
-    head_losses, said = train("head")
+    # Evaluating in process, a target that fits in half the host's memory loads whole,
+    # for the evaluations alone: τ while training and the final one.
+    whole_losses, said, summary = train("whole", "--eval-prompts", "2")
+    assert "loaded whole for the evaluations alone" in said
+    assert summary["tau"] is not None
+    # One that does not fit (here: no share of the host's memory may hold it), or a run
+    # that does not evaluate, loads the head alone and trains to the same losses.
+    from dflash.run import features
+
+    monkeypatch.setattr(features, "HOST_SHARE", 0.0)
+    head_losses, said, summary = train("head", "--eval-prompts", "2")
     assert "only its embedding, LM head and final norm are loaded" in said
-    summary = json.loads((tmp_path / "head" / "summary.json").read_text())
     assert summary["tau"] is None and "without its decoder" in summary["eval_skipped"]
-    monkeypatch.setattr(hf, "can_load_head_only", lambda spec: False)
-    from dflash.target import load as target_load
-
-    monkeypatch.setattr(target_load, "can_load_head_only", lambda spec: False)
-    whole_losses, said = train("whole")
-    assert "only its embedding" not in said
-    assert head_losses == whole_losses and len(head_losses) == 5
+    quiet_losses, said, _ = train("quiet", "--eval-prompts", "0")
+    assert "only its embedding" in said
+    assert head_losses == whole_losses == quiet_losses and len(head_losses) == 5
