@@ -7,11 +7,13 @@ a reader sees the old file or the new one, never half of one.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import stat
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +24,11 @@ RECORD_SUFFIX = ".run.json"
 """`<output>.run.json`: the record of the command that wrote `output` (regenerate's run
 record; `eval --json` and `inspect-data --json`: the command and the file's SHA-256), so
 that a later command replaces only what it wrote itself."""
+
+
+OUTPUT_LOCK_SUFFIX = ".dflash-lock"
+"""`.NAME.dflash-lock` beside output NAME: the lock its writer holds (dflash.run.folder's
+`FolderLock.for_output` takes it)."""
 
 
 def cache_dir() -> Path:
@@ -91,6 +98,43 @@ def special_file(path: Path | str) -> str | None:
         stat.S_ISSOCK: "a socket",
     }
     return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+
+
+def output_lock_path(output: Path | str) -> Path:
+    """The lock file of an output (OUTPUT_LOCK_SUFFIX)."""
+    out = Path(output).expanduser()
+    return out.parent / f".{out.name}{OUTPUT_LOCK_SUFFIX}"
+
+
+def describe_holder(fd: int) -> str:
+    """'pid N on HOST, since TIME': who wrote the lock file open as `fd`."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder["since"])))
+        return f"pid {int(holder['pid'])} on {holder['host']}, since {started}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that is starting"
+
+
+def lock_holder(lock_path: Path | str) -> str | None:
+    """Who holds the lock of `lock_path` now (`describe_holder`), or None when no process
+    does; found without creating the file or keeping a lock (a shared one, for an
+    instant)."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return describe_holder(fd)
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def record_path(output: Path | str) -> Path:

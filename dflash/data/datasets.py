@@ -155,9 +155,11 @@ def load_corpus(
     docs = [d for d in read if len(d.ids) > 0]
     if not docs or not any(d.mask.any() for d in docs):
         why = f" (skipped {report.skipped_lines} lines; first: {report.first_bad_line})"
+        files = f" (skipped {report.skipped_files} files; first: {report.first_skipped_file})"
         raise DataError(
             f"--data {source!r}: corpus is empty (no tokens to train on)"
             + (why if report.skipped_lines else "")
+            + (files if report.skipped_files else "")
         )
     eos, bos = special_ids(tokenizer)
     docs = [frame(d, bos, eos) for d in docs]

@@ -42,7 +42,7 @@ from dflash.data.corpus import (
     is_heldout,
 )
 from dflash.data.packing import content_key, frame
-from dflash.data.sources import CUT_KEY, DataReport, iter_jsonl, read_jsonl
+from dflash.data.sources import CUT_KEY, DataReport, read_jsonl, read_source
 from dflash.data.tokenizer import Tokenizer, decode_text, encode_texts, special_ids
 from dflash.files import cache_dir, free_space_note, write_json_atomic
 from dflash.offline.settings import RegenerateError, RegenerateSettings
@@ -99,20 +99,10 @@ def read_items(source: str, report: DataReport, heldout_fraction: float) -> list
     path = Path(source).expanduser()
     if not path.exists():
         raise RegenerateError(f"--data {source!r}: no such file or folder")
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
     items: list[dict[str, Any]] = []
-    for file in files:
-        if file.suffix == ".jsonl":
-            for _, obj in iter_jsonl(file, report):
-                if not is_heldout(content_key(obj), heldout_fraction):
-                    items.append(obj)
-            continue
-        try:
-            text = file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            continue  # binary files are skipped, as when training
-        if not is_heldout(content_key(text), heldout_fraction):
-            items.append({"text": text})
+    for _, content in read_source(source, report):  # files as training reads them
+        if not is_heldout(content_key(content), heldout_fraction):
+            items.append({"text": content} if isinstance(content, str) else content)
     return items
 
 
@@ -508,7 +498,8 @@ def embedded_regeneration(
 ) -> Path:
     """The target's continuations of the embedded corpus' held-in prefixes (JSONL),
     regenerated once per target and recipe and cached under cache_dir()/regen; an
-    interrupted regeneration continues where it stopped."""
+    interrupted regeneration continues where it stopped, and a cached one that is cut
+    short or changed (`cache_damage`) is generated again, never read as complete."""
     settings = dataclasses.replace(EMBEDDED_RECIPE, heldout_fraction=heldout_fraction)
     made_from = {
         "target": target_fingerprint(target),
@@ -517,15 +508,54 @@ def embedded_regeneration(
     }
     key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:20]
     path = cache_dir() / "regen" / f"embedded-{key}.jsonl"
-    if path.exists():
+    if path.exists() and cache_damage(path) is None:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(f".{path.stem}.lock"), "w") as lock:
         # Runs started together: one regenerates, the others wait and read its file.
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            _regenerate_embedded(target, settings, path, log)
+        if path.exists():
+            why = cache_damage(path)
+            if why is None:
+                return path
+            log(f"data: the cached regeneration {path} {why}: it is generated again")
+            path.unlink()
+            cache_check_path(path).unlink(missing_ok=True)
+        _regenerate_embedded(target, settings, path, log)
     return path
+
+
+def cache_check_path(path: Path) -> Path:
+    """`embedded-KEY.check.json` beside a cached regeneration: its lines and SHA-256."""
+    return path.with_name(f"{path.stem}.check.json")
+
+
+def _lines_and_digest(path: Path) -> tuple[int, str]:
+    digest, lines = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+            lines += chunk.count(b"\n")
+    return lines, digest.hexdigest()
+
+
+def cache_damage(path: Path) -> str | None:
+    """Why a cached regeneration cannot be used as complete (cut short, changed, or
+    without the record of its lines and SHA-256 that completing it wrote), or None."""
+    try:
+        check = json.loads(cache_check_path(path).read_text(encoding="utf-8"))
+        lines, digest = int(check["lines"]), str(check["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "has no record of its length and checksum (an earlier version wrote it)"
+    try:
+        found, found_digest = _lines_and_digest(path)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})"
+    if found != lines:
+        return f"holds {found:,} of its {lines:,} lines"
+    if found_digest != digest:
+        return "is not the file that was written (its SHA-256 differs)"
+    return None
 
 
 def _regenerate_embedded(
@@ -543,6 +573,8 @@ def _regenerate_embedded(
             step[0] = p.lines_done + p.lines_total / 4
 
     report = regenerate(target, EMBEDDED, partial, settings=settings, progress=progress)
+    lines, digest = _lines_and_digest(partial)
+    write_json_atomic(cache_check_path(path), {"lines": lines, "sha256": digest})
     os.replace(partial, path)
     partial.with_name(partial.name + ".run.json").unlink(missing_ok=True)
     log(f"data: {report.new_tokens:,} tokens regenerated in {report.wall_s:.1f} s")

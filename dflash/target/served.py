@@ -292,12 +292,18 @@ class CompletionClient:
         reply = self._request("POST", "/v1/completions", body)
         try:
             choice = reply["choices"][0]
-            text, reason = str(choice["text"]), choice.get("finish_reason")
+            text, reason = choice["text"], choice.get("finish_reason")
         except (KeyError, IndexError, TypeError):
             raise ServerError(
                 f"--server {self.settings.base}: /v1/completions gave no choices: "
                 f"{json.dumps(reply)[:200]}"
             ) from None
+        if not isinstance(text, str):  # never written as the reply "None"
+            raise ServerError(
+                f"--server {self.settings.base}: /v1/completions answered "
+                f'"text": {json.dumps(text)[:40]}, not the text of a reply: the server is '
+                "broken or not OpenAI-compatible; nothing of this reply is written"
+            )
         usage = reply.get("usage") or {}
         return Completion(text, int(usage.get("completion_tokens") or 0), reason == "length")
 
