@@ -5,11 +5,13 @@ transformers is imported only when such a target loads, so it stays optional.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
 import threading
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -18,13 +20,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from dflash.data.tokenizer import Tokenizer
+from dflash.data.tokenizer import Tokenizer, encode_texts
 from dflash.errors import first_line
 from dflash.target.geometry import TargetError, geometry_from_hf_config
 from dflash.target.model import TargetModel
 
 __all__ = [
     "can_load_head_only",
+    "check_not_a_drafter",
+    "check_tokenizer",
     "hf_stop_token_ids",
     "hub_unreachable",
     "load_hf_head",
@@ -55,6 +59,7 @@ def load_hf_target(spec: str, device: torch.device | str, dtype: torch.dtype | N
         raise TargetError(f"target path does not exist: {spec}")
     if path.exists() and not (path / "config.json").is_file():
         raise TargetError(f"target {spec} is not a Hugging Face model directory (no config.json)")
+    check_not_a_drafter(spec)
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as err:
@@ -65,10 +70,23 @@ def load_hf_target(spec: str, device: torch.device | str, dtype: torch.dtype | N
     unreachable = None if path.exists() else hub_unreachable()
     cached_only = {"local_files_only": True} if unreachable else {}
     _check_decoder_config(spec, source, cached_only)
+    try:  # before the weights: a folder without a tokenizer is told in seconds
+        tokenizer = AutoTokenizer.from_pretrained(source, **cached_only)
+    except (ValueError, OSError, KeyError) as err:
+        if unreachable:
+            raise _unreachable(spec, unreachable) from None
+        if isinstance(err, OSError) and not path.exists():
+            raise TargetError(
+                f"cannot load target {spec} (no such local directory; tried the hub): "
+                f"{first_line(err)}"
+            ) from err
+        raise TargetError(f"cannot load the tokenizer of target {spec}: {first_line(err)}") from err
+    check_tokenizer(spec, tokenizer)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype or torch.float32, **cached_only
-        )
+        with _quiet_transformers():  # what it would warn of is refused below, in one line
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype or torch.float32, output_loading_info=True, **cached_only
+            )
     except (ValueError, KeyError) as err:
         raise TargetError(f"target {spec} is not a causal LM: {first_line(err)}") from err
     except (SafetensorError, RuntimeError) as err:  # a truncated or mismatched weights file
@@ -78,16 +96,10 @@ def load_hf_target(spec: str, device: torch.device | str, dtype: torch.dtype | N
         ) from None
     except OSError as err:
         if unreachable:
-            raise TargetError(
-                f"cannot load target {spec}: no such local directory, not in the Hugging Face "
-                f"cache, and the hub cannot be reached from here ({unreachable})"
-            ) from None
+            raise _unreachable(spec, unreachable) from None
         where = "" if path.exists() else " (no such local directory; tried the hub)"
         raise TargetError(f"cannot load target {spec}{where}: {first_line(err)}") from err
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **cached_only)
-    except (ValueError, OSError, KeyError) as err:
-        raise TargetError(f"cannot load the tokenizer of target {spec}: {first_line(err)}") from err
+    check_loading_info(spec, loading)
     if not isinstance(model.get_output_embeddings(), nn.Linear):
         raise TargetError(f"target {spec} has no linear LM head")
     geometry = geometry_from_hf_config(model.config)
@@ -101,6 +113,97 @@ def load_hf_target(spec: str, device: torch.device | str, dtype: torch.dtype | N
         stop_token_ids=hf_stop_token_ids(tokenizer, getattr(model, "generation_config", None)),
     )
     return target.to(device)
+
+
+def _unreachable(spec: str, why: str) -> TargetError:
+    return TargetError(
+        f"cannot load target {spec}: no such local directory, not in the Hugging Face "
+        f"cache, and the hub cannot be reached from here ({why})"
+    )
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings (its table of missing and unexpected weights) held back."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(before)
+
+
+def _some(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def check_loading_info(spec: str, loading: dict[str, Any]) -> None:
+    """A weights file with a tensor missing (transformers would initialize it at random
+    and train on) or with tensors the model does not have is refused, naming them."""
+    found = []
+    for key, what in (
+        ("missing_keys", "missing"),
+        ("unexpected_keys", "unexpected"),
+        ("mismatched_keys", "of another shape"),
+    ):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in loading.get(key) or ())
+        if names:
+            found.append(f"{len(names)} {what} ({_some(names)})")
+    if found:
+        raise TargetError(
+            f"target {spec}: its weights do not match its config: {'; '.join(found)}; the "
+            "weights file is damaged or of another model (transformers would fill what is "
+            "missing at random)"
+        )
+
+
+DRAFTER_ARCHITECTURE = "DFlashDraftModel"  # dflash.drafter.io.ARCHITECTURE
+VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+PROBE_TEXT = "def add(a, b):\n    return a + b\n"
+"""Text every target's tokenizer must encode (the tokenizer check, the forward check)."""
+
+
+def check_not_a_drafter(spec: str) -> None:
+    """A saved DFlash drafter given as the target (its config.json names the drafter
+    architecture) is one line saying so, before anything loads."""
+    path = Path(spec).expanduser()
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    if not (isinstance(architectures, list) and DRAFTER_ARCHITECTURE in architectures):
+        return
+    try:
+        meta = json.loads((path / "dflash_train.json").read_text(encoding="utf-8"))
+        named = f" ({meta['target']}, its dflash_train.json says)"
+    except (OSError, ValueError, KeyError, TypeError):
+        named = ""
+    raise TargetError(
+        f"target {spec} is a saved DFlash drafter ({DRAFTER_ARCHITECTURE}), not a target "
+        f"model: give the model it drafts for as --target{named}, and this folder as --drafter"
+    )
+
+
+def check_tokenizer(spec: str, tokenizer: Tokenizer) -> None:
+    """A tokenizer that encodes text to no tokens (transformers makes an empty one for a
+    folder without tokenizer files) is one line naming the target."""
+    if len(encode_texts(tokenizer, [PROBE_TEXT])[0]):
+        return
+    path = Path(spec).expanduser()
+    why = ""
+    if path.is_dir() and not any((path / name).is_file() for name in VOCAB_FILES):
+        why = (
+            ": its folder has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, "
+            "...); copy them from the model it came from"
+        )
+    raise TargetError(
+        f"target {spec} has no usable tokenizer (it encodes text to no tokens; "
+        f"{len(tokenizer)} in its vocabulary){why}"
+    )
 
 
 def _check_decoder_config(spec: str, source: str, cached_only: dict[str, bool]) -> None:
@@ -153,6 +256,7 @@ def load_hf_head(spec: str, dtype: torch.dtype | None) -> TargetModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(spec).expanduser()
+    check_not_a_drafter(spec)
     files = _weight_files(path)
     if files is None:
         raise TargetError(f"target {spec} has no safetensors weights to read its head from")
@@ -164,6 +268,7 @@ def load_hf_head(spec: str, dtype: torch.dtype | None) -> TargetModel:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (ValueError, OSError, KeyError) as err:
         raise TargetError(f"cannot read target {spec}: {first_line(err)}") from None
+    check_tokenizer(spec, tokenizer)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     norm = getattr(decoder, "norm", None)

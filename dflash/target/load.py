@@ -14,10 +14,18 @@ from typing import Any
 import torch
 
 from dflash.config.devices import resolve_precision
-from dflash.data.tokenizer import ByteTokenizer
+from dflash.data.tokenizer import ByteTokenizer, encode_texts
 from dflash.errors import first_line
 from dflash.target.geometry import TargetError
-from dflash.target.hf import can_load_head_only, hub_unreachable, load_hf_head, load_hf_target
+from dflash.target.hf import (
+    PROBE_TEXT,
+    can_load_head_only,
+    check_not_a_drafter,
+    check_tokenizer,
+    hub_unreachable,
+    load_hf_head,
+    load_hf_target,
+)
 from dflash.target.model import TargetModel
 from dflash.target.tiny import TinyLM, load_tiny_lm, prepare_builtin_target
 
@@ -88,11 +96,50 @@ def load_target(
     """`builtin:tiny` (the shipped weights), a local HF directory or a hub id.
     `head_only`: a local HF directory's embedding, LM head and final norm alone, on the
     CPU (`load_hf_head`); other targets load whole."""
-    if spec.startswith(BUILTIN_PREFIX):
-        return _builtin_target(spec[len(BUILTIN_PREFIX) :], device, dtype, log)
     if head_only and can_load_head_only(spec):
-        return load_hf_head(spec, dtype)
-    return load_hf_target(spec, device, dtype)
+        return load_hf_head(spec, dtype)  # its decoder never runs: nothing to check
+    if spec.startswith(BUILTIN_PREFIX):
+        target = _builtin_target(spec[len(BUILTIN_PREFIX) :], device, dtype, log)
+    else:
+        target = load_hf_target(spec, device, dtype)
+    check_finite_states(target)
+    return target
+
+
+@torch.no_grad()
+def check_finite_states(target: TargetModel) -> None:
+    """One forward of a short text before any work: a target whose weights hold NaN or
+    inf computes non-finite hidden states, on which training skips every step (and saves
+    an untrained drafter) and regeneration writes noise. One line naming the target, the
+    first layer whose states are not finite and the weights that are not."""
+    ids = encode_texts(target.tokenizer, [PROBE_TEXT])[0].tolist()[:16]
+    bos = getattr(target.tokenizer, "bos_token_id", None)
+    ids = ([bos] if isinstance(bos, int) else []) + ids
+    if not ids:
+        return
+    layers = list(range(target.num_layers))
+    out = target.capture(torch.tensor([ids], device=target.device), layers, with_logits=True)
+    states = out.hidden.reshape(len(ids), target.num_layers, -1)  # [T, layers, D]
+    finite = torch.isfinite(states).all(dim=-1).all(dim=0)  # [layers]
+    logits_finite = out.logits is None or bool(torch.isfinite(out.logits).all())
+    if bool(finite.all()) and logits_finite:
+        return
+    bad = [name for name, p in target.named_parameters() if not bool(torch.isfinite(p).all())]
+    where = (
+        f"its hidden states are NaN or inf from layer {int((~finite).nonzero()[0]) + 1} of "
+        f"{target.num_layers} on"
+        if not bool(finite.all())
+        else "its logits are NaN or inf on"
+    )
+    weights = ""
+    if bad:
+        shown = ", ".join(n.removeprefix("model.") for n in bad[:3])
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        weights = f"; {len(bad)} weight tensors hold NaN or inf ({shown}{more})"
+    raise TargetError(
+        f"target {target.spec}: {where} a {len(ids)}-token probe{weights}: its weights are "
+        "damaged, and a drafter learns nothing from them"
+    )
 
 
 def load_tokenizer(spec: str) -> Any:
@@ -106,15 +153,18 @@ def load_tokenizer(spec: str) -> Any:
             "Hugging Face targets need transformers: pip install 'dflash-train[hf]'"
         ) from err
     path = Path(spec).expanduser()
+    check_not_a_drafter(spec)
     # A hub that cannot answer is not waited for: the Hugging Face cache answers instead.
     cached_only = not path.exists() and hub_unreachable() is not None
     try:
-        return AutoTokenizer.from_pretrained(
+        tokenizer = AutoTokenizer.from_pretrained(
             str(path) if path.exists() else spec, local_files_only=cached_only
         )
     except (OSError, ValueError, KeyError) as err:
         why = first_line(err)
         raise TargetError(f"cannot load the tokenizer of target {spec}: {why}") from None
+    check_tokenizer(spec, tokenizer)
+    return tokenizer
 
 
 def prepare_target_spec(spec: str, log: Callable[[str], None] = print) -> Path | str:

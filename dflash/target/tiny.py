@@ -315,8 +315,12 @@ def prepare_builtin_target(
         return shipped_target()
     root = Path(cache_dir) if cache_dir is not None else cache_dir_default()
     final = root / "targets" / cache_key(cfg, recipe, seed)
-    if (final / "config.json").is_file() and (final / "model.safetensors").is_file():
-        return final
+    if final.exists():
+        why = cached_damage(final)
+        if why is None:
+            return final
+        log(f"tiny target: the cached {final} {why}: it is prepared again")
+        shutil.rmtree(final, ignore_errors=True)
     from safetensors.torch import save_file
 
     log(f"tiny target: preparing {final} (one time, about a minute or two on a CPU)")
@@ -336,6 +340,7 @@ def prepare_builtin_target(
             "seed": seed,
             "heldout_loss": loss,
             "prep_s": prep_s,
+            "sha256": sha256_file(tmp / "model.safetensors"),
         }
         (tmp / "config.json").write_text(json.dumps(meta, indent=2))
         try:
@@ -348,6 +353,30 @@ def prepare_builtin_target(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def cached_damage(directory: Path) -> str | None:
+    """Why a cached tiny target cannot be loaded as it was written (a file missing, cut
+    short or changed: its config.json records the weights' SHA-256), or None."""
+    try:
+        meta = json.loads((directory / "config.json").read_text())
+        TinyLMConfig(**meta["arch"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "has no readable config.json"
+    weights = directory / "model.safetensors"
+    if not weights.is_file():
+        return "has no model.safetensors"
+    if "sha256" in meta:
+        return (
+            None
+            if sha256_file(weights) == meta["sha256"]
+            else "has other weights than it recorded (another SHA-256)"
+        )
+    try:  # written before the SHA-256 was recorded: it must at least read whole
+        load_tiny_lm(directory)
+    except TargetError:
+        return "has weights that do not load"
+    return None
 
 
 def save_tiny_lm(
@@ -376,9 +405,20 @@ def save_tiny_lm(
 
 
 def load_tiny_lm(directory: Path) -> TinyLM:
+    """The tiny LM saved in `directory`; TargetError naming the file when it is missing,
+    damaged or of another shape."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    meta = json.loads((directory / "config.json").read_text())
-    model = TinyLM(TinyLMConfig(**meta["arch"]))
-    model.load_state_dict(load_file(str(directory / "model.safetensors")))
+    try:
+        meta = json.loads((directory / "config.json").read_text())
+        model = TinyLM(TinyLMConfig(**meta["arch"]))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise TargetError(f"tiny target {directory}: config.json is unreadable ({exc})") from None
+    weights = directory / "model.safetensors"
+    try:
+        model.load_state_dict(load_file(str(weights)))
+    except (OSError, SafetensorError, RuntimeError) as exc:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TargetError(f"tiny target {weights}: its weights do not load ({why})") from None
     return model.eval()
