@@ -5,13 +5,15 @@ are the good outcome of what used to fail (a damaged cache repaired, UNK as the 
 token, torchrun from another folder): exit 0 and their line. Prints one line per case and
 the count. Signals in the first seconds: bench/signal_timing.py.
 
-Usage: python bench/bad_input.py [--keep DIR]   (needs the built-in tiny target: it is
-prepared once, a few minutes, and cached; the cases then take a few minutes)
+Usage: python bench/bad_input.py [--keep DIR] [--group NAME ...]   (needs the built-in
+tiny target: it is prepared once, a few minutes, and cached; the cases then take a few
+minutes; `--group` runs one group of cases, GROUPS)
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import json
 import os
@@ -21,6 +23,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -260,7 +263,7 @@ def cases(work: Path) -> list[Case]:
     ]  # fmt: skip
 
 
-def issue_31_cases(work: Path, hub: str) -> list[Case]:
+def ownership_cache_and_deadline_cases(work: Path, hub: str) -> list[Case]:
     """Outputs aimed at a run's own files, two writers of one output, writability as
     root, caches, deadlines, long names and full disks, one line, UNK, torchrun."""
     done, corpus = work / "done", work / "corpus.txt"
@@ -585,7 +588,7 @@ def issue_31_cases(work: Path, hub: str) -> list[Case]:
     ]
 
 
-def issue_41_cases(work: Path, hub: str) -> list[Case]:
+def unwritten_file_and_silent_server_cases(work: Path, hub: str) -> list[Case]:
     """Nothing replaced that the command did not write, failed writes are one line,
     servers and FIFOs that never answer are bounded, unknown variables are told."""
     done, corpus = work / "done", work / "corpus.txt"
@@ -669,6 +672,243 @@ def issue_41_cases(work: Path, hub: str) -> list[Case]:
     ]
 
 
+def lying_data_and_damaged_target_cases(work: Path) -> list[Case]:
+    """Data that lies is caught, not learned (a server's null replies, a regeneration still
+    being written, a cached one cut in half, compressed and JSON files, lines the parser
+    cannot take); damaged targets are refused before training, naming what is wrong."""
+    done, corpus = work / "done", work / "corpus.txt"
+    data, new = ["--data", str(corpus)], ["--output-dir", str(work / "new")]
+    texts = [{"text": f"def g{i}(x):\n    return x * {i}\n" * 3} for i in range(20)]
+    chat = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]})
+                               + "\n" for i in range(8)))  # fmt: skip
+    partial = work / "regen-partial.jsonl"
+    partial.write_text("".join(json.dumps(t) + "\n" for t in texts[:4]))
+    record = {"format": 2, "target": "builtin:tiny", "target_hash": "-", "data": "-"}
+    record |= {"lines": 20, "settings": {}}
+    partial.with_name(partial.name + ".run.json").write_text(json.dumps(record))
+    gz_folder = work / "gz-folder"
+    gz_folder.mkdir(exist_ok=True)
+    with gzip.open(gz_folder / "texts.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(t) + "\n" for t in texts))
+    chats_json = work / "chats.json"
+    chats_json.write_text(json.dumps([chat, {"messages": [{"role": "wizard", "content": "x"}]}]))
+    wizards = work / "wizards.json"
+    wizards.write_text(json.dumps([{"messages": [{"role": "wizard", "content": "x"}]}]))
+    deep, surrogate = work / "deep.jsonl", work / "surrogate.jsonl"
+    lines = "".join(json.dumps(t) + "\n" for t in texts)
+    deep.write_text("[" * 200_000 + "\n" + lines)
+    surrogate.write_text('{"text": "half \\ud800 of a pair"}\n' + lines)
+    regen_cache = cut_regeneration(work)
+    missing, nan, bare = damaged_targets(work)
+    inspect = ["inspect-data", "--rows", "0", "--seq-len", "64"]
+    null = null_server()
+    return [
+        # 3. data that lies
+        Case(
+            "regenerate --server answering text null",
+            [
+                "regenerate",
+                "--server",
+                null,
+                "--target",
+                "builtin:tiny",
+                "--data",
+                str(prompts),
+                "--output",
+                str(work / "null.jsonl"),
+                "--max-new-tokens",
+                "8",
+            ],
+            '"text": null',
+            alone=False,
+            check=no_text(work / "null.jsonl", "None"),
+        ),  # fmt: skip
+        Case(
+            "train on a regenerate output being written",
+            ["train", *SMALL, "--data", str(partial), *new],
+            "is still being written by dflash-train regenerate",
+            before=holder(partial),
+        ),
+        Case(
+            "train on an unfinished regenerate output",
+            ["train", *SMALL, "--data", str(partial), *new],
+            "is an unfinished regenerate output: 4 of its 20 lines",
+        ),
+        Case(
+            "train on a cached regeneration cut in half",
+            ["train", *SMALL, "--output-dir", str(work / "regen-run")],
+            "lines: it is generated again",
+            code=0,
+            env={"DFLASH_CACHE_DIR": str(regen_cache)},
+            alone=False,
+            within_s=300,
+        ),
+        Case(
+            "a .jsonl.gz alone in a --data folder",
+            [*inspect, "--data", str(gz_folder)],
+            "19 training documents",
+            code=0,
+            alone=False,
+        ),
+        Case(
+            "a .json array of chats",
+            [*inspect, "--data", str(chats_json)],
+            "first: " + str(chats_json) + "[1]: unknown role 'wizard'",
+            code=0,
+            alone=False,
+        ),
+        Case(
+            "a .json array of nothing usable",
+            [*inspect, "--data", str(wizards)],
+            "[0]: unknown role 'wizard'",
+        ),
+        Case(
+            "a line of 200,000 nested brackets",
+            [*inspect, "--data", str(deep)],
+            "deep.jsonl:1: malformed JSON (nested too deeply to read)",
+            code=0,
+            alone=False,
+        ),
+        Case(
+            "a lone surrogate escape",
+            [*inspect, "--data", str(surrogate)],
+            "surrogate.jsonl:1: malformed JSON (a \\u escape of half a surrogate pair",
+            code=0,
+            alone=False,
+        ),
+        # 4. damaged targets
+        Case(
+            "a target with a tensor missing",
+            ["train", "--target", str(missing), *SMALL, *data, *new],
+            "1 missing (model.layers.1.mlp.down_proj.weight)",
+            alone=False,
+            within_s=60,
+        ),
+        Case(
+            "a target whose layer weights are NaN",
+            ["train", "--target", str(nan), *SMALL, *data, *new, "--steps", "3"],
+            "its hidden states are NaN or inf from layer 2 of 4",
+            alone=False,
+            within_s=60,
+        ),
+        Case(
+            "a target folder without a tokenizer",
+            ["train", "--target", str(bare), *SMALL, *data, *new],
+            "has no usable tokenizer",
+            within_s=60,
+        ),
+        Case(
+            "a saved drafter as the target of train",
+            ["train", "--target", str(done / "drafter"), *SMALL, *data, *new],
+            "is a saved DFlash drafter",
+            within_s=60,
+        ),
+        Case(
+            "a saved drafter as the target of regenerate",
+            [
+                "regenerate",
+                "--target",
+                str(done / "drafter"),
+                *data,
+                "--output",
+                str(work / "drafter-regen.jsonl"),
+            ],
+            "is a saved DFlash drafter",
+            within_s=60,
+        ),  # fmt: skip
+    ]
+
+
+def null_server() -> str:
+    """An OpenAI-compatible endpoint (byte tokens, as builtin:tiny's) whose every
+    completion is `"text": null`, served from this process while the cases run."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def _send(self, body: dict) -> None:
+            raw = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_GET(self) -> None:  # noqa: N802 - the http.server hook name
+            self._send({"data": [{"id": "builtin:tiny"}]})
+
+        def do_POST(self) -> None:  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/tokenize":
+                self._send({"tokens": list(body["content"].encode())})
+                return
+            self._send({"choices": [{"text": None, "finish_reason": "stop"}], "usage": {}})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    null_server.keep = server  # type: ignore[attr-defined]  # serving while the cases run
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def cut_regeneration(work: Path) -> Path:
+    """A cache folder whose regeneration of the embedded default (builtin:tiny's) is cut
+    in half: made once by a one-step run (about a minute), cut before every round."""
+    cache = work / "regen-cache"
+    made = sorted((cache / "regen").glob("embedded-*.jsonl"))
+    if not made:
+        first = run(["train", *SMALL[:2], "--steps", "1", "--output-dir", str(work / "regen-first"),
+                     "--overwrite"], env={"DFLASH_CACHE_DIR": str(cache)})  # fmt: skip
+        if first.returncode != 0:
+            raise RuntimeError(first.stderr[-1000:])
+        made = sorted((cache / "regen").glob("embedded-*.jsonl"))
+    whole = made[0].read_bytes()
+    made[0].write_bytes(whole[: len(whole) // 2])
+    shutil.rmtree(work / "regen-run", ignore_errors=True)
+    return cache
+
+
+def damaged_targets(work: Path) -> tuple[Path, Path, Path]:
+    """Copies of a tiny Qwen3 target: one tensor missing (and one unexpected), NaN in
+    layer 2's weights, and no tokenizer files."""
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tests.dflash.hf_fixtures import save_hf_target
+
+    good = work / "qwen3-target"
+    if not (good / "model.safetensors").exists():
+        save_hf_target(good)
+    missing, nan, bare = work / "missing-target", work / "nan-target", work / "bare-target"
+    for copy in (missing, nan, bare):
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(good, copy)
+    state = load_file(good / "model.safetensors")
+    del state["model.layers.1.mlp.down_proj.weight"]
+    state["model.extra.weight"] = torch.zeros(2)
+    save_file(state, str(missing / "model.safetensors"), metadata={"format": "pt"})
+    state = load_file(good / "model.safetensors")
+    for name, tensor in state.items():
+        if name.startswith("model.layers.1.") and name.endswith("proj.weight"):
+            tensor.fill_(float("nan"))
+    save_file(state, str(nan / "model.safetensors"), metadata={"format": "pt"})
+    for file in bare.iterdir():
+        if file.name not in ("config.json", "generation_config.json", "model.safetensors"):
+            file.unlink()
+    return missing, nan, bare
+
+
+def no_text(path: Path, text: str) -> Callable[[subprocess.Popen | None], list[str]]:
+    def check(_: subprocess.Popen | None) -> list[str]:
+        found = path.exists() and text in path.read_text()
+        return [f"{path.name} holds {text!r}"] if found else []
+
+    return check
+
+
 def full_device(work: Path) -> Path:
     """A device whose writes fail with ENOSPC: a private twin of /dev/full where mknod is
     allowed (so that no run of older code can replace the system's), else /dev/full."""
@@ -706,6 +946,12 @@ def whole_lines(output: Path) -> Callable[[subprocess.Popen | None], list[str]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", help="work in this folder and keep it")
+    parser.add_argument(
+        "--group",
+        action="append",
+        choices=list(GROUPS),
+        help="run only this group of cases (repeatable; default: all of them)",
+    )
     args = parser.parse_args()
     work = Path(args.keep or tempfile.mkdtemp(prefix="bad-input-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -735,12 +981,13 @@ def main() -> int:
         "trace-full",
     ):
         shutil.rmtree(work / leftover, ignore_errors=True)
-    for leftover in ("full.jsonl", "full.jsonl.run.json", "shared.jsonl", "shared.jsonl.run.json"):
+    for leftover in ("full.jsonl", "shared.jsonl", "null.jsonl", "drafter-regen.jsonl"):
         (work / leftover).unlink(missing_ok=True)
+        (work / (leftover + ".run.json")).unlink(missing_ok=True)
     before = folder_state(done)
     good = counted = 0
     hub = silent_hub()
-    all_cases = [*cases(work), *issue_31_cases(work, hub), *issue_41_cases(work, hub)]
+    all_cases = [case for group in args.group or GROUPS for case in GROUPS[group](work, hub)]
     for case in all_cases:
         if case.root_only and os.geteuid() != 0:
             print(f"skip {case.name:<44} (not root: permission bits already refuse it)")
@@ -775,6 +1022,15 @@ def main() -> int:
     print(f"{good} of {counted} bad-input cases: one line, the right exit code, "
           "no traceback, in time, the earlier run unchanged")  # fmt: skip
     return 0 if good == counted else 1
+
+
+GROUPS: dict[str, Callable[[Path, str], list[Case]]] = {
+    "first-rounds": lambda work, hub: cases(work),
+    "ownership-cache-deadline": ownership_cache_and_deadline_cases,
+    "unwritten-file-silent-server": unwritten_file_and_silent_server_cases,
+    "lying-data-damaged-target": lambda work, hub: lying_data_and_damaged_target_cases(work),
+}
+"""The groups of cases (`--group`), each built (its files prepared) only when it runs."""
 
 
 def judge(case: Case, result: subprocess.CompletedProcess, took: float) -> list[str]:
