@@ -28,7 +28,6 @@ from dflash.config.devices import DeviceError, decide_placement
 from dflash.config.settings import LossConfig, TrainConfig
 from dflash.drafter.vocab import check_draft_vocab_size
 from dflash.errors import DFlashError, first_line
-from dflash.run.features import target_runs
 from dflash.target.geometry import TargetError, TargetGeometry, geometry_from_hf_config
 from dflash.target.hf import hub_unreachable
 from dflash.target.model import choose_target_layers
@@ -209,6 +208,14 @@ def seconds_at(shape: StepShape, flops_per_s: float) -> float:
 
 
 # ------------------------------------------------------------- a run's config
+
+
+def target_runs(cfg: TrainConfig) -> bool:
+    """Whether the target's decoder runs while training, said by the config alone (for
+    the estimates of a dry run, before any cache need exist): every source read from
+    --hidden-cache answers False, as
+    `dflash.run.features.feature_source(cfg).runs_target` would."""
+    return cfg.data.hidden_cache is None
 
 
 def geometry_for_spec(spec: str) -> tuple[TargetGeometry, str]:

@@ -32,6 +32,7 @@ from dflash.offline.sample_cache import (
     sample_datasets,
 )
 from dflash.offline.sample_reader import SampleCacheReader
+from dflash.run.estimate import EstimateError, device_memory_bytes, geometry_for_spec
 from dflash.run.progress import HeldLog
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.model import TargetModel, TargetOutput, choose_target_layers
@@ -285,9 +286,6 @@ def evaluates_whole_target(cfg: TrainConfig) -> bool:
     Without the whole target there is no τ while training and no final evaluation."""
     if not cfg.run.eval_prompts or cfg.run.eval_engine != "in-process":
         return False
-    # Deferred: dflash.run.estimate imports this module (target_runs).
-    from dflash.run.estimate import EstimateError, device_memory_bytes, geometry_for_spec
-
     try:
         geometry, _ = geometry_for_spec(cfg.target.spec)
     except EstimateError:
@@ -306,10 +304,3 @@ def feature_source(cfg: TrainConfig) -> FeatureSource:
     if cache_format(directory) == "speculators":
         return SampleFiles(cfg, directory)
     return BatchCache(cfg, directory)
-
-
-def target_runs(cfg: TrainConfig) -> bool:
-    """Whether the target's decoder runs while training, said by the config alone (for
-    the estimates of a dry run, before any cache need exist): every source read from
-    --hidden-cache answers False, as `feature_source(cfg).runs_target` would."""
-    return cfg.data.hidden_cache is None
