@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import ParamSpec, TypeVar
 from urllib.parse import urlparse
 
 EXPORTERS = ("none", "otlp", "console", "file")
@@ -206,7 +207,11 @@ def warn_once(key: str, message: str) -> None:
         logger.warning("tracing: %s", message)
 
 
-def call_logged(fn: Any, *args: Any, **kwargs: Any) -> Any:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def call_logged(fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R | None:
     """`fn(*args, **kwargs)`, or None when it raised (logged): telemetry never raises."""
     try:
         return fn(*args, **kwargs)

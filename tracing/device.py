@@ -44,7 +44,7 @@ class CudaClock:
     def __init__(self) -> None:
         import torch
 
-        self._torch = torch
+        self._torch: Any = torch  # torch's own stubs do not take the device as given
         self._applies: dict[object, bool] = {}
         # device -> completed events; deque append/pop are atomic across the two threads.
         self._free: dict[object, deque[Any]] = {}
@@ -73,7 +73,7 @@ class CudaClock:
         return bool(event.query())
 
     def elapsed_s(self, start: Any, end: Any) -> float:
-        return start.elapsed_time(end) / 1e3
+        return float(start.elapsed_time(end)) / 1e3
 
     def synchronize(self, device: object) -> None:
         self._torch.cuda.synchronize(device)

@@ -314,7 +314,7 @@ def build_exporters(
         elif name == "console":
             exporters.append(ConsoleSpanExporter())
             sinks.append("console")
-        elif name == "file":
+        elif name == "file" and cfg.trace_file:  # TracingConfig refuses `file` without it
             # PATH for rank 0, PATH.rankN for the others: ranks appending to one file interleave
             path = cfg.trace_file if cfg.rank == 0 else f"{cfg.trace_file}.rank{cfg.rank}"
             exporters.append(OtlpJsonFileExporter(path, report))
@@ -373,12 +373,12 @@ class CountingExporter(SpanExporter):
             self.failed += len(spans)
             return SpanExportResult.FAILURE
         self.exported += len(spans)
-        return result
+        return SpanExportResult.SUCCESS
 
-    def _export(self, spans: Sequence[ReadableSpan]) -> Any:
+    def _export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult | None:
         export_watch = self.watch
         if export_watch is None:
-            return call_logged(self.inner.export, spans)
+            return call_logged(self.inner.export, spans)  # None: it raised
         with export_watch.exporting():
             result = call_logged(self.inner.export, spans)
         if result == SpanExportResult.SUCCESS:

@@ -22,8 +22,9 @@ from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
 from tracing.clock import now_ns
 
@@ -72,7 +73,8 @@ class FastSpan(trace.Span):
         self.span_id, self.trace_state = tracer.ids.generate_span_id(), trace_state
         self.attributes = attributes  # already clean (tracing.spans): copied, never shared
         self.events: list[Event] | None = None
-        self.status, self.start_time, self.end_time = _UNSET, start_time, None
+        self.status, self.start_time = _UNSET, start_time
+        self.end_time: int | None = None
         self._context: SpanContext | None = None
 
     def get_span_context(self) -> SpanContext:
@@ -134,10 +136,11 @@ class FastSpan(trace.Span):
         if self.end_time is not None:
             return
         self.end_time = now_ns() if end_time is None else end_time
-        tracer, attributes = self._tracer, self.attributes
-        limits = tracer.limits
+        tracer, limits = self._tracer, self._tracer.limits
+        attributes: Mapping[str, Any] | None = self.attributes
+        most = limits.max_span_attributes  # None: unlimited (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT)
         if attributes and (
-            len(attributes) > limits.max_span_attributes or limits.max_span_attribute_length
+            (most is not None and len(attributes) > most) or limits.max_span_attribute_length
         ):  # the values are clean already; only the SDK's limits are left to apply
             attributes = BoundedAttributes(
                 limits.max_span_attributes,
@@ -183,8 +186,11 @@ class FastTracer:
         attributes: dict[str, Any] | None = None,
         start_time: int | None = None,
     ) -> trace.Span:
-        parent = trace.get_current_span(context).get_span_context()
-        if parent.is_valid:  # a parent-based sampler follows the parent's decision
+        parent: SpanContext | None = trace.get_current_span(context).get_span_context()
+        state: TraceState | None
+        if (
+            parent is not None and parent.is_valid
+        ):  # a parent-based sampler follows the parent's decision
             trace_id, state = parent.trace_id, parent.trace_state
             sampled = parent.trace_flags.sampled
         else:
@@ -192,7 +198,7 @@ class FastTracer:
             result = self.sampler.should_sample(
                 context, trace_id, name, SpanKind.INTERNAL, attributes
             )
-            sampled, state = result.decision.is_sampled(), result.trace_state
+            sampled, state = result.decision is Decision.RECORD_AND_SAMPLE, result.trace_state
             if result.attributes:
                 attributes = {**(attributes or {}), **result.attributes}
         if not sampled:

@@ -30,8 +30,8 @@ def format_compact(snapshot: StatsSnapshot) -> str:
     """One line per name, in the spirit of the classic ProfileStats printout."""
     lines = []
     for name, s in sorted(snapshot.phases.items()):
-        low = s.min_s if s.count else 0.0
-        total, mean, low, high = map(format_duration, (s.total_s, s.mean_s, low, s.max_s))
+        least = s.min_s if s.count else 0.0
+        total, mean, low, high = map(format_duration, (s.total_s, s.mean_s, least, s.max_s))
         lines.append(f"{name}: n={s.count} total={total} mean={mean} min={low} max={high}")
     return "\n".join(lines)
 

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import Counter, Exemplar, MeterProvider, ObservableCounter
@@ -62,9 +62,18 @@ from tracing.export import (
     wanted_exporters,
 )
 from tracing.logs import Logs
-from tracing.snapshot import BUCKETS_PER_OCTAVE, MIN_BUCKET, TINY_S, PhaseStats, bucket_of
+from tracing.snapshot import (
+    BUCKETS_PER_OCTAVE,
+    MIN_BUCKET,
+    TINY_S,
+    PhaseStats,
+    StatsSnapshot,
+    bucket_of,
+)
 from tracing.stats import ProfileStats
 from tracing.telemetry import ShutdownReport, Telemetry, active, build_resource
+
+_Point = TypeVar("_Point", HistogramDataPoint, ExponentialHistogramDataPoint)
 
 SCOPE = InstrumentationScope("tracing.metrics")
 TEMPORALITY_VARIABLE = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
@@ -119,7 +128,12 @@ class _StatsExporter(MetricExporter):
     """Adds the ProfileStats histograms to each export and counts the results.
     Runs on the reader's thread; never raises (an exporter error is a failed export)."""
 
-    def __init__(self, inner: MetricExporter, owner: Metrics, temporality: dict) -> None:
+    def __init__(
+        self,
+        inner: MetricExporter,
+        owner: Metrics,
+        temporality: dict[type, AggregationTemporality],
+    ) -> None:
         super().__init__(preferred_temporality=temporality)
         self.inner, self.owner = inner, owner
         self.ok = self.failed = self.points_failed = 0
@@ -143,15 +157,17 @@ class _StatsExporter(MetricExporter):
             self.points_in_flight -= points
         if result == MetricExportResult.SUCCESS:
             self.ok += 1
-            return result
+            return MetricExportResult.SUCCESS
         self.failed += 1
         self.points_failed += points
         return MetricExportResult.FAILURE
 
-    def _export(self, data: MetricsData, timeout_millis: float) -> Any:
+    def _export(self, data: MetricsData, timeout_millis: float) -> MetricExportResult | None:
         export_watch = self.watch
         if export_watch is None:
-            return call_logged(self.inner.export, data, timeout_millis=timeout_millis)
+            return call_logged(
+                self.inner.export, data, timeout_millis=timeout_millis
+            )  # None: raised
         with export_watch.exporting():
             result = call_logged(self.inner.export, data, timeout_millis=timeout_millis)
         if result == MetricExportResult.SUCCESS:
@@ -227,10 +243,24 @@ class _StatsHistogram:
             self.start_ns = now_ns()
         self._last_total = total
         time_ns = now_ns()
-        exponential = self.kind == "exponential"
-        bucket = _stats_bucket if exponential else _octave_index
-        point = _exponential_point if exponential else _explicit_point
-        points = [
+        data: ExponentialHistogram | Histogram
+        if self.kind == "exponential":
+            points = self._points(snap, time_ns, _exponential_point, _stats_bucket)
+            data = ExponentialHistogram(points, AggregationTemporality.CUMULATIVE)
+        else:
+            explicit = self._points(snap, time_ns, _explicit_point, _octave_index)
+            data = Histogram(explicit, AggregationTemporality.CUMULATIVE)
+        return Metric(self.name, self.description, "s", data)
+
+    def _points(
+        self,
+        snap: StatsSnapshot,
+        time_ns: int,
+        point: Callable[[dict[str, Any], int, int, PhaseStats, list[Exemplar]], _Point],
+        bucket: Callable[[float], int],
+    ) -> list[_Point]:
+        """One point per phase that has durations, with its exemplars by `bucket`."""
+        return [
             point(
                 {self.phase_key: name},
                 self.start_ns,
@@ -241,13 +271,14 @@ class _StatsHistogram:
             for name, s in sorted(snap.phases.items())
             if s.count
         ]
-        kind = ExponentialHistogram if exponential else Histogram
-        data = kind(points, AggregationTemporality.CUMULATIVE)
-        return Metric(self.name, self.description, "s", data)
 
 
 def _explicit_point(
-    attributes: dict[str, Any], start_ns: int, time_ns: int, s: PhaseStats, exemplars: list
+    attributes: dict[str, Any],
+    start_ns: int,
+    time_ns: int,
+    s: PhaseStats,
+    exemplars: list[Exemplar],
 ) -> HistogramDataPoint:
     return HistogramDataPoint(
         attributes=attributes,
@@ -264,7 +295,11 @@ def _explicit_point(
 
 
 def _exponential_point(
-    attributes: dict[str, Any], start_ns: int, time_ns: int, s: PhaseStats, exemplars: list
+    attributes: dict[str, Any],
+    start_ns: int,
+    time_ns: int,
+    s: PhaseStats,
+    exemplars: list[Exemplar],
 ) -> ExponentialHistogramDataPoint:
     """The stats' buckets as they are: ProfileStats bucket b, [2**(b/8), 2**((b+1)/8)),
     is OTLP bucket b of scale 3, (2**(b/8), 2**((b+1)/8)] (only a duration exactly on
@@ -527,7 +562,7 @@ def shutdown_all(
     bound_s = telemetry.cfg.shutdown_timeout_s if timeout_s is None else timeout_s
     started = time.monotonic()
     box: list[MetricsReport] = []
-    others = []
+    others: list[Callable[[], object]] = []
     if metrics is not None:
         others.append(lambda: box.append(metrics.shutdown(bound_s)))
     if logs is not None:

@@ -141,15 +141,14 @@ class Reporter:
         """The table (min/max per process with `rank_snapshots`), figures, verdict, as printed."""
         lines = [format_table(snapshot, title=title, rank_snapshots=rank_snapshots)]
         figures = [
-            f"{name} {_call_text(lambda r=rate: r.sample(cumulative))}"
-            for name, rate in self._rates.items()
+            f"{name} {_call_text(rate.sample, cumulative)}" for name, rate in self._rates.items()
         ]
         for name, (fn, unit) in self._gauges.items():
-            figures.append(f"{name} {_call_text(lambda fn=fn: _number(fn()))}{unit}")
+            figures.append(f"{name} {_call_text(_gauge_number, fn)}{unit}")
         if figures:
             lines.append("throughput: " + " | ".join(figures))
         if self._verdict is not None:
-            verdict = _call_text(lambda: self._verdict(snapshot))  # type: ignore[misc]
+            verdict = _call_text(self._verdict, snapshot)
             if verdict and verdict != "None":
                 lines.append(f"verdict: {verdict}")
         return "\n".join(lines)
@@ -201,9 +200,14 @@ def _number(value: Any) -> str:
     return f"{value:,.1f}" if isinstance(value, float) else str(value)
 
 
-def _call_text(fn: Callable[[], Any]) -> str:
+def _gauge_number(gauge: Callable[[], Any]) -> str:
+    return _number(gauge())
+
+
+def _call_text(fn: Callable[..., Any], *args: Any) -> str:
+    """`fn(*args)` as text; a callback that raises is "n/a", logged, never the report's end."""
     try:
-        return str(fn())
+        return str(fn(*args))
     except Exception:
         logger.exception("tracing: reporter callback raised")
         return "n/a"

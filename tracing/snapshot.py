@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from math import floor, inf, log2
+from math import floor, inf, log2, pow
 from typing import Any
 
 # 8 buckets per doubling: bucket b covers [2**(b/8), 2**((b+1)/8)) seconds.
@@ -21,7 +21,7 @@ TINY_S = 2.0 ** (MIN_BUCKET / BUCKETS_PER_OCTAVE)  # durations up to this: bucke
 
 def bucket_edge_s(bucket: int) -> float:
     """Lower edge of `bucket`: bucket b covers [edge(b), edge(b + 1))."""
-    return 2.0 ** (bucket / BUCKETS_PER_OCTAVE)
+    return pow(2.0, bucket / BUCKETS_PER_OCTAVE)
 
 
 def bucket_of(seconds: float) -> int:
@@ -36,7 +36,7 @@ def bucket_of(seconds: float) -> int:
 
 
 def _bucket_mid_s(bucket: int) -> float:
-    return 2.0 ** ((bucket + 0.5) / BUCKETS_PER_OCTAVE)
+    return pow(2.0, (bucket + 0.5) / BUCKETS_PER_OCTAVE)
 
 
 @dataclass

@@ -385,7 +385,8 @@ class Phase(SpanHandle):
             self.name, context, attributes=values, start_time=start_ns
         )
         self._token = _current.set(self)
-        self._otel_token = otel_context.attach(self.context) if propagate else None
+        held = self.context if propagate else None  # never None: the span just started
+        self._otel_token = otel_context.attach(held) if held is not None else None
 
     def _leave(self) -> None:
         """Undoes `_start_span`'s context changes; never raises."""

@@ -135,13 +135,15 @@ class ProfileStats:
             self._threads[key] = weakref.ref(threading.current_thread())
             local.key = key
             local.pending = self._pending.setdefault(key, {})
-        return local.pending
+        pending: dict[str, list[float]] = local.pending
+        return pending
 
     def thread_key(self) -> str:
         """The key under which this thread's durations are counted (unique per thread:
         thread idents are reused once a thread ends)."""
         self._thread_pending()
-        return self._local.key
+        key: str = self._local.key
+        return key
 
     def _fold(self, thread: object, name: str, values: list[float]) -> None:
         """Moves a pending list into `_live`; the caller holds the lock."""
