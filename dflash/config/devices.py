@@ -118,10 +118,14 @@ def resolve_devices(
     """Devices from the options; an empty option or `auto` takes `default_devices`."""
     auto_target, auto_drafter = default_devices(local_rank, local_world_size)
     targets = (
-        auto_target if _is_auto(target_spec) else parse_devices(target_spec, "--target-devices")
+        parse_devices(target_spec, "--target-devices")
+        if target_spec and not _is_auto(target_spec)
+        else auto_target
     )
     drafters = (
-        auto_drafter if _is_auto(drafter_spec) else parse_devices(drafter_spec, "--drafter-devices")
+        parse_devices(drafter_spec, "--drafter-devices")
+        if drafter_spec and not _is_auto(drafter_spec)
+        else auto_drafter
     )
     kinds = {d.type for d in drafters}
     if len(kinds) > 1:

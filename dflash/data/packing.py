@@ -195,10 +195,11 @@ def pack_documents(docs: list[Document], seq_len: int, pad_id: int, eos_id: int 
     for doc in docs:
         if doc.turn_ends is not None:
             if len(doc.ids) > seq_len:
-                doc = truncate_chat(doc, seq_len, eos_id)
-                if doc is None:
+                cut = truncate_chat(doc, seq_len, eos_id)
+                if cut is None:
                     report.dropped_chats += 1
                     continue
+                doc = cut
                 report.truncated_chats += 1
             if len(doc.ids) > builder.space:
                 builder.flush()

@@ -194,8 +194,15 @@ class BlockInputs:
     def _map(self, fn: Callable[[Tensor], Tensor]) -> BlockInputs:
         """`fn` of every tensor (ctx_start first, where there is one)."""
         ctx = None if self.ctx_start is None else fn(self.ctx_start)
-        tensors = (self.anchors, self.keep, self.block_ids, self.labels, self.valid, self.given)
-        return BlockInputs(*(fn(t) for t in tensors), ctx)
+        return BlockInputs(
+            fn(self.anchors),
+            fn(self.keep),
+            fn(self.block_ids),
+            fn(self.labels),
+            fn(self.valid),
+            fn(self.given),
+            ctx,
+        )
 
 
 def prepare_blocks(

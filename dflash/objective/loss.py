@@ -209,7 +209,11 @@ def chunked_dflash_loss(
         labels.reshape(-1, bs),
         learn.reshape(-1, bs),
     )
-    flat_t = target_hidden.reshape(b * n, bs, -1) if cfg.use_soft_labels else None
+    flat_t = None
+    if cfg.use_soft_labels:
+        if target_hidden is None:
+            raise ValueError("use_soft_labels needs the target's hidden states of the blocks")
+        flat_t = target_hidden.reshape(b * n, bs, -1)
     flat_given = None if given is None else given.reshape(-1, bs)
     parts = []
     for i in range(0, b * n, chunk_size):

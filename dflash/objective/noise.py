@@ -68,7 +68,7 @@ class NoiseSchedule:
 
     def sample(
         self,
-        shape: tuple[int, int, int],
+        shape: tuple[int, ...],  # (B, N, Bs)
         step: int,
         generator: torch.Generator | None,
         device: torch.device,

@@ -109,9 +109,9 @@ def mfu(
     return achieved_tflops(flops_per_token, tokens_per_s) / (peak * num_devices)
 
 
-def device_peak_tflops(device: object) -> float | None:
+def device_peak_tflops(device: torch.device | str) -> float | None:
     """The peak of a torch device (None on CPU, or a GPU not in the table)."""
-    device = torch.device(device)  # type: ignore[arg-type]
+    device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return peak_tflops(torch.cuda.get_device_name(device))
@@ -173,10 +173,10 @@ def _measure_matmul(dtype: torch.dtype, size: int, repeats: int) -> float:
     return 2.0 * size**3 / best_s / 1e9
 
 
-def peak_memory_reader(device: object) -> Callable[[], float] | None:
+def peak_memory_reader(device: torch.device | str) -> Callable[[], float] | None:
     """A function returning the peak bytes allocated on `device` since its last call
     (each read starts the next interval); None where the device keeps no such figure."""
-    device = torch.device(device)  # type: ignore[arg-type]
+    device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
 

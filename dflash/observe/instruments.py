@@ -117,8 +117,10 @@ def build_instruments(tel: TelemetryConfig, output_dir: Path, rank: int, log: Lo
     path, max_events = timeline_file(tel, output_dir)
     try:
         if path is not None:
-            limit = {} if max_events is None else {"max_events": max_events}
-            out.timeline = Timeline(path, rank=rank, **limit)
+            if max_events is None:
+                out.timeline = Timeline(path, rank=rank)
+            else:
+                out.timeline = Timeline(path, rank=rank, max_events=max_events)
     except ValueError as exc:
         raise ObserveError(f"--timeline {str(path)!r} is invalid: {exc}") from None
     try:

@@ -76,6 +76,8 @@ class ProfileWindow:
     def _finish(self) -> None:
         profiler, self._profiler = self._profiler, None
         self.done = True
+        if profiler is None:  # never started: nothing to write
+            return
         profiler.stop()
         try:
             profiler.export_chrome_trace(str(self.path))

@@ -160,10 +160,10 @@ def sync_initial_weights(replicas: Sequence[nn.Module]) -> None:
         for tensor in list(first.parameters()) + list(first.buffers()):
             dist.broadcast(tensor.data, src=0)
     for other in replicas[1:]:
-        for dst, src in zip(other.parameters(), first.parameters(), strict=True):
-            dst.copy_(src)
-        for dst, src in zip(other.buffers(), first.buffers(), strict=True):
-            dst.copy_(src)
+        for param, source in zip(other.parameters(), first.parameters(), strict=True):
+            param.copy_(source)
+        for buffer, kept in zip(other.buffers(), first.buffers(), strict=True):
+            buffer.copy_(kept)
 
 
 class CrossRankHook(Protocol):

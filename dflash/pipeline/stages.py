@@ -196,20 +196,23 @@ class TargetForwardLoop(StageThread):
 
     def loop(self) -> None:
         attrs = _thread_attributes(self, self.device)
-        where = {"device": self.device, "attributes": attrs}
         while True:
             item = _take(self, self.in_q, self.counters, attrs)
             if item is END:
                 break
             self.enter(self.phase_name)
             try:
-                with tracing.phase(self.phase_name, parent=item.span, **where):
+                with tracing.phase(
+                    self.phase_name, parent=item.span, device=self.device, attributes=attrs
+                ):
                     target_out = self.forward(item.batch)
                 self.counters.add_target(item.batch.num_tokens)
                 self.enter(names.HS_QUEUE_PUT)
                 # A full hs_queue blocks here: the drafter-bound half of the verdict, a
                 # span of the batch's trace beside its wait on the drafter's side.
-                with tracing.phase(names.HS_QUEUE_PUT, parent=item.span, **where):
+                with tracing.phase(
+                    names.HS_QUEUE_PUT, parent=item.span, device=self.device, attributes=attrs
+                ):
                     self.out_q.put(HiddenItem(item.batch, target_out, item.span))
             except BaseException as exc:
                 _end_span(item.span, exc)
@@ -263,8 +266,9 @@ class DrafterTrainLoop(StageThread):
                     batch, target_out = self.move(batch, target_out)
                 number = self.first_step + self.steps_done
                 step_attrs = {**attrs, names.STEP: number, names.BATCH_ID: batch.batch_id}
-                where = {"level": "step", "parent": item.span, "attributes": step_attrs}
-                with tracing.phase(names.DRAFTER_STEP, **where):
+                with tracing.phase(
+                    names.DRAFTER_STEP, level="step", parent=item.span, attributes=step_attrs
+                ):
                     result = self.step_fn(batch, target_out, self._phase)
             except BaseException as exc:
                 _end_span(item.span, exc)
@@ -313,10 +317,18 @@ class Pipeline:
         attributes = span_attributes or {}
         Prefetcher(group, batch_q, make_batch, indices, len(forwards), attributes, pin_memory)
         producers = _Countdown(len(forwards))
-        common = {"producers": producers, "num_consumers": len(steps), "phase_name": target_phase}
         for i, (device, forward) in enumerate(forwards):
             TargetForwardLoop(
-                f"target-{i}", group, batch_q, hs_q, forward, device, counters, **common
+                f"target-{i}",
+                group,
+                batch_q,
+                hs_q,
+                forward,
+                device,
+                counters,
+                producers=producers,
+                num_consumers=len(steps),
+                phase_name=target_phase,
             )
         for i, (device, step, move) in enumerate(steps):
             report = partial(on_step, i)  # on_step(replica, replica_step, batch, result)

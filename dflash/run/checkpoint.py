@@ -167,9 +167,11 @@ def _write_checkpoint(
 ) -> None:
     if write_drafter is not None:
         write_drafter(tmp / "drafter")
-    else:
+    elif weights is not None:
         save_file(weights, str(tmp / _WEIGHTS))
         os.chmod(tmp / _WEIGHTS, FILE_MODE)
+    else:
+        raise ValueError("a checkpoint needs the drafter's weights or a function writing it")
     loop = {"step": step, "next_batch_index": next_batch_index, "rng": rng_state()}
     torch.save({"trainer": trainer_state, "loop": loop}, tmp / _STATE)
     (tmp / _CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
