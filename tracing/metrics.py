@@ -71,15 +71,17 @@ from tracing.snapshot import (
     bucket_of,
 )
 from tracing.stats import ProfileStats
+from tracing.telemetry import SCOPE as TRACES_SCOPE
 from tracing.telemetry import ShutdownReport, Telemetry, active, build_resource
 
 _Point = TypeVar("_Point", HistogramDataPoint, ExponentialHistogramDataPoint)
 
-SCOPE = InstrumentationScope("tracing.metrics")
+# Versioned as the traces' scope: a backend tells which release wrote a series.
+SCOPE = InstrumentationScope("tracing.metrics", TRACES_SCOPE.version)
 TEMPORALITY_VARIABLE = "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE"
 # The histograms built from ProfileStats get a scope of their own: the OTLP encoder
 # keys scopes by name, and would let one replace the SDK instruments' scope.
-STATS_SCOPE = InstrumentationScope("tracing.metrics.stats")
+STATS_SCOPE = InstrumentationScope("tracing.metrics.stats", TRACES_SCOPE.version)
 # Octave edges from ~61 µs to 8 s: each ProfileStats bucket (8 per octave) lies inside
 # one of them, so the histogram counts are exact, and ms phases get several buckets.
 FIRST_OCTAVE = -14
@@ -378,7 +380,7 @@ class Metrics:
         interval_ms = None if cfg.export_interval_s is None else cfg.export_interval_s * 1e3
         readers = [PeriodicExportingMetricReader(w, interval_ms) for w in self._wrapped]
         self.provider = MeterProvider(readers, resource=resource, shutdown_on_exit=False)
-        self._meter = self.provider.get_meter(SCOPE.name)
+        self._meter = self.provider.get_meter(SCOPE.name, SCOPE.version)
         self._observed: dict[str, list[tuple[Callable[[], float], dict[str, Any]]]] = {}
         self._gauges: dict[str, Any] = {}
         self._histograms: list[_StatsHistogram] = []
@@ -424,7 +426,10 @@ class Metrics:
             out = []
             for fn, attributes in list(self._observed[name]):
                 try:
-                    out.append(Observation(float(fn()), attributes))
+                    value = fn()
+                    # A count stays an integer (an OTLP asInt point), a reading a double.
+                    exact = isinstance(value, int) and not isinstance(value, bool)
+                    out.append(Observation(value if exact else float(value), attributes))
                 except Exception:  # one broken callback loses one value
                     continue
             return out

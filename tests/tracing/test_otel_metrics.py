@@ -85,15 +85,25 @@ def test_otlp_request_holds_instruments_and_stats_histogram() -> None:
     hourly = MetricsConfig(export_interval_s=3600)
     metrics = start_metrics(hourly, tracing.TracingConfig(), exporters=[memory])
     metrics.observe("gauge", "depth", lambda: 1, unit="{item}")
+    metrics.observe("counter", "steps", lambda: 7, unit="{step}")
+    metrics.observe("gauge", "share", lambda: 0.25, unit="1")
     stats = tracing.ProfileStats()
     stats.add("p", 0.01)
     metrics.observe_stats(stats)
     metrics.force_flush()
     request = encode_metrics(memory.exports[-1])
-    names = {
-        m.name for rm in request.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-    }
-    assert names == {"depth", "phase.duration"}
+    scopes = [sm for rm in request.resource_metrics for sm in rm.scope_metrics]
+    found = {m.name: m for sm in scopes for m in sm.metrics}
+    assert set(found) == {"depth", "steps", "share", "phase.duration"}
+    # Counts are OTLP integers, readings doubles.
+    (steps,) = found["steps"].sum.data_points
+    assert steps.WhichOneof("value") == "as_int" and steps.as_int == 7
+    (share,) = found["share"].gauge.data_points
+    assert share.WhichOneof("value") == "as_double" and share.as_double == 0.25
+    # Every scope names the release of tracing that wrote it.
+    versions = {sm.scope.name: sm.scope.version for sm in scopes}
+    assert set(versions) == {"tracing.metrics", "tracing.metrics.stats"}
+    assert all(versions.values()) and len(set(versions.values())) == 1, versions
     metrics.shutdown()
 
 
