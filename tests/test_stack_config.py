@@ -52,6 +52,7 @@ DATASOURCE_IMAGES = {
     "prometheus": "prom/prometheus",
     "tempo": "grafana/tempo",
     "jaeger": "jaegertracing/jaeger",
+    "loki": "grafana/loki",
 }
 Stack = dict[str, Any]
 
@@ -67,6 +68,7 @@ def load_stack() -> Stack:
         "collector": yaml.safe_load((DOCKER / "otel-collector" / "config.yaml").read_text()),
         "jaeger": yaml.safe_load((DOCKER / "jaeger" / "config.yaml").read_text()),
         "tempo": yaml.safe_load((DOCKER / "tempo" / "config.yaml").read_text()),
+        "loki": yaml.safe_load((DOCKER / "loki" / "config.yaml").read_text()),
         "prometheus": yaml.safe_load((DOCKER / "prometheus" / "prometheus.yml").read_text()),
         "datasources": yaml.safe_load(
             (DOCKER / "grafana" / "provisioning" / "datasources" / "datasources.yaml").read_text()
@@ -174,6 +176,12 @@ def listens(stack: Stack) -> dict[str, dict[int, str]]:
         host, port = host_port(endpoint)
         ports[port] = host
     result[tempo_service] = ports
+
+    loki_service = service_with_image(stack, "grafana/loki")
+    server = stack["loki"]["server"]
+    result[loki_service] = {
+        int(server["http_listen_port"]): str(server.get("http_listen_address", "0.0.0.0"))
+    }
 
     prom_service = service_with_image(stack, "prom/prometheus")
     address = ":9090"
@@ -671,6 +679,70 @@ def exemplar_problems(stack: Stack) -> list[str]:
     return problems
 
 
+def logs_problems(stack: Stack) -> list[str]:
+    """From the trainer's log records to Loki and back: the collector has a logs pipeline
+    from its OTLP receiver to an exporter that reaches the Loki service over OTLP/HTTP
+    (`/otlp`), Loki keeps OTLP's structured metadata (the records' trace_id) and the run
+    as a label, the trace datasources link a span to its trace's logs in Loki, and the
+    Loki datasource links a record's trace_id back to Jaeger."""
+    problems = []
+    collector = stack["collector"]
+    loki_service = service_with_image(stack, "grafana/loki")
+    to_loki = [
+        name
+        for name, exporter in collector["exporters"].items()
+        if name.split("/")[0] == "otlphttp"
+        and host_port(exporter.get("endpoint", ""))[0] == loki_service
+    ]
+    if not to_loki:
+        problems.append("collector: no otlphttp exporter sends to Loki")
+    for name in to_loki:
+        if urlsplit(collector["exporters"][name]["endpoint"]).path.rstrip("/") != "/otlp":
+            problems.append(f"collector exporter {name}: Loki takes OTLP under /otlp")
+    pipelines = collector["service"]["pipelines"]
+    logs = [p for n, p in pipelines.items() if n.split("/")[0] == "logs"]
+    if not any(
+        "otlp" in pipeline.get("receivers", []) and set(to_loki) & set(pipeline.get("exporters"))
+        for pipeline in logs
+    ):
+        problems.append("collector: no logs pipeline from the OTLP receiver to Loki")
+    limits = stack["loki"].get("limits_config", {})
+    if limits.get("allow_structured_metadata") is not True:
+        problems.append("loki: allow_structured_metadata is not true (OTLP ingestion fails)")
+    schemas = [c.get("schema") for c in stack["loki"].get("schema_config", {}).get("configs", [])]
+    if not schemas or schemas[-1] != "v13":
+        problems.append(f"loki: schema {schemas[-1:]} is not v13 (no structured metadata)")
+    labels = [
+        attribute
+        for rule in limits.get("otlp_config", {})
+        .get("resource_attributes", {})
+        .get("attributes_config", [])
+        if rule.get("action") == "index_label"
+        for attribute in rule.get("attributes", [])
+    ]
+    if "dflash.run.id" not in labels:
+        problems.append("loki: dflash.run.id is not a stream label (a run's logs need a scan)")
+    sources = {source["uid"]: source for source in stack["datasources"]["datasources"]}
+    loki_uids = [uid for uid, source in sources.items() if source["type"] == "loki"]
+    if not loki_uids:
+        problems.append("grafana: no Loki datasource")
+    for uid in ("jaeger", "tempo"):
+        link = sources[uid].get("jsonData", {}).get("tracesToLogsV2", {})
+        query = str(link.get("query", ""))
+        if link.get("datasourceUid") not in loki_uids:
+            problems.append(f"{uid} datasource: no trace-to-logs link to Loki")
+        elif not link.get("customQuery") or "trace_id=" not in query or "traceId" not in query:
+            problems.append(f"{uid} datasource: trace-to-logs does not select the trace_id")
+    for uid in loki_uids:
+        fields = sources[uid].get("jsonData", {}).get("derivedFields", [])
+        if not any(
+            f.get("matcherRegex") == "trace_id" and f.get("datasourceUid") in sources
+            for f in fields
+        ):
+            problems.append(f"{uid} datasource: a record's trace_id links to no trace")
+    return problems
+
+
 def trainer_user_problems(stack: Stack) -> list[str]:
     """The trainer writes its bind-mounted output as the host user, with a writable HOME."""
     problems = []
@@ -721,8 +793,28 @@ def test_real_stack_has_no_problems(stack: Stack) -> None:
         + expiration_problems(stack)
         + trainer_user_problems(stack)
         + exemplar_problems(stack)
+        + logs_problems(stack)
     )
     assert problems == []
+
+
+def test_logs_check_catches_a_broken_path_to_loki(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    broken["collector"]["service"]["pipelines"]["logs"]["exporters"] = ["debug"]
+    broken["loki"]["limits_config"]["allow_structured_metadata"] = False
+    sources = {source["uid"]: source for source in broken["datasources"]["datasources"]}
+    del sources["tempo"]["jsonData"]["tracesToLogsV2"]
+    sources["jaeger"]["jsonData"]["tracesToLogsV2"]["query"] = '{service_name="x"}'
+    sources["loki"]["jsonData"]["derivedFields"] = []
+    assert logs_problems(broken) == [
+        "collector: no logs pipeline from the OTLP receiver to Loki",
+        "loki: allow_structured_metadata is not true (OTLP ingestion fails)",
+        "jaeger datasource: trace-to-logs does not select the trace_id",
+        "tempo datasource: no trace-to-logs link to Loki",
+        "loki datasource: a record's trace_id links to no trace",
+    ]
+    broken["collector"]["exporters"]["otlphttp/loki"]["endpoint"] = "http://loki:3100/v1/logs"
+    assert "collector exporter otlphttp/loki: Loki takes OTLP under /otlp" in logs_problems(broken)
 
 
 def test_exemplar_check_catches_a_broken_link(stack: Stack) -> None:

@@ -73,9 +73,19 @@ def test_validation_rejects_a_broken_collector_config(jaeger_binary: Path, tmp_p
     assert "spanmetrics" in done.stderr
 
 
-def loopback_config(downstream: JaegerProcess, ports: dict[str, int]) -> dict[str, Any]:
-    """docker/otel-collector/config.yaml with its addresses moved onto free loopback ports."""
+def loopback_config(
+    downstream: JaegerProcess, ports: dict[str, int], logs_endpoint: str | None = None
+) -> dict[str, Any]:
+    """docker/otel-collector/config.yaml with its addresses moved onto free loopback ports;
+    its Loki exporter sends to `logs_endpoint` (a stand-in's base URL), else the logs
+    pipeline ends in the debug exporter (no Loki here)."""
     config = copy.deepcopy(yaml.safe_load(COLLECTOR_CONFIG.read_text()))
+    if logs_endpoint is not None:
+        config["exporters"]["otlphttp/loki"]["endpoint"] = logs_endpoint
+    else:
+        del config["exporters"]["otlphttp/loki"]
+        config["exporters"]["debug"] = {"verbosity": "basic"}
+        config["service"]["pipelines"]["logs"]["exporters"] = ["debug"]
     protocols = config["receivers"]["otlp"]["protocols"]
     protocols["grpc"]["endpoint"] = f"127.0.0.1:{ports['grpc']}"
     protocols["http"]["endpoint"] = f"127.0.0.1:{ports['http']}"
