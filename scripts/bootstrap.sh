@@ -27,7 +27,7 @@ _dflash_venv=$(
   fi
   if [ "$(cat "$deps/.dflash-deps-stamp" 2>/dev/null)" != "$key" ]; then
     # The project's requirements through its own metadata, then the project out again.
-    "$deps/bin/python" -m pip install -q -c "$root/constraints.txt" -e "$root[dev,hf]" >&2
+    "$deps/bin/python" -m pip install -q -c "$root/constraints.txt" -e "$root[dev,hf,trackers]" >&2
     "$deps/bin/python" -m pip uninstall -q -y dflash-train >&2
     echo "$key" > "$deps/.dflash-deps-stamp"
   fi

@@ -100,7 +100,15 @@ def schema_option(opt: Option, help_: str | None = None, shown: str | None = Non
     common: dict[str, Any] = dict(envvar=opt.envvar, show_envvar=True, help=text, default=None)
     if opt.kind is bool:
         return click.option(f"{opt.flag}/--no-{opt.flag[2:]}", opt.name, **common)
+    if opt.spec.repeatable:  # `--report-to a,b --report-to c`: one list, each name once
+        common.update(multiple=True, callback=_joined)
     return click.option(opt.flag, opt.name, type=_click_type(opt), **common)
+
+
+def _joined(ctx: click.Context, param: click.Parameter, value: Any) -> tuple[Any, ...] | None:
+    """The lists of a repeated flag as one (None, "not given", when it was not)."""
+    items = [item for part in value or () for item in part]
+    return tuple(dict.fromkeys(items)) if items else None
 
 
 CONFIG_HELP = (

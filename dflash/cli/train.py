@@ -11,6 +11,7 @@ from dflash.cli.startup import exiting_at_once
 from dflash.config.settings import options
 from dflash.errors import first_line
 from dflash.log import say
+from dflash.observe.trackers import check_installed
 from dflash.pipeline.queues import PipelineError
 from dflash.run.outputs import check_run_outputs
 
@@ -39,6 +40,7 @@ def train(config_file: str | None, **given: Any) -> None:
     # Every path the run writes: --output-dir, and the files besides its folder's.
     report_errors(cfg.run.debug, lambda: check_run_outputs(cfg, config_file))
     check_cache_dir()
+    report_errors(cfg.run.debug, lambda: check_installed(cfg.telemetry.report_to))
     with exiting_at_once():
         from dflash.run.pipelined import run_training  # deferred: torch, so --help answers at once
     try:

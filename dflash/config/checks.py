@@ -27,6 +27,7 @@ __all__ = [
     "not_blank",
     "one_device",
     "parse_steps",
+    "report_tools",
     "split_device_name",
     "step_range",
     "token_ids",
@@ -42,6 +43,23 @@ def not_blank(value: str) -> str | None:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         return f"must be UTF-8 text (position {exc.start} holds a byte that is not)"
+    return None
+
+
+REPORT_TOOLS = ("tensorboard", "mlflow", "wandb")
+"""What --report-to may name (dflash.observe.trackers: one class each)."""
+
+
+def report_tools(names: tuple[str, ...]) -> str | None:
+    """--report-to: known tools, or `none` alone."""
+    if names == ("none",):
+        return None
+    if "none" in names:  # `none` would otherwise read as an unknown tool
+        return "none turns reporting off: give it alone"
+    for name in names:
+        if name not in REPORT_TOOLS:
+            known = ", ".join(REPORT_TOOLS)
+            return f"unknown tool {name!r}: expected {known} (comma-separated or repeated) or none"
     return None
 
 

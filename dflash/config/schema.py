@@ -38,6 +38,7 @@ class Spec:
     lt: float | None = None
     check: Callable[[Any], str | None] | None = None
     invocation: bool = False
+    repeatable: bool = False  # a list the command line also takes as a repeated flag
 
 
 def setting(default: Any, help: str, *, option: str | None = None, **spec: Any) -> Any:
@@ -48,7 +49,8 @@ def setting(default: Any, help: str, *, option: str | None = None, **spec: Any) 
     value is bad (or None). `invocation=True` marks a flag of one invocation
     (`--overwrite`, `--debug`): it is not saved with a run and never read from a config
     file, where the flag of the run that wrote the file would act again unasked. A
-    default of None on a type without `| None` makes the option required.
+    default of None on a type without `| None` makes the option required. A list with
+    `repeatable=True` is also taken as a repeated flag (`--report-to a --report-to b`).
     """
     return field(default=default, metadata={"dflash": Spec(help, option, **spec)})
 

@@ -520,6 +520,17 @@ class TelemetryConfig(Section):
         "into OUTPUT_DIR/profile/; the steps' spans carry the file's path.",
         check=checks.step_range,
     )
+    report_to: tuple[str, ...] = setting(
+        (),
+        "Also send the run's figures (every metrics.jsonl line, eval_* included), config and "
+        "τ curve to these tools, through each one's own library: tensorboard "
+        "(OUTPUT_DIR/tensorboard/), mlflow (MLFLOW_TRACKING_URI; also the drafter, "
+        "report.html and, to a tracking server, the traces), wandb (WANDB_PROJECT; offline "
+        "without network). Comma-separated or repeated; pip install 'dflash-train[trackers]' "
+        "installs all three (docs/observability.md).",
+        check=checks.report_tools,
+        repeatable=True,
+    )
 
 
 @dataclass(frozen=True)

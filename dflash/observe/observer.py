@@ -535,18 +535,22 @@ def start_observer(
     local_rank: int | None = None,
     devices: Sequence[Any] = (),
     config: Mapping[str, Any] | None = None,
+    exporters: Sequence[Any] = (),
 ) -> Observer:
     """Sets tracing up for this process from cfg.telemetry (call once, before training),
     with the logs beside it: the bridge on BRIDGED_LOGGERS while they export.
     `local_rank`, `devices` (the rank's drafter devices) and `config` (the run's config
-    as a dict) go to the resource (`rank_placement`).
+    as a dict) go to the resource (`rank_placement`); `exporters` are more span exporters
+    (--report-to mlflow's, dflash.observe.trackers).
 
     The timeline and profiler paths are checked first: a bad one is one ObserveError."""
     instruments = build_instruments(tel, output_dir, rank, log)
     placement = rank_placement(world_size, local_rank, devices, config)
     cfg = tracing_config(tel, rank, run_id, **placement)
     problems = ExportProblems(log, rank)
-    telemetry = setup_tracing(cfg, phase_hooks=instruments.hooks, on_export_problem=problems)
+    telemetry = setup_tracing(
+        cfg, phase_hooks=instruments.hooks, on_export_problem=problems, exporters=exporters
+    )
     logs = start_logs(cfg, resource=telemetry.resource, on_export_problem=problems)
     logs.attach(*BRIDGED_LOGGERS)
     observer = Observer(

@@ -38,7 +38,8 @@ RUN_FILES = (
     "report.html",
     "pipeline-error.log",
 )
-RUN_DIRS = ("checkpoints", "drafter", "profile")
+# tensorboard/ and wandb/: --report-to (dflash.observe.trackers).
+RUN_DIRS = ("checkpoints", "drafter", "profile", "tensorboard", "wandb")
 # What a run stopped by a signal in its start-up leaves in a folder that held no run: its
 # start-up's tables. No earlier run: the next run replaces them.
 STARTUP_FILES = ("stats.json", "timeline.json")

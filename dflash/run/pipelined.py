@@ -31,6 +31,7 @@ from dflash.observe.instruments import FlopsFigures, flops_figures
 from dflash.observe.observer import Observer, shared_run_id, start_observer
 from dflash.observe.profile_window import ProfileWindow
 from dflash.observe.report import ReportError, write_report
+from dflash.observe.trackers import Reporting, start_reporting
 from dflash.pipeline.distributed import (
     DistInfo,
     GradAverager,
@@ -114,6 +115,7 @@ class _StepBook:
     ):
         self.run, self.progress, self.info, self.metrics = run, progress, info, metrics
         self.averager, self.observer = averager, observer
+        self.reporting: Reporting | None = None  # --report-to (rank 0)
         self.rates: StageRates | None = None  # set once the pipeline exists
         self.flops = run_flops(run)
         self.start_step, self.start_index = run.step, run.next_batch_index
@@ -164,6 +166,8 @@ class _StepBook:
             self.observer.record_step(figures, mfu=drafter_mfu, context=context)
         if self.info.is_main:
             self.metrics.write(figures)
+            if self.reporting is not None:
+                self.reporting.log_step(figures)
 
     def mean_losses(self) -> list[float]:
         with self._lock:
@@ -192,6 +196,7 @@ def run_training(cfg: TrainConfig, log: Log = say) -> dict[str, Any]:
         run_info = {"run_id": shared_run_id(info.world_size), "output_dir": output_dir}
         # The resource says where this rank ran: its devices, the config's hash.
         where = {"local_rank": info.local_rank, "devices": start.placement.drafters}
+        reporting = start_reporting(cfg.telemetry.report_to, run_info["run_id"], log, info.is_main)
         observer = start_observer(
             cfg.telemetry,
             info.rank,
@@ -200,12 +205,13 @@ def run_training(cfg: TrainConfig, log: Log = say) -> dict[str, Any]:
             **where,
             log=log,
             config=cfg.to_dict(),
+            exporters=reporting.span_exporters(),
         )
     except BaseException:
         destroy_distributed()
         raise
     try:
-        return run_pipeline(cfg, log=log, start=start, observer=observer)
+        return run_pipeline(cfg, log=log, start=start, observer=observer, reporting=reporting)
     except Interrupted:
         # Stopped in the start-up, before the run's files: the cumulative table, and in a
         # folder that holds no earlier run the start-up's stats.json (and timeline); one
@@ -223,6 +229,7 @@ def run_training(cfg: TrainConfig, log: Log = say) -> dict[str, Any]:
         raise
     finally:
         observer.close(log)  # no-op after a normal finish
+        reporting.close(log)  # the run's files to the trackers, bounded: after the summary
         start.end()  # the folder's lock: after the last file the run writes
 
 
@@ -241,13 +248,15 @@ def run_pipeline(
     observer: Observer | None = None,
     progress_stream: IO[str] | None = None,
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+    reporting: Reporting | None = None,
 ) -> dict[str, Any]:
     """Train `cfg` with the pipeline; the summary dict.
 
     Under torchrun every rank calls this; rank 0 alone writes config.json,
     checkpoints, metrics.jsonl, the drafter and summary.json (other ranks return a
     short dict). `start` (dflash.run.lifecycle.start_run) is made here unless the
-    caller made it; `observer` (dflash.observe) prints interval tables while it runs.
+    caller made it; `observer` (dflash.observe) prints interval tables while it runs;
+    `reporting` (dflash.observe.trackers, --report-to) gets each metrics.jsonl line.
     Raises PipelineError (one line; the traceback goes to OUTPUT_DIR/pipeline-error.log)
     when a stage fails, and TrainingInterrupted (a SystemExit, code 130 or 143) after
     a stop signal (dflash.signals), once the checkpoint and the summary are written.
@@ -260,7 +269,7 @@ def run_pipeline(
     stuck: list[str] = []
     try:
         with tracing.phase(names.RUN_STARTUP, level="step"):  # a trace of its own
-            setup = _setup(cfg, log, start, observer, progress_stream)
+            setup = _setup(cfg, log, start, observer, progress_stream, reporting)
         if observer is not None:
             devices = (*placement.targets, *placement.drafters)
             stream = setup.progress.line_stream()
@@ -305,6 +314,7 @@ def _setup(
     start: Start,
     observer: Observer | None,
     progress_stream: IO[str] | None,
+    reporting: Reporting | None = None,
 ) -> _Setup:
     info, placement = start.info, start.placement
     quiet = log if info.is_main else (lambda _: None)
@@ -357,6 +367,9 @@ def _setup(
     held.release()
     log_startup(run, quiet, placement.describe() + ranks, telemetry_line)
     start.begin_training(cfg, quiet)
+    if reporting and info.is_main:  # the trackers start once the run's files may be written
+        book.reporting = reporting
+        reporting.begin(cfg.to_dict(), Path(cfg.run.output_dir), run.step, progress.write)
     if observer is not None:
         observer.folder_written = True  # stats.json and the timeline may go there now
     if info.is_main and run.resumed_from is not None:

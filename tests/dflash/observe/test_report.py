@@ -11,7 +11,6 @@ import os
 import queue
 import re
 import shutil
-import subprocess
 import threading
 import time
 from html.parser import HTMLParser
@@ -23,6 +22,7 @@ import pytest
 import tracing
 from dflash.observe.report import ReportError, write_report
 from dflash.observe.timeline import Timeline
+from tests.chromium import headless
 
 NUM_STEPS = 20
 ACCEPTANCE = [0.61, 0.42, 0.25, 0.12, 0.05, 0.02, 0.0]
@@ -178,21 +178,6 @@ class DomReader(HTMLParser):
     def values(self, chart: str, tag: str, key: str, **match: str) -> list[float]:
         marks = [a for c, t, a in self.marks if c == chart and t == tag and key in a]
         return [float(a[key]) for a in marks if all(a.get(k) == v for k, v in match.items())]
-
-
-def chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found is None:
-        if os.environ.get("DFLASH_REQUIRE_CHROMIUM") == "1":
-            pytest.fail("chromium is not installed (DFLASH_REQUIRE_CHROMIUM=1)", pytrace=False)
-        pytest.skip("chromium is not installed (Debian package `chromium`)")
-    return found
-
-
-def headless(*args: str) -> subprocess.CompletedProcess[str]:
-    flags = "--headless --no-sandbox --disable-gpu --no-first-run --disable-dev-shm-usage".split()
-    command = [chromium(), *flags, "--hide-scrollbars", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_chromium_draws_every_chart_with_the_run_numbers(run_dir: Path) -> None:
