@@ -1,6 +1,6 @@
 """Headless Chromium for the tests that look at a page as a person would: report.html
 (tests/dflash/observe/test_report.py) and MLflow's run page (tests/integration/
-test_trackers.py). Without Chromium (Debian's `chromium`) those tests skip, and fail
+test_report_to.py). Without Chromium (Debian's `chromium`) those tests skip, and fail
 under DFLASH_REQUIRE_CHROMIUM=1 (CI)."""
 
 from __future__ import annotations
