@@ -7,6 +7,7 @@ synchronizes drafters across ranks, checkpoints, and handles failures and signal
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -237,7 +238,11 @@ def _log_failure(exc: BaseException) -> None:
     """The line the command ends with, as an ERROR record for telemetry (the command line
     prints it): while the logs still export, with the exception's type and stack trace
     (the phase it passed through has its own record, tied to that phase's span)."""
+    if getattr(exc, "_dflash_logged", False):  # _finish logged it while the logs exported
+        return
     logger.error("Error: %s", first_line(exc), exc_info=exc, extra=NOT_PRINTED)
+    with contextlib.suppress(AttributeError):  # an exception type with __slots__
+        exc._dflash_logged = True  # type: ignore[attr-defined]
 
 
 def run_pipeline(
@@ -444,11 +449,17 @@ def _finish(
     figures = _pipeline_figures(setup, info.world_size)  # now: before evaluation
     close = (lambda: observer.close(log)) if observer is not None else (lambda: None)
     if failure is not None:
-        close()  # the final table, before the one-line error
         log_path = _write_error_log(run.output_dir, info, failure)
-        if isinstance(failure.error, SaveError):  # a full disk: its line, as at the final save
-            raise failure.error
-        raise failure.to_error().with_log(log_path or "") from failure.error
+        try:
+            if isinstance(failure.error, SaveError):  # a full disk: its line, as at the final save
+                raise failure.error
+            raise failure.to_error().with_log(log_path or "") from failure.error
+        except BaseException as error:
+            # Its ERROR record, with the stack trace, while the logs still export; then
+            # the final table, before the one-line error.
+            _log_failure(error)
+            close()
+            raise
     if stuck:
         log(f"warning: threads still running after the stop: {', '.join(stuck)}")
     stats = RunStats(setup.book.mean_losses(), setup.book.tokens, train_s)
