@@ -182,7 +182,7 @@ def json_object(text: str | None) -> str | None:
         return None
     try:
         value = json.loads(text)
-    except ValueError as exc:
+    except json.JSONDecodeError as exc:
         return f"must be a JSON object ({exc.msg} at character {exc.pos})"
     return None if isinstance(value, dict) else "must be a JSON object, like '{\"key\": value}'"
 

@@ -16,7 +16,6 @@ import re
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from functools import cache
 from typing import Any, Literal
 
 from dflash.errors import DFlashError
@@ -164,12 +163,13 @@ def _kind_name(kind: type | None) -> str:
     return names.get(kind, "value") if kind is not None else "value"
 
 
-def _option(f: dataclasses.Field, hint: Any) -> Option:
+def _option(f: dataclasses.Field[Any], hint: Any) -> Option:
     args = typing.get_args(hint)
     optional = type(None) in args
     if optional:
         (hint,) = [a for a in args if a is not type(None)]
     choices, item = None, None
+    kind: Any  # a type, or Literal's str
     origin = typing.get_origin(hint)
     if origin is Literal:
         kind, choices = str, tuple(typing.get_args(hint))
@@ -182,16 +182,21 @@ def _option(f: dataclasses.Field, hint: Any) -> Option:
     return Option(name, "", f.name, kind, item, choices, optional, f.default, spec)
 
 
-@cache
+_FIELD_OPTIONS: dict[type, tuple[Option, ...]] = {}  # by section class; a race recomputes
+
+
 def field_options(cls: type) -> tuple[Option, ...]:
     """The options of a section dataclass, in declaration order (section left empty).
 
     Fields not declared with `setting` are no options: values a command hands over from
     options declared elsewhere (`eval`'s prompts come from the run's `--data`)."""
-    hints = typing.get_type_hints(cls)
-    return tuple(
-        _option(f, hints[f.name]) for f in dataclasses.fields(cls) if "dflash" in f.metadata
-    )
+    found = _FIELD_OPTIONS.get(cls)
+    if found is None:
+        hints = typing.get_type_hints(cls)
+        fields = dataclasses.fields(cls)
+        found = tuple(_option(f, hints[f.name]) for f in fields if "dflash" in f.metadata)
+        _FIELD_OPTIONS[cls] = found
+    return found
 
 
 class Section:

@@ -123,7 +123,7 @@ NON_DEFAULT = {
     "otlp_endpoint": "http://localhost:4317", "otlp_protocol": "http", "trace_level": "step",
     "trace_sample_ratio": 0.5, "trace_file": "spans.jsonl", "cuda_timing": "events",
     "profile_interval": 5.0, "service_name": "svc", "timeline": "tl.json", "nvtx": True,
-    "torch_profile": "2:4",
+    "torch_profile": "2:4", "report_to": ("tensorboard",),
 }  # fmt: skip
 # Valid alone, not beside the rest of NON_DEFAULT (--streak-alpha refuses D-PACE).
 NON_DEFAULT_ALONE = {"streak_alpha": 0.5}
