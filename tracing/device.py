@@ -58,6 +58,7 @@ class CudaClock:
     def record(self, device: object) -> Any:
         free = self._free.get(device)
         try:
+            # (mypy ignore below) None raises AttributeError: one lookup on the hot path
             event = free.pop()  # type: ignore[union-attr]
         except (AttributeError, IndexError):
             event = self._torch.cuda.Event(enable_timing=True)

@@ -233,8 +233,8 @@ class _StatsHistogram:
         if self.spans is not None:
             return self.spans(name)
         telemetry = active()
-        counter = None if telemetry is None else telemetry.counter
-        if counter is None or telemetry.stats is not self.stats:  # type: ignore[union-attr]
+        counter = None if telemetry is None else telemetry.counter  # read once: shutdown
+        if telemetry is None or counter is None or telemetry.stats is not self.stats:
             return ()
         return counter.recent_spans(name)
 

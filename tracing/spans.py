@@ -360,11 +360,14 @@ class Phase(SpanHandle):
 
     def _enter_device(self, rt: Runtime) -> None:
         clock = rt.clock
+        # (mypy ignore below) a device phase runs only where setup installed a clock
         if clock.applies_to(self._device):  # type: ignore[union-attr]
             self._mode = _DEVICE
             if rt.sync:
+                # (mypy ignore below) a device phase runs only where setup installed a clock
                 clock.synchronize(self._device)  # type: ignore[union-attr]
             else:
+                # (mypy ignore below) a device phase runs only where setup installed a clock
                 self._start_event = clock.record(self._device)  # type: ignore[union-attr]
 
     def _start_span(self, rt: Runtime) -> None:
@@ -400,6 +403,7 @@ class Phase(SpanHandle):
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> bool:
         entries = self._entries
         if entries:  # copies exist: this thread's innermost one, if any, is exiting
+            # (mypy ignore below) truthy entries are the dict (False/None are falsy)
             stack = entries.get(get_ident())  # type: ignore[union-attr]
             if stack:
                 return stack.pop().__exit__(exc_type, exc, tb)
@@ -417,8 +421,10 @@ class Phase(SpanHandle):
             end_event = None
             if mode is _DEVICE:
                 if rt.sync:
+                    # (mypy ignore below) a device phase runs only where setup installed a clock
                     rt.clock.synchronize(self._device)  # type: ignore[union-attr]
                 else:
+                    # (mypy ignore below) a device phase runs only where setup installed a clock
                     end_event = rt.clock.record(self._device)  # type: ignore[union-attr]
             end_ns = _time_ns()
             stats = self._stats if self._stats is not None else rt.stats
@@ -453,6 +459,7 @@ class Phase(SpanHandle):
                 self._ended = True
                 span.end(end_time=end_ns)
 
+        # (mypy ignore below) events mode, the only caller, starts the resolver
         self._rt.resolver.submit(  # type: ignore[union-attr]
             self._start_event, end_event, on_resolved, self._device
         )
@@ -469,7 +476,7 @@ class Phase(SpanHandle):
             with Phase(name, **kwargs):
                 return fn(*a, **kw)
 
-        return wrapper  # type: ignore[return-value]
+        return wrapper  # type: ignore[return-value]  # functools.wraps: the wrapper answers as fn
 
 
 # `phase(...)` is the class itself: one Python call less on the hot path than a factory.

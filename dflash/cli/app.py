@@ -67,6 +67,7 @@ def cli(ctx: click.Context) -> None:
     """
     known = [
         name
+        # (mypy ignore below) the root command is a click.Group
         for command in ctx.command.commands.values()  # type: ignore[attr-defined]
         for param in command.params
         for name in ([param.envvar] if isinstance(param.envvar, str) else param.envvar or [])

@@ -580,6 +580,7 @@ class TrainConfig:
 
 
 SECTIONS: dict[str, type[Section]] = {
+    # (mypy ignore below) every section field's default_factory is its class
     f.name: f.default_factory  # type: ignore[misc]
     for f in dataclasses.fields(TrainConfig)
 }

@@ -153,6 +153,7 @@ class FlopsFigures:
 
 def _total_peak(devices: Sequence[torch.device]) -> float | None:
     peaks = [device_peak_tflops(d) for d in devices]
+    # (mypy ignore below) no None left: checked just before
     return None if not peaks or any(p is None for p in peaks) else float(sum(peaks))  # type: ignore[arg-type]
 
 
@@ -218,15 +219,15 @@ class NvtxRanges:
     not available.
     """
 
-    def __init__(self, push: object, pop: object) -> None:
+    def __init__(self, push: Callable[[str], object], pop: Callable[[], object]) -> None:
         self._push = push
         self._pop = pop
 
     def phase_started(self, phase: Phase) -> None:
-        self._push(phase.name)  # type: ignore[operator]
+        self._push(phase.name)
 
     def phase_ended(self, phase: Phase, exc: BaseException | None) -> None:
-        self._pop()  # type: ignore[operator]
+        self._pop()
 
     def span_started(self, handle: SpanHandle) -> None:
         pass

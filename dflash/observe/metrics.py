@@ -133,7 +133,7 @@ def _observe(metrics: Metrics, name: str, fn: Reader, label_value: str) -> None:
     spec = SPECS[name]
     (label,) = spec.labels
     metrics.observe(
-        spec.kind,  # type: ignore[arg-type]
+        spec.kind,  # type: ignore[arg-type]  # SPECS' kinds are the Literal's strings
         name,
         fn,
         unit=spec.unit,

@@ -8,7 +8,7 @@ what was drawn. No script is needed to draw anything.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from html import escape
 
 WIDTH, HEIGHT = 640, 240
@@ -61,7 +61,7 @@ def _frame(name: str, title: str, body: str, legend: Sequence[str] = ()) -> str:
 
 def _axes(
     x_range: Point, y_range: Point, x_label: str, x_ticks: bool = True
-) -> tuple[str, object, object]:
+) -> tuple[str, Callable[[float], float], Callable[[float], float]]:
     (x0, x1), (y0, y1) = x_range, y_range
     if x1 <= x0:
         x1 = x0 + 1.0
@@ -97,13 +97,13 @@ def line_chart(name: str, title: str, series: Mapping[str, Sequence[Point]], x_l
     body = [axes]
     for index, (label, values) in enumerate(series.items()):
         color = COLORS[index % len(COLORS)]
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in values)  # type: ignore[operator]
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in values)
         body.append(
             f'<polyline data-series="{escape(label)}" points="{path}" stroke="{color}" '
             'fill="none" stroke-width="1.8"/>'
         )
         circles = (
-            f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2" fill="{color}" '  # type: ignore[operator]
+            f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2" fill="{color}" '
             f'data-series="{escape(label)}" data-x="{x:g}" data-y="{y:g}"/>'
             for x, y in values
         )
@@ -127,8 +127,8 @@ def bar_chart(
     slot = (WIDTH - LEFT - RIGHT) / len(values)
     body = [axes]
     for i, (label, value) in enumerate(zip(labels, values, strict=True)):
-        x, y = LEFT + i * slot + slot * 0.15, sy(value)  # type: ignore[operator]
-        height = sy(0.0) - y  # type: ignore[operator]
+        x, y = LEFT + i * slot + slot * 0.15, sy(value)
+        height = sy(0.0) - y
         body.append(
             f'<rect class="bar" x="{x:.1f}" y="{y:.1f}" width="{slot * 0.7:.1f}" '
             f'height="{max(height, 0.0):.1f}" fill="{COLORS[0]}" '

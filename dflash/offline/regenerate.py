@@ -297,8 +297,10 @@ def run_record(
     data = hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()
     template = {"chat_template_kwargs": target.chat_template_kwargs}
     if server is not None:
+        # (mypy ignore below) a served target is a ServedTarget here
         identity = server.identity(target)  # type: ignore[arg-type]
     else:
+        # (mypy ignore below) an in-process target is a TargetModel here
         identity = target_fingerprint(target)  # type: ignore[arg-type]
     return {
         **(template if target.chat_template_kwargs else {}),  # older records stay resumable
@@ -397,8 +399,10 @@ def regenerate(
         decoder: _Decoder | _ServerDecoder
         if server is not None:
             queued_fn = None if queued is None else queued.set
+            # (mypy ignore below) a served target is a ServedTarget here
             decoder = _ServerDecoder(target, server, settings, chunk, batch_done, queued_fn)  # type: ignore[arg-type]
         else:
+            # (mypy ignore below) an in-process target is a TargetModel here
             decoder = _Decoder(target, settings, chunk, batch_done)  # type: ignore[arg-type]
         try:
             records = regenerate_chunk(decoder, items[begin : begin + settings.chunk_lines])

@@ -198,7 +198,10 @@ def list_checkpoints(checkpoints_dir: Path) -> list[Path]:
 
 def checkpoint_step(path: Path) -> int:
     """The step of a `step-<n>` directory (by its name)."""
-    return int(_STEP_DIR.match(path.name).group(1))  # type: ignore[union-attr]
+    match = _STEP_DIR.match(path.name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint folder (step-<n>)")
+    return int(match.group(1))
 
 
 def _write_order(path: Path) -> tuple[int, int]:

@@ -242,6 +242,7 @@ def _log_failure(exc: BaseException) -> None:
         return
     logger.error("Error: %s", first_line(exc), exc_info=exc, extra=NOT_PRINTED)
     with contextlib.suppress(AttributeError):  # an exception type with __slots__
+        # (mypy ignore below) a mark on the exception, not a declared field
         exc._dflash_logged = True  # type: ignore[attr-defined]
 
 

@@ -314,7 +314,7 @@ class TargetModel(nn.Module):
         if found is None:
             resolve_mask_token(self.tokenizer, self.embed_tokens.num_embeddings)  # raises
         self.data_mask_token = found
-        return found  # type: ignore[return-value]
+        return found  # type: ignore[return-value]  # resolve_mask_token raised when found is None
 
     def train(self, mode: bool = True) -> TargetModel:
         # Frozen: never leave eval mode (dropout etc. would change the features).
@@ -452,6 +452,7 @@ class TargetModel(nn.Module):
             for handle in handles:
                 handle.remove()
         hidden = torch.cat([kept[i] for i in layer_ids], dim=-1) if layer_ids else None
+        # (mypy ignore below) hidden is None only with no layer_ids: logits alone
         return TargetOutput(hidden=hidden, logits=logits)  # type: ignore[arg-type]
 
 

@@ -117,10 +117,12 @@ class NonFiniteGuard:
         """
         if not optimizer.defaults.get("fused"):
             raise TypeError("NonFiniteGuard needs a fused optimizer (fused=True)")
+        # (mypy ignore below) fused optimizers read found_inf (torch's GradScaler protocol)
         optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
         try:
             optimizer.step()
         finally:
+            # (mypy ignore below) fused optimizers read found_inf (torch's GradScaler protocol)
             del optimizer.found_inf  # type: ignore[attr-defined]
         b = bad.to(torch.int64)
         total, row, at = self.state.unbind()
