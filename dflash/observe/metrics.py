@@ -63,6 +63,26 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("train.grad_norm", "gauge", "{norm}", "Gradient norm at the last logged step."),
     MetricSpec("train.mfu", "gauge", "1", "Model FLOPs utilization of the drafter devices."),
     MetricSpec(
+        "train.skipped_steps",
+        "counter",
+        "{step}",
+        "Steps skipped with a loss or gradient norm not finite (no update), at logged steps.",
+    ),
+    MetricSpec(
+        "cache.skipped_samples",
+        "counter",
+        "{sample}",
+        "Hidden-cache samples left out or cut, by reason (missing, unreadable, ...).",
+        ("dflash.reason",),
+    ),
+    MetricSpec(
+        "telemetry.spans",
+        "counter",
+        "{span}",
+        "Sampled spans by what became of them: handed to the exporters, exported, failed.",
+        ("dflash.outcome",),
+    ),
+    MetricSpec(
         "device.memory.peak",
         "gauge",
         "By",
@@ -89,6 +109,9 @@ def start_run_metrics(
     steps: Mapping[str, Reader],
     queues: Mapping[str, Reader],
     memory: Mapping[str, Reader] | None = None,
+    skipped_steps: Reader | None = None,
+    skipped_samples: Mapping[str, Reader] | None = None,
+    spans: Mapping[str, Reader] | None = None,
     exporters: Sequence[MetricExporter] = (),
     resource: Resource | None = None,
     on_export_problem: Callable[[str], None] | None = None,
@@ -96,10 +119,14 @@ def start_run_metrics(
 ) -> Metrics:
     """Metrics of one rank: `tokens`/`steps` map a stage name to a monotonic counter,
     `queues` a queue name to its depth, `memory` a device to its peak bytes since the
-    last read. Endpoint and protocol follow the traces' flags, else the OTEL_* variables
-    (the SDK reads them); the resource is the traces' (`resource`, else built from
-    `tracing_cfg`, whose attribute_namespace must be NAMESPACE); `on_export_problem`
-    gets the line that tells a failing export (tracing.metrics.start_metrics)."""
+    last read, `skipped_steps` the steps skipped as non-finite, `skipped_samples` a reason
+    to the hidden-cache samples it left out, `spans` an outcome to the sampled spans it
+    counts (the exporters' own delivery: a span that was handed and neither exported nor
+    failed waits in the queue or was dropped). Endpoint and protocol follow the traces'
+    flags, else the OTEL_* variables (the SDK reads them); the resource is the traces'
+    (`resource`, else built from `tracing_cfg`, whose attribute_namespace must be
+    NAMESPACE); `on_export_problem` gets the line that tells a failing export
+    (tracing.metrics.start_metrics)."""
     if tracing_cfg.attribute_namespace != NAMESPACE:
         raise TracingConfigError(
             f"run metrics need attribute_namespace {NAMESPACE!r} (the dashboard selects runs "
@@ -121,6 +148,15 @@ def start_run_metrics(
         _observe(metrics, "queue.size", fn, queue)
     for device, fn in (memory or {}).items():
         _observe(metrics, "device.memory.peak", fn, device)
+    for reason, fn in (skipped_samples or {}).items():
+        _observe(metrics, "cache.skipped_samples", fn, reason)
+    for outcome, fn in (spans or {}).items():
+        _observe(metrics, "telemetry.spans", fn, outcome)
+    if skipped_steps is not None:
+        spec = SPECS["train.skipped_steps"]
+        metrics.observe(
+            "counter", spec.name, skipped_steps, unit=spec.unit, description=spec.description
+        )
     spec = SPECS["phase.duration"]
     metrics.observe_stats(stats, spec.name, spec.description)
     for name in STEP_GAUGES.values():

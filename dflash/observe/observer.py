@@ -276,17 +276,19 @@ class Observer:
         flops: FlopsFigures | None = None,
         stream: IO[str] | None = None,
         read_bytes: Callable[[], int] | None = None,
+        skipped_samples: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         """Starts the reporter (rank 0 prints to `stream`), the metrics and the timeline's
         counters on the pipeline's `snapshot`; `devices`: every stage's device;
-        `read_bytes`: bytes a hidden-state cache reader has read (its rate is a column)."""
+        `read_bytes`: bytes a hidden-state cache reader has read (its rate is a column);
+        `skipped_samples`: the samples it left out so far, by reason (a metric)."""
         # The start-up phases timed before this point (run.startup) stay in the stats:
         # the first table, printed when the first step ends, shows them. Shares are per
         # thread, so they do not dilute the stage threads' shares or the verdict.
         shared = bottleneck.shared_device(str(d) for d in devices) if devices else None
         self.verdict = lambda s: bottleneck.snapshot_verdict(s, shared_device=shared)
         memory = PeakMemory([torch.device(d) for d in devices])
-        self._start_metrics(snapshot, memory)
+        self._start_metrics(snapshot, memory, skipped_samples)
         self._watch_timeline(snapshot)
         if self.is_main:
             self._start_reporter(snapshot, memory, flops, stream, read_bytes)
@@ -322,7 +324,21 @@ class Observer:
         self._stream = stream
         self.problems.stream = stream
 
-    def _start_metrics(self, snapshot: Callable[[], CounterSnapshot], memory: PeakMemory) -> None:
+    def _start_metrics(
+        self,
+        snapshot: Callable[[], CounterSnapshot],
+        memory: PeakMemory,
+        skipped_samples: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
+        delivery = self.telemetry.delivery_counts
+        spans = {
+            outcome: (lambda o=outcome: getattr(delivery(), o))
+            for outcome in ("handed", "exported", "failed")
+        }
+        by_reason: dict[str, Callable[[], float]] = {}
+        if skipped_samples is not None:
+            read = skipped_samples
+            by_reason = {reason: (lambda r=reason: read()[r]) for reason in read()}
         self.metrics = start_run_metrics(
             self.cfg,
             self.stats,
@@ -330,6 +346,9 @@ class Observer:
             steps=_readers(snapshot, target="target_batches", drafter="drafter_steps"),
             queues=_queue_depths(snapshot),
             memory=memory.metric_readers(),
+            skipped_steps=lambda: self.bad_steps or 0,
+            skipped_samples=by_reason,
+            spans=spans,
             on_export_problem=self.problems,
         )
 

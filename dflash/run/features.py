@@ -27,6 +27,7 @@ from dflash.offline.sample_cache import (
     SampleCache,
     SampleCacheError,
     SampleRows,
+    SkipCounts,
     cache_format,
     open_sample_cache,
     sample_datasets,
@@ -128,6 +129,10 @@ class FeatureSource:
 
     def eval_skipped(self, target: TargetModel) -> str | None:
         """Why the final in-process evaluation cannot run, or None."""
+        return None
+
+    def skipped_counter(self) -> Callable[[], dict[str, int]] | None:
+        """The samples left out or cut so far, by reason; None: the source skips none."""
         return None
 
     def summary(self) -> dict[str, Any]:
@@ -275,6 +280,12 @@ class SampleFiles(_FromDisk):
         if self._cache is None:
             return {}
         return {"hidden_cache_skipped": dataclasses.asdict(self._cache.skipped)}  # by why
+
+    def skipped_counter(self) -> Callable[[], dict[str, int]] | None:
+        def counts() -> dict[str, int]:  # every reason, zero before the cache opens
+            return dataclasses.asdict(SkipCounts() if self._cache is None else self._cache.skipped)
+
+        return counts
 
 
 HOST_SHARE = 0.5  # of the host's memory a whole target may take beside the training

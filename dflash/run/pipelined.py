@@ -279,8 +279,15 @@ def run_pipeline(
         if observer is not None:
             devices = (*placement.targets, *placement.drafters)
             stream = setup.progress.line_stream()
-            read_bytes = setup.run.features.bytes_counter()
-            observer.attach(setup.pipe.snapshot, devices, setup.book.flops, stream, read_bytes)
+            features = setup.run.features
+            observer.attach(
+                setup.pipe.snapshot,
+                devices,
+                setup.book.flops,
+                stream,
+                features.bytes_counter(),
+                features.skipped_counter(),
+            )
         train_start_s, cpu_start_s = time.perf_counter(), time.process_time()
         with SignalStop(setup.pipe.group.stop) as signals:
             try:

@@ -244,6 +244,13 @@ def test_a_real_training_run_fills_every_dashboard_query(
         prometheus, f'count by (dflash_run_id) (dflash_tokens_total{{service_name="{service}"}})'
     )
     assert {r["metric"]["dflash_run_id"] for r in runs} == {match[1]}
+    # The run's own health as metrics: no step skipped, its spans counted by outcome.
+    skipped = query(prometheus, f'dflash_train_skipped_steps_total{{service_name="{service}"}}')
+    assert skipped and all(float(r["value"][1]) == 0 for r in skipped), skipped
+    spans = query(prometheus, f'dflash_telemetry_spans_total{{service_name="{service}"}}')
+    by_outcome = {r["metric"]["dflash_outcome"]: float(r["value"][1]) for r in spans}
+    assert set(by_outcome) == {"handed", "exported", "failed"}, spans
+    assert by_outcome["exported"] > 0 and by_outcome["failed"] == 0, by_outcome
     assert all(exemplars.values()), f"no exemplars in Prometheus: {exemplars}"
 
     def trace(trace_id: str) -> list[Any]:
