@@ -181,5 +181,18 @@ def test_importing_the_command_line_leaves_the_process_signals_alone() -> None:
         "signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, dflash.cli.cli.name)"
     )
     command = [sys.executable, "-c", code]
-    child = subprocess.run(command, env=script_env(), capture_output=True, text=True, timeout=60)
+
+    def python_default_sigint() -> None:
+        # A background job of a non-interactive shell (`cmd &`, CI under nohup) starts with
+        # SIGINT ignored, and Python then keeps SIG_IGN: start from Python's own default.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    child = subprocess.run(
+        command,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=python_default_sigint,
+    )
     assert child.stdout.split() == ["True", "True", "cli"], child.stderr
