@@ -43,8 +43,25 @@ def train(args: list[str]) -> tuple[Path, float]:
     return out, time.perf_counter() - start_s
 
 
+def _heldout(run_dir: Path) -> Any:
+    """The settings of the run's own final evaluation: its held-out windows, decoded as
+    training decoded them, so that vLLM's τ stands beside summary.json's on one set."""
+    from dflash.eval.settings import EvalSettings
+
+    run = json.loads((run_dir / "config.json").read_text())["run"]
+    data = json.loads((run_dir / "config.json").read_text())["data"]["source"]
+    return EvalSettings(
+        data=data,
+        num_prompts=run["eval_prompts"],
+        prompt_tokens=run["eval_prompt_tokens"],
+        max_new_tokens=run["eval_new_tokens"],
+        seed=run["seed"],
+    )
+
+
 def judge(run_dir: Path, vllm: str, files: list[Path], max_new_tokens: int) -> dict[str, Any]:
-    """τ by vLLM of the run's drafter on each file's chat prompts (every conversation)."""
+    """τ by vLLM of the run's drafter on each file's chat prompts (every conversation);
+    `heldout` names the run's own held-out windows."""
     from dflash.drafter.io import read_drafter_config
     from dflash.eval.evaluate import evaluate_server
     from dflash.eval.settings import EvalSettings
@@ -57,8 +74,12 @@ def judge(run_dir: Path, vllm: str, files: list[Path], max_new_tokens: int) -> d
     with served_drafter(vllm, config.target_spec, drafter_dir, config.block_size, run_dir) as url:
         server = ServerSettings(url, concurrency=8, retries=1)
         for path in files:
-            settings = EvalSettings(
-                eval_data=str(path), max_new_tokens=max_new_tokens, num_prompts=None
+            settings = (
+                _heldout(run_dir)
+                if str(path) == "heldout"
+                else EvalSettings(
+                    eval_data=str(path), max_new_tokens=max_new_tokens, num_prompts=None
+                )
             )
             figures = evaluate_server(server, drafter_dir, None, settings, log=print)
             found[path.name] = {
@@ -73,12 +94,22 @@ def main() -> int:
     parser.add_argument("--results", type=Path, required=True, help="JSONL the row goes to")
     parser.add_argument("--name", required=True, help="the row's name in the table")
     parser.add_argument("--vllm", required=True, help="command of vLLM's OpenAI server")
-    parser.add_argument("--judge", type=Path, action="append", default=[], help="chat JSONL")
+    parser.add_argument(
+        "--judge",
+        type=Path,
+        action="append",
+        default=[],
+        help="chat JSONL, or `heldout`: the run's own held-out windows",
+    )
+    parser.add_argument("--run-dir", type=Path, help="judge this finished run; no training")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then train's options")
     args = parser.parse_args()
     train_args = [a for a in args.train_args if a != "--"]
-    run_dir, wall_s = train(train_args)
+    if args.run_dir is not None:
+        run_dir, wall_s = args.run_dir, float("nan")
+    else:
+        run_dir, wall_s = train(train_args)
     summary = json.loads((run_dir / "summary.json").read_text())
     config = json.loads((run_dir / "config.json").read_text())
     judged = judge(run_dir, args.vllm, args.judge, args.max_new_tokens) if args.judge else {}
