@@ -39,6 +39,9 @@ def metrics_run(
         steps={k: (lambda k=k: tokens[k] / 512) for k in tokens},
         queues={"batch_queue": lambda: 2, "hs_queue": lambda: 1},
         memory={"cpu": lambda: 1 << 20},
+        skipped_steps=lambda: 0,
+        skipped_samples={"nonfinite": lambda: 1},
+        spans={"handed": lambda: 3, "exported": lambda: 3, "failed": lambda: 0},
         exporter="otlp",
         export_interval_s=interval_s,
     )
