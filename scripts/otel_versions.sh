@@ -21,8 +21,9 @@ else
   spec="==$want"
   upgrade=()
 fi
-# The OTel packages move together; everything else as pinned (numpy, pytest, ...).
-grep -vE '^(opentelemetry-|protobuf|grpcio|googleapis-common-protos)' "$root/constraints.txt" \
+# The OTel packages move together (with importlib-metadata and zipp, which the API's older
+# releases cap); everything else as pinned (numpy, pytest, ...).
+grep -viE '^(opentelemetry-|protobuf|grpcio|googleapis-common-protos|importlib[-_]metadata|zipp)' "$root/constraints.txt" \
   > "$venv/constraints-rest.txt"
 "$venv/bin/python" -m pip install -q "${upgrade[@]}" -c "$venv/constraints-rest.txt" \
   "opentelemetry-api$spec" "opentelemetry-sdk$spec" \
