@@ -21,11 +21,10 @@ from pathlib import Path
 
 from dflash.config.schema import ConfigError
 from dflash.config.settings import TrainConfig
-from dflash.files import write_json_atomic
+from dflash.files import describe_holder, output_lock_path, write_json_atomic
 from dflash.log import Log
 
 LOCK_FILE = ".dflash-run.lock"
-OUTPUT_LOCK_SUFFIX = ".dflash-lock"  # `.NAME.dflash-lock`: the lock of output NAME
 METRICS_FILE = "metrics.jsonl"
 # What a run writes into its folder (the hidden-state cache lives elsewhere and is
 # keyed by its data: --overwrite leaves it).
@@ -72,7 +71,7 @@ class FolderLock:
         """The lock of an output file or folder that one process at a time may write:
         `.NAME.dflash-lock` beside it."""
         path = Path(output).expanduser()
-        return cls(path, lock_path=path.parent / f".{path.name}{OUTPUT_LOCK_SUFFIX}", flag=flag)
+        return cls(path, lock_path=output_lock_path(path), flag=flag)
 
     def acquire(self) -> None:
         """Takes the lock or raises ConfigError naming the process that holds it."""
@@ -82,7 +81,7 @@ class FolderLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_holder(fd)
+                holder = describe_holder(fd)
                 os.close(fd)
                 self._remove_made()
                 raise ConfigError(self._in_use(holder)) from None
@@ -153,15 +152,6 @@ def _still_there(fd: int, path: Path) -> bool:
         return os.fstat(fd).st_ino == os.stat(path).st_ino
     except OSError:
         return False
-
-
-def _read_holder(fd: int) -> str:
-    try:
-        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(holder["since"])))
-        return f"pid {int(holder['pid'])} on {holder['host']}, since {started}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "a process that is starting"
 
 
 def earlier_run(output_dir: Path) -> list[str]:
