@@ -2,6 +2,15 @@
 
 `CudaClock` uses torch.cuda events (torch is imported here only); `HostClock` is a
 host-clock stand-in, so the resolution path runs, and is tested, without a GPU.
+
+A device event has no time of its own, only a distance to another event of its device.
+The resolver places a phase's events on the host clock (`now_ns`) from an anchor, an
+event whose host time is known (`DeviceClock.anchor`, taken once per device), then
+chains: each resolved end event becomes the device's next anchor, so the distances
+stay short (CUDA gives them as float milliseconds, which lose microseconds over hours).
+Each placed interval is kept where its events must lie, after the host recorded the
+start and before the resolver saw the end complete, its device duration unchanged:
+the drift between the two clocks never accumulates.
 """
 
 from __future__ import annotations
@@ -15,15 +24,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tracing.config import call_logged
+from tracing.clock import now_ns
+from tracing.config import call_logged, warn_once
 
 logger = logging.getLogger("tracing")
 
 
 class DeviceClock(Protocol):
     """`applies_to(device)`: whether phases on it get device timing (not on a CPU device).
-    Thread contract: `record`/`synchronize` run on the phase's thread, `query`,
-    `elapsed_s` and `release` (the events may be recorded again) on the resolver thread."""
+    `anchor(device)`: an event recorded now and the host time (`now_ns`) at which it
+    completed; it may wait for the device's queued work. `elapsed_s(a, b)` may be
+    negative (b before a). Thread contract: `record`/`synchronize` run on the phase's
+    thread, `anchor`, `query`, `elapsed_s` and `release` (the events may be recorded
+    again) on the resolver thread."""
 
     def applies_to(self, device: object) -> bool: ...
     def record(self, device: object) -> Any: ...
@@ -31,6 +44,7 @@ class DeviceClock(Protocol):
     def elapsed_s(self, start: Any, end: Any) -> float: ...
     def release(self, device: object, *events: Any) -> None: ...
     def synchronize(self, device: object) -> None: ...
+    def anchor(self, device: object) -> tuple[Any, int]: ...
 
 
 EVENT_POOL_SIZE = 256
@@ -79,6 +93,15 @@ class CudaClock:
     def synchronize(self, device: object) -> None:
         self._torch.cuda.synchronize(device)
 
+    def anchor(self, device: object) -> tuple[Any, int]:
+        # On the device's default stream, which waits for its other (blocking) streams:
+        # the event completes when the queued work has, and the host sees that within
+        # microseconds of it.
+        event = self._torch.cuda.Event(enable_timing=True)
+        event.record(self._torch.cuda.default_stream(device))
+        event.synchronize()
+        return event, now_ns()
+
 
 @dataclass(slots=True)
 class HostEvent:
@@ -118,6 +141,10 @@ class HostClock:
     def synchronize(self, device: object) -> None:
         self.synchronize_calls += 1
 
+    def anchor(self, device: object) -> tuple[HostEvent, int]:
+        # perf_counter and now_ns are both monotonic; one pair of reads relates them.
+        return HostEvent(time.perf_counter_ns(), True), now_ns()
+
 
 def cuda_clock_or_none(mode: str) -> CudaClock | None:
     """A CudaClock for `sync`/`events`, or None (with one warning) when CUDA is absent."""
@@ -133,8 +160,19 @@ def cuda_clock_or_none(mode: str) -> CudaClock | None:
     return None
 
 
-OnResolved = Callable[[float | None], None]  # called with the device seconds, or None
-_Pending = tuple[Any, Any, OnResolved]  # (start event, end event, on_resolved)
+@dataclass(frozen=True, slots=True)
+class DeviceTiming:
+    """A phase's device time: `seconds` between its events, and where they lie on the
+    host clock (`now_ns` nanoseconds; None when the device could not be anchored)."""
+
+    seconds: float
+    start_ns: int | None = None
+    end_ns: int | None = None
+
+
+OnResolved = Callable[[DeviceTiming | None], None]  # None: not resolved (stopped)
+# (start event, end event, host ns the start event was recorded no earlier than, callback)
+_Pending = tuple[Any, Any, int, OnResolved]
 
 
 class EventResolver:
@@ -148,6 +186,8 @@ class EventResolver:
         self.clock = clock
         self._poll_interval_s = poll_interval_s
         self._queues: dict[object, deque[_Pending]] = {}
+        # device -> (an event, its host time): the resolver thread's alone.
+        self._anchors: dict[object, tuple[Any, int]] = {}
         self._queues_lock = threading.Lock()  # adding a device's queue (rare)
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(
@@ -155,12 +195,20 @@ class EventResolver:
         )
         self._thread.start()
 
-    def submit(self, start: Any, end: Any, on_resolved: OnResolved, device: object = None) -> None:
+    def submit(
+        self,
+        start: Any,
+        end: Any,
+        on_resolved: OnResolved,
+        device: object = None,
+        not_before_ns: int = 0,
+    ) -> None:
+        """`not_before_ns`: a host time (`now_ns`) no later than the recording of `start`."""
         queue = self._queues.get(device)
         if queue is None:
             with self._queues_lock:
                 queue = self._queues.setdefault(device, deque())
-        queue.append((start, end, on_resolved))
+        queue.append((start, end, not_before_ns, on_resolved))
         if not self._wake.is_set():
             self._wake.set()
 
@@ -182,19 +230,44 @@ class EventResolver:
         progressed = False
         for device, queue in list(self._queues.items()):
             while queue:
-                start, end, callback = queue[0]
+                start, end, not_before_ns, callback = queue[0]
+                timing: DeviceTiming | None
                 try:
                     if not self.clock.query(end):
                         break
-                    device_s = self.clock.elapsed_s(start, end)
-                    self.clock.release(device, start, end)
+                    seen_ns = now_ns()  # the end event completed before this
+                    timing = self._place(device, start, end, not_before_ns, seen_ns)
                 except Exception:  # a broken event must not stall the others
                     logger.exception("tracing: device event could not be resolved")
-                    device_s = None
+                    timing = None
                 queue.popleft()
-                call_logged(callback, device_s)
+                call_logged(callback, timing)
                 progressed = True
         return progressed
+
+    def _place(
+        self, device: object, start: Any, end: Any, not_before_ns: int, seen_ns: int
+    ) -> DeviceTiming:
+        """The pair's device time on the host clock; `end` becomes the device's anchor."""
+        clock = self.clock
+        seconds = clock.elapsed_s(start, end)
+        anchor = self._anchors.get(device)
+        if anchor is None:
+            try:
+                anchor = self._anchors[device] = clock.anchor(device)
+            except Exception as exc:  # the seconds still count; the span has no place
+                warn_once(f"anchor {device}", f"device {device} not anchored: {exc!r}")
+                clock.release(device, start, end)
+                return DeviceTiming(seconds)
+        anchor_event, anchor_ns = anchor
+        duration_ns = round(seconds * 1e9)
+        start_ns = anchor_ns + round(clock.elapsed_s(anchor_event, start) * 1e9)
+        # Where the events must lie: the clocks' drift is taken out at every pair.
+        start_ns = max(min(start_ns, seen_ns - duration_ns), not_before_ns)
+        end_ns = start_ns + duration_ns
+        self._anchors[device] = (end, end_ns)
+        clock.release(device, anchor_event, start)
+        return DeviceTiming(seconds, start_ns, end_ns)
 
     def stop(self, timeout_s: float) -> int:
         """Resolves what completes within `timeout_s`, ends the rest without device time;
@@ -208,7 +281,7 @@ class EventResolver:
         left = 0
         for queue in list(self._queues.values()):
             while queue:
-                _, _, callback = queue.popleft()
+                *_, callback = queue.popleft()
                 call_logged(callback, None)
                 left += 1
         return left

@@ -30,7 +30,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from tracing.clock import EPOCH_OFFSET_NS, now_ns
 from tracing.config import warn_once
-from tracing.device import DeviceClock, EventResolver
+from tracing.device import DeviceClock, DeviceTiming, EventResolver
 from tracing.fast import FastSpan
 from tracing.format import DEVICE_SUFFIX
 from tracing.stats import NO_THREAD, ProfileStats
@@ -39,6 +39,9 @@ logger = logging.getLogger("tracing")
 LEVEL_RANK = {"off": 0, "step": 1, "phase": 2}
 DEVICE_DURATION_ATTRIBUTE = "tracing.device.duration"  # seconds, under `events` timing
 TIMING_MODE_ATTRIBUTE = "tracing.timing.mode"
+TRACK_ATTRIBUTE = "tracing.track"  # "device" on a phase's device-time child span
+DEVICE_SPAN_SUFFIX = ".device"
+"""`<phase>.device`: the child span of a phase that holds its device time (`events`)."""
 _PLAIN_TYPES = frozenset((str, bool, int, float))
 _DROP = object()
 _NEW_TRACE = Context()  # no span in it: a span started under it is a root
@@ -446,22 +449,25 @@ class Phase(SpanHandle):
         return False
 
     def _submit_device_timing(self, end_event: object, end_ns: int, stats: ProfileStats) -> None:
-        """Hands the event pair to the resolver, which ends the span at `end_ns` later."""
-        name, thread, span = self.name, stats.thread_key(), self._span
+        """Hands the event pair to the resolver, which later ends the span at `end_ns`,
+        with a child span where the device ran it (`_device_span`)."""
+        name, thread, span, tracer = self.name, stats.thread_key(), self._span, self._rt.tracer
 
-        def on_resolved(device_s: float | None) -> None:
-            if device_s is not None:
-                stats.add(name + DEVICE_SUFFIX, device_s, thread=thread)
+        def on_resolved(timing: DeviceTiming | None) -> None:
+            if timing is not None:
+                stats.add(name + DEVICE_SUFFIX, timing.seconds, thread=thread)
             if span is not None:
-                if device_s is not None:
-                    span.set_attribute(DEVICE_DURATION_ATTRIBUTE, device_s)
+                if timing is not None:
+                    span.set_attribute(DEVICE_DURATION_ATTRIBUTE, timing.seconds)
+                    if timing.start_ns is not None and span.is_recording():
+                        _device_span(tracer, name, self.context, timing)
                 span.set_attribute(TIMING_MODE_ATTRIBUTE, "events")
                 self._ended = True
                 span.end(end_time=end_ns)
 
         # (mypy ignore below) events mode, the only caller, starts the resolver
         self._rt.resolver.submit(  # type: ignore[union-attr]
-            self._start_event, end_event, on_resolved, self._device
+            self._start_event, end_event, on_resolved, self._device, self.start_time_ns
         )
 
     def end(self, end_time_ns: int | None = None) -> None:
@@ -477,6 +483,19 @@ class Phase(SpanHandle):
                 return fn(*a, **kw)
 
         return wrapper  # type: ignore[return-value]  # functools.wraps: the wrapper answers as fn
+
+
+def _device_span(tracer: Any, name: str, parent: Context | None, timing: DeviceTiming) -> None:
+    """`<name>.device`, a child of the phase's span, from its first to its last device
+    event on the host clock: the device runs a phase's kernels after the host queued
+    them, so this span may start and end after its parent, as the device did."""
+    child = tracer.start_span(
+        name + DEVICE_SPAN_SUFFIX,
+        parent,
+        attributes={TRACK_ATTRIBUTE: "device", TIMING_MODE_ATTRIBUTE: "events"},
+        start_time=timing.start_ns,
+    )
+    child.end(end_time=timing.end_ns)
 
 
 # `phase(...)` is the class itself: one Python call less on the hot path than a factory.
