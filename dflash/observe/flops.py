@@ -1,5 +1,5 @@
 """Model FLOPs of the target forward and the drafter training step, per token; the
-achieved TFLOP/s and MFU against a device's peak, and peak device memory per interval.
+achieved TFLOP/s and MFU against a device's peak.
 
 Counted as multiply-adds × 2 of the matrix products (norms, activations and softmax are
 left out, as in the usual MFU convention). Attention counts the keys each query sees:
@@ -15,7 +15,6 @@ import contextlib
 import json
 import platform
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -171,18 +170,3 @@ def _measure_matmul(dtype: torch.dtype, size: int, repeats: int) -> float:
         if i:
             best_s = min(best_s, time.perf_counter() - start_s)
     return 2.0 * size**3 / best_s / 1e9
-
-
-def peak_memory_reader(device: torch.device | str) -> Callable[[], float] | None:
-    """A function returning the peak bytes allocated on `device` since its last call
-    (each read starts the next interval); None where the device keeps no such figure."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-
-    def read() -> float:
-        peak = torch.cuda.max_memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return float(peak)
-
-    return read

@@ -1,6 +1,6 @@
 """What a run records besides spans and tables: the Perfetto timeline, NVTX ranges, the
-torch.profiler window, per-interval peak device memory, and the model FLOPs behind
-TFLOP/s and MFU.
+torch.profiler window, device memory (never resetting torch's peak), and the model
+FLOPs behind TFLOP/s and MFU.
 
 `build_instruments` constructs them from cfg.telemetry before any training, so a path
 that cannot be written is one line (ObserveError) before work starts.
@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
@@ -20,7 +21,7 @@ from dflash.config.devices import native_bf16
 from dflash.config.settings import TelemetryConfig
 from dflash.errors import DFlashError
 from dflash.log import Log
-from dflash.observe.flops import cpu_matmul_peak_gflops, device_peak_tflops, peak_memory_reader
+from dflash.observe.flops import cpu_matmul_peak_gflops, device_peak_tflops
 from dflash.observe.profile_window import ProfileWindow
 from dflash.observe.timeline import Timeline
 from tracing import Phase, SpanHandle
@@ -185,29 +186,93 @@ def flops_figures(
     )
 
 
-@dataclass
+class MemorySource(Protocol):
+    """Where a device's memory figures come from: `torch.cuda.memory_stats`'s keys
+    (`allocated_bytes.all.current`, `allocated_bytes.all.peak`,
+    `reserved_bytes.all.current`); a fake in tests."""
+
+    def memory_stats(self, device: str) -> Mapping[str, int]: ...
+
+
+class CudaMemory:
+    """torch.cuda's allocator statistics: read, never reset."""
+
+    def memory_stats(self, device: str) -> Mapping[str, int]:
+        return torch.cuda.memory_stats(torch.device(device))
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """Bytes on one device: allocated and reserved (the caching allocator's) now, and
+    the most allocated at once in the run so far."""
+
+    allocated: int
+    reserved: int
+    peak: int
+
+
+class DeviceMemory:
+    """One device's memory figures. The peak is dflash's own running maximum of torch's
+    (`allocated_bytes.all.peak`) and of the allocation now: the run never resets torch's
+    peak (`torch.cuda.max_memory_allocated` stays the program's own), and a reset there
+    lowers torch's figure, never this one. Read by the reporter and the metrics threads."""
+
+    def __init__(self, device: str, source: MemorySource) -> None:
+        self.device, self._source = device, source
+        self._peak = 0
+        self._lock = threading.Lock()
+
+    def read(self) -> MemoryReading:
+        stats = self._source.memory_stats(self.device)
+        allocated = int(stats.get("allocated_bytes.all.current", 0))
+        reserved = int(stats.get("reserved_bytes.all.current", 0))
+        with self._lock:
+            peak = max(self._peak, int(stats.get("allocated_bytes.all.peak", 0)), allocated)
+            self._peak = peak
+        return MemoryReading(allocated, reserved, peak)
+
+
 class PeakMemory:
-    """Peak allocated bytes per CUDA device: `interval_gib()` for the tables (each call
-    starts the next interval), `bytes_now(device)` for the metrics (no reset)."""
+    """The memory figures of the run's CUDA devices, the same on every rank: per device
+    (labelled with it) the bytes allocated and reserved now and the run's peak so far
+    (`DeviceMemory`). `table_gib()` for the interval tables, `metric_readers()` for the
+    metrics; neither resets anything. `source`: torch.cuda unless given (a fake in tests)."""
 
-    devices: list[torch.device] = field(default_factory=list)
+    TABLE_LABEL = "memory GiB alloc/reserved/peak"
 
-    def __post_init__(self) -> None:
-        self._readers = {str(d): r for d in self.devices if (r := peak_memory_reader(d))}
+    def __init__(self, devices: Sequence[Any] = (), source: MemorySource | None = None) -> None:
+        if source is None:
+            cuda = torch.cuda.is_available()
+            devices = [d for d in devices if cuda and torch.device(d).type == "cuda"]
+            source = CudaMemory()
+        names = dict.fromkeys(str(torch.device(d)) for d in devices)  # one per device
+        self.devices = [DeviceMemory(name, source) for name in names]
 
     @property
     def enabled(self) -> bool:
-        return bool(self._readers)
+        return bool(self.devices)
 
-    def interval_gib(self) -> str:
-        return " ".join(f"{name} {read() / 2**30:.2f}" for name, read in self._readers.items())
+    def table_gib(self) -> str:
+        """`cuda:0 1.20/1.50/2.10 cuda:1 ...`: allocated/reserved now, peak so far."""
+        parts = []
+        for memory in self.devices:
+            r = memory.read()
+            parts.append(f"{memory.device} {_gib(r.allocated)}/{_gib(r.reserved)}/{_gib(r.peak)}")
+        return " ".join(parts)
 
-    def metric_readers(self) -> dict[str, Callable[[], float]]:
-        return {name: _peak_bytes(torch.device(name)) for name in self._readers}
+    def metric_readers(self) -> dict[str, dict[str, Callable[[], float]]]:
+        """device -> {"allocated", "reserved", "peak"} -> bytes, read when called."""
+        return {
+            memory.device: {
+                figure: (lambda m=memory, f=figure: float(getattr(m.read(), f)))
+                for figure in ("allocated", "reserved", "peak")
+            }
+            for memory in self.devices
+        }
 
 
-def _peak_bytes(device: torch.device) -> Callable[[], float]:
-    return lambda: float(torch.cuda.max_memory_allocated(device))
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
 
 
 class NvtxRanges:

@@ -83,13 +83,29 @@ METRICS: tuple[MetricSpec, ...] = (
         ("dflash.outcome",),
     ),
     MetricSpec(
+        "device.memory.allocated",
+        "gauge",
+        "By",
+        "Device memory allocated by tensors now.",
+        ("dflash.device",),
+    ),
+    MetricSpec(
+        "device.memory.reserved",
+        "gauge",
+        "By",
+        "Device memory reserved by the caching allocator now.",
+        ("dflash.device",),
+    ),
+    MetricSpec(
         "device.memory.peak",
         "gauge",
         "By",
-        "Peak device memory since the last read.",
+        "Most device memory allocated at once in the run so far (torch's peak is never reset).",
         ("dflash.device",),
     ),
 )
+MEMORY_FIGURES = ("allocated", "reserved", "peak")
+"""The device.memory.* gauges: `start_run_metrics(memory=)` gives a reader of each."""
 SPECS = {spec.name: spec for spec in METRICS}
 STEP_GAUGES = {
     "loss": "train.loss",
@@ -108,7 +124,7 @@ def start_run_metrics(
     tokens: Mapping[str, Reader],
     steps: Mapping[str, Reader],
     queues: Mapping[str, Reader],
-    memory: Mapping[str, Reader] | None = None,
+    memory: Mapping[str, Mapping[str, Reader]] | None = None,
     skipped_steps: Reader | None = None,
     skipped_samples: Mapping[str, Reader] | None = None,
     spans: Mapping[str, Reader] | None = None,
@@ -118,12 +134,13 @@ def start_run_metrics(
     **cfg_overrides: Any,
 ) -> Metrics:
     """Metrics of one rank: `tokens`/`steps` map a stage name to a monotonic counter,
-    `queues` a queue name to its depth, `memory` a device to its peak bytes since the
-    last read, `skipped_steps` the steps skipped as non-finite, `skipped_samples` a reason
-    to the hidden-cache samples it left out, `spans` an outcome to the sampled spans it
-    counts (the exporters' own delivery: a span that was handed and neither exported nor
-    failed waits in the queue or was dropped). Endpoint and protocol follow the traces'
-    flags, else the OTEL_* variables (the SDK reads them); the resource is the traces'
+    `queues` a queue name to its depth, `memory` a device to a reader of each of
+    MEMORY_FIGURES (bytes: allocated and reserved now, the run's peak), `skipped_steps`
+    the steps skipped as non-finite, `skipped_samples` a reason to the hidden-cache
+    samples it left out, `spans` an outcome to the sampled spans it counts (the
+    exporters' own delivery: a span that was handed and neither exported nor failed
+    waits in the queue or was dropped). Endpoint and protocol follow the traces' flags,
+    else the OTEL_* variables (the SDK reads them); the resource is the traces'
     (`resource`, else built from `tracing_cfg`, whose attribute_namespace must be
     NAMESPACE); `on_export_problem` gets the line that tells a failing export
     (tracing.metrics.start_metrics)."""
@@ -146,8 +163,9 @@ def start_run_metrics(
         _observe(metrics, "steps", fn, stage)
     for queue, fn in queues.items():
         _observe(metrics, "queue.size", fn, queue)
-    for device, fn in (memory or {}).items():
-        _observe(metrics, "device.memory.peak", fn, device)
+    for device, figures in (memory or {}).items():
+        for figure in MEMORY_FIGURES:
+            _observe(metrics, f"device.memory.{figure}", figures[figure], device)
     for reason, fn in (skipped_samples or {}).items():
         _observe(metrics, "cache.skipped_samples", fn, reason)
     for outcome, fn in (spans or {}).items():

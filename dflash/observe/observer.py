@@ -313,7 +313,7 @@ class Observer:
         if flops is not None:
             _add_flops(reporter, snapshot, flops, w)
         if memory.enabled:
-            reporter.add_gauge("peak memory GiB", memory.interval_gib)
+            reporter.add_gauge(memory.TABLE_LABEL, memory.table_gib)
         skipped = lambda: "-" if self.bad_steps is None else self.bad_steps
         reporter.add_gauge("skipped steps", skipped)
         reporter.set_verdict(self.verdict)

@@ -14,7 +14,6 @@ from dflash.observe.flops import (
     drafter_flops,
     linear_params,
     mfu,
-    peak_memory_reader,
     peak_tflops,
     target_flops_per_token,
 )
@@ -63,10 +62,6 @@ def test_peak_table_and_mfu() -> None:
     assert achieved_tflops(1e9, 2e4) == pytest.approx(20.0)
     assert mfu(1e9, 2e4, 100.0, num_devices=2) == pytest.approx(0.1)
     assert mfu(1e9, 2e4, None) is None
-
-
-def test_peak_memory_reader_is_none_on_cpu() -> None:
-    assert peak_memory_reader("cpu") is None
 
 
 def test_cpu_matmul_peak_is_measured_once_per_process(tmp_path, monkeypatch) -> None:
