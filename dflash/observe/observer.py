@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -119,6 +119,19 @@ def describe(cfg: TracingConfig, telemetry: tracing.Telemetry) -> str:
         f"cuda timing {telemetry.cuda_timing}; tables every {cfg.report_interval_s:g}s; "
         f"service {resource.get('service.name')} ({resource.get('service.instance.id')}, "
         f"run {cfg.run_id})"
+    )
+
+
+def cuda_timing_note(trace_level: str, cuda_timing: str, device_types: Iterable[str]) -> str | None:
+    """The start-up line of a run that records spans of phases on a CUDA device (a
+    `device_types` entry "cuda") with device timing off: those spans time the host's
+    kernel launches, which return before the GPU has done the work. None otherwise."""
+    if trace_level == "off" or cuda_timing != "off" or "cuda" not in set(device_types):
+        return None
+    return (
+        "warning: --cuda-timing off: the spans of CUDA phases time the kernel launches, "
+        "not the GPU's work; --cuda-timing events adds each phase's device time as a child "
+        "span (no synchronization), sync makes the phase spans wait for the GPU"
     )
 
 
@@ -572,6 +585,10 @@ def start_observer(
     )
     logs = start_logs(cfg, resource=telemetry.resource, on_export_problem=problems)
     logs.attach(*BRIDGED_LOGGERS)
+    level = cfg.level if telemetry.tracing_spans else "off"  # OTEL_SDK_DISABLED: no spans
+    note = cuda_timing_note(level, cfg.cuda_timing, (torch.device(d).type for d in devices))
+    if note is not None and rank == 0:  # a WARNING record, so an OTLP log record too
+        log(note)
     observer = Observer(
         cfg,
         telemetry,

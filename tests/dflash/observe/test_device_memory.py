@@ -1,18 +1,20 @@
 """Device memory without a GPU: a fake allocator (`MemorySource`, the shape of
 torch.cuda.memory_stats) behind the interval table's figure and the metrics. Nothing
 resets the program's peak; the peak is dflash's own running maximum, so it means the
-same on every rank."""
+same on every rank. And the start-up line of a CUDA run traced with device timing off."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
+import pytest
 import torch
 from test_run_metrics import Captured
 
 import tracing
 from dflash.observe.instruments import PeakMemory
 from dflash.observe.metrics import NAMESPACE, start_run_metrics
+from dflash.observe.observer import cuda_timing_note
 
 GIB = 2**30
 
@@ -98,3 +100,25 @@ def test_the_gauges_carry_the_device_and_mean_the_same_wherever_they_are_read() 
 
 def test_cpu_devices_have_no_memory_figures() -> None:
     assert not PeakMemory(["cpu", torch.device("cpu")]).enabled
+
+
+@pytest.mark.parametrize(
+    ("level", "timing", "devices", "noted"),
+    [
+        ("step", "off", ["cuda"], True),
+        ("phase", "off", ["cpu", "cuda"], True),
+        ("off", "off", ["cuda"], False),  # no spans to misread
+        ("phase", "events", ["cuda"], False),
+        ("phase", "sync", ["cuda"], False),
+        ("phase", "off", ["cpu"], False),  # a CPU run: its spans are its work
+        ("phase", "off", [], False),
+    ],
+)
+def test_the_cuda_timing_note_is_for_traced_cuda_runs_timed_off(
+    level: str, timing: str, devices: list[str], noted: bool
+) -> None:
+    note = cuda_timing_note(level, timing, devices)
+    assert (note is not None) == noted
+    if note is not None:
+        assert note.startswith("warning: --cuda-timing off")  # a WARNING record (dflash.log)
+        assert "kernel launches" in note and "--cuda-timing events" in note
