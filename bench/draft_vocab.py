@@ -32,7 +32,7 @@ from train_throughput import parse_overrides  # noqa: E402
 
 from dflash.config.devices import decide_placement  # noqa: E402
 from dflash.config.settings import TrainConfig, config_from_options  # noqa: E402
-from dflash.run.lifecycle import build_run  # noqa: E402
+from dflash.run.build import build_run  # noqa: E402
 
 
 def with_vocab(cfg: TrainConfig, size: int | None) -> TrainConfig:

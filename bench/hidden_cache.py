@@ -23,7 +23,7 @@ from train_throughput import parse_overrides
 from dflash.config.devices import decide_placement
 from dflash.config.settings import config_from_options
 from dflash.offline.hidden_cache import open_hidden_cache, write_hidden_cache
-from dflash.run.lifecycle import build_drafter, build_run
+from dflash.run.build import build_drafter, build_run
 from dflash.train.step import DrafterTrainer
 
 

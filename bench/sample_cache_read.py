@@ -31,7 +31,7 @@ from dflash.offline.sample_cache import open_sample_cache, sample_datasets  # no
 from dflash.offline.sample_reader import SampleCacheReader  # noqa: E402
 from dflash.offline.sample_writer import write_sample_cache  # noqa: E402
 from dflash.run.features import resolve_layer_ids  # noqa: E402
-from dflash.run.lifecycle import run_datasets  # noqa: E402
+from dflash.run.rows import training_rows  # noqa: E402
 from dflash.target import load as target_load  # noqa: E402
 
 
@@ -39,7 +39,7 @@ def throughput(overrides: dict[str, object], batches: int, workdir: Path) -> dic
     cfg = config_from_options(overrides)
     target = target_load.load_target(cfg.target.spec, "cpu", torch.float32, log=lambda _: None)
     layer_ids = resolve_layer_ids(cfg, target.num_layers)
-    train, heldout = run_datasets(cfg, target, log=lambda _: None)
+    train, heldout = training_rows(cfg, target, log=lambda _: None)
     out = write_sample_cache(target, train, heldout, workdir / "cache", layer_ids=layer_ids,
                              with_last_layer=True)  # fmt: skip
     cache = open_sample_cache(out, target=target, layer_ids=layer_ids, soft_labels=False)

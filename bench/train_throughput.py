@@ -15,7 +15,7 @@ import torch
 
 from dflash.config.devices import decide_placement
 from dflash.config.settings import TrainConfig, config_from_options, option_default
-from dflash.run.lifecycle import build_run
+from dflash.run.build import build_run
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, object]:

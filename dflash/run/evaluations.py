@@ -12,7 +12,7 @@ evaluates every N steps. The logged steps between them get the serving walk
 (dflash.eval.walk: the same greedy decoding replayed from one drafter forward over the
 target's continuations, computed once; `walk_tau` equals `eval_tau` up to rounding)
 where the same budget leaves room. The last step's evaluation is the final one
-(dflash.run.lifecycle.complete_run), never a second measurement. With --keep-best the
+(dflash.run.finish.complete_run), never a second measurement. With --keep-best the
 weights of the best evaluation are kept, to be saved as OUTPUT_DIR/drafter in place of
 the last ones.
 """

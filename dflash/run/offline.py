@@ -2,8 +2,9 @@
 
 Both load the target as training would (device, dtype; `cache-hidden --samples-only`
 its tokenizer, embedding and head alone) and then hand it to the formats of
-dflash.offline; `cache-hidden` cuts the batches exactly as `train` with the
-same config does, so the cache's batch i is the run's batch i.
+dflash.offline; `cache-hidden` opens the target and cuts the batches with the code
+`train` runs (dflash.run.build.open_target, dflash.run.rows.training_rows), so the
+cache's batch i is the batch i of a run of the same config.
 """
 
 from __future__ import annotations
@@ -37,12 +38,9 @@ from dflash.offline.regenerate import RegenProgress, RegenReport, regenerate
 from dflash.offline.sample_cache import SAMPLES_DIR, sample_files
 from dflash.offline.sample_writer import write_sample_cache, write_sample_plan
 from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateError, RegenerateSettings
-from dflash.run.features import resolve_layer_ids
-from dflash.run.lifecycle import (
-    check_target_fits,
-    run_datasets,
-    use_template_kwargs,
-)
+from dflash.run.build import open_target, use_template_kwargs
+from dflash.run.features import FeatureSource
+from dflash.run.rows import training_rows
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.served import CompletionClient, ServerSettings, TokenizerTarget
 
@@ -63,23 +61,19 @@ def write_run_cache(
     file each in speculators' layout; `samples_only`: those documents and the manifest
     without their states, for an engine (vLLM) to extract. -> the line that says what
     was written."""
-    device, precision = decide_placement(cfg.pipeline).target, cfg.pipeline.precision
-    dtype = target_load.target_dtype(device, precision)
-    if samples_only:
-        # The files hold what the run's target dtype gives; the decoder is needed only
-        # to regenerate --data embedded.
-        whole = cfg.data.source == EMBEDDED
-        on = device if whole else torch.device("cpu")
-        target = target_load.load_target(cfg.target.spec, on, dtype, log=log, head_only=not whole)
-    else:
-        target = target_load.load_target(cfg.target.spec, device, dtype, log=log)
-    # No cast under `auto` on a CPU (run_precision): `train --hidden-cache` under auto
-    # reads the states with its target as loaded, fp32 there.
+    device = decide_placement(cfg.pipeline).target
+    dtype = target_load.target_dtype(device, cfg.pipeline.precision)
+    # The files hold what the run's target dtype gives; for the samples alone the
+    # decoder is needed only to regenerate --data embedded.
+    whole = not samples_only or cfg.data.source == EMBEDDED
+    on = device if whole else torch.device("cpu")
+    # The live target's features, as a `train` run without --hidden-cache reads them; no
+    # cast under `auto` on a CPU (run_precision): `train --hidden-cache` under auto reads
+    # the states with its target as loaded, fp32 there.
+    features = FeatureSource(cfg)
+    target, layer_ids = open_target(cfg, features, device, log, load_on=on, head_only=not whole)
     log(f"precision: target in {str(dtype).removeprefix('torch.')}")
-    use_template_kwargs(target, cfg.target.template_kwargs, log)
-    check_target_fits(cfg, target)
-    layer_ids = resolve_layer_ids(cfg, target.num_layers)
-    train, heldout = run_datasets(cfg, target, log)
+    train, heldout = training_rows(cfg, target, log, features)
     start_s = time.perf_counter()
     if samples_only:
         with _writes(output_dir):

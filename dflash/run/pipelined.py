@@ -42,22 +42,19 @@ from dflash.pipeline.distributed import (
 )
 from dflash.pipeline.queues import PipelineError, StageFailure, StageGroup
 from dflash.pipeline.stages import Pipeline, StepFn
+from dflash.run.build import Run, build_run
 from dflash.run.checkpoint import SaveError
-from dflash.run.folder import METRICS_FILE, earlier_run
-from dflash.run.lifecycle import (
-    Run,
+from dflash.run.finish import (
     RunStats,
-    Start,
-    build_run,
     build_summary,
     complete_run,
-    log_startup,
     save_checkpoint_or_fail,
-    start_run,
     write_summary,
 )
+from dflash.run.folder import METRICS_FILE, earlier_run
 from dflash.run.progress import HeldLog, Progress
 from dflash.run.replicas import Replica, build_replicas, mover, target_forwards
+from dflash.run.start import Start, log_startup, start_run
 from dflash.signals import Interrupted, SignalStop, TrainingInterrupted
 from dflash.target.model import TargetOutput
 from dflash.train.step import PhaseFn, StepResult

@@ -1,8 +1,8 @@
 """The single-threaded reference loop: target.capture, then trainer.step, one batch a step.
 
-The pipeline is tested against it (same seed, same loss curve); it shares the run
-lifecycle (dflash.run.lifecycle) and the step metrics (dflash.train.step_metrics)
-with the pipeline.
+The pipeline is tested against it (same seed, same loss curve); it shares the run's
+start, build and end (dflash.run.start, dflash.run.build, dflash.run.finish) and the
+step metrics (dflash.train.step_metrics) with the pipeline.
 """
 
 from __future__ import annotations
@@ -16,18 +16,12 @@ import torch
 from dflash.config.settings import TrainConfig
 from dflash.log import Log, say
 from dflash.pipeline.distributed import DistInfo
+from dflash.run.build import build_run
+from dflash.run.finish import RunStats, finish_run, save_checkpoint_or_fail
 from dflash.run.folder import METRICS_FILE
-from dflash.run.lifecycle import (
-    RunStats,
-    Start,
-    build_run,
-    finish_run,
-    log_startup,
-    save_checkpoint_or_fail,
-    start_run,
-)
 from dflash.run.progress import Progress
 from dflash.run.replicas import move_target_out, target_forwards
+from dflash.run.start import Start, log_startup, start_run
 from dflash.train.step_metrics import StepMetrics
 
 

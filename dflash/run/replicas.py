@@ -18,8 +18,8 @@ from torch import nn
 
 from dflash.drafter.model import DFlashDrafter
 from dflash.pipeline.distributed import sync_initial_weights
+from dflash.run.build import Run
 from dflash.run.features import Forward
-from dflash.run.lifecycle import Run
 from dflash.target.model import TargetOutput, frozen_parts
 from dflash.train.step import DrafterTrainer
 

@@ -9,7 +9,7 @@ import torch
 
 from dflash.config.devices import decide_placement
 from dflash.config.settings import config_from_options
-from dflash.run.lifecycle import Run, build_run
+from dflash.run.build import Run, build_run
 from dflash.target import load as target_load
 from dflash.target.tiny import TinyLM, TinyLMConfig
 from dflash.train.step import DrafterTrainer

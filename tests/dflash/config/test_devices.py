@@ -113,8 +113,8 @@ def test_placement_is_decided_once_per_rank_and_used_by_the_run(
     from dflash.config.devices import decide_placement
     from dflash.config.settings import config_from_options
     from dflash.pipeline.distributed import dist_info_from_env
-    from dflash.run import lifecycle
     from dflash.run import pipelined as pipeline
+    from dflash.run import start as run_start
 
     _simulate_torchrun_node(monkeypatch, rank, gpus)
     cfg = config_from_options({"output_dir": str(tmp_path), **opts})
@@ -132,7 +132,7 @@ def test_placement_is_decided_once_per_rank_and_used_by_the_run(
         seen.append(placement_)
         raise Built
 
-    monkeypatch.setattr(lifecycle, "init_distributed", lambda info, device: None)
+    monkeypatch.setattr(run_start, "init_distributed", lambda info, device: None)
     monkeypatch.setattr(pipeline, "build_run", build_run)
     with pytest.raises(Built):
         pipeline.run_pipeline(cfg, log=lambda _: None)

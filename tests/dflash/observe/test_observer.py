@@ -329,7 +329,7 @@ def _torchrun_worker(out_dir: Path) -> None:
 
     from dflash.pipeline import distributed
     from dflash.pipeline.distributed import dist_info_from_env
-    from dflash.run import lifecycle as run
+    from dflash.run import finish as run
     from dflash.run import pipelined as pipeline
 
     small_target_everywhere()

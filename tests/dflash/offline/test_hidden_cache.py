@@ -10,7 +10,7 @@ from dflash.cli import cli
 from dflash.data.datasets import build_datasets
 from dflash.offline.hidden_cache import HiddenCacheError, open_hidden_cache, write_hidden_cache
 from dflash.run import pipelined as pipeline
-from dflash.run.lifecycle import build_drafter
+from dflash.run.build import build_drafter
 from dflash.run.reference import train_reference
 from dflash.target.load import wrap_tiny
 from dflash.target.tiny import TinyLM

@@ -254,7 +254,7 @@ def test_the_embedded_default_is_regenerated_once_per_target_and_recipe(
     from dflash.data.corpus import EMBEDDED_CORPUS, embedded_corpus
     from dflash.data.tokenizer import ByteTokenizer
     from dflash.offline import regenerate as regen_mod
-    from dflash.run.lifecycle import run_datasets
+    from dflash.run.rows import training_rows
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
     recipe = RegenerateSettings(
@@ -282,8 +282,8 @@ def test_the_embedded_default_is_regenerated_once_per_target_and_recipe(
         regen_mod.embedded_regeneration(target, 0.05, lines.append)  # another recipe, another key
     monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", recipe)
     opts = {"seq_len": 64, "batch_size": 2}
-    train, heldout = run_datasets(config_from_options(opts), target, lines.append)
-    corpus_train, corpus_heldout = run_datasets(
+    train, heldout = training_rows(config_from_options(opts), target, lines.append)
+    corpus_train, corpus_heldout = training_rows(
         config_from_options({**opts, "data": EMBEDDED_CORPUS}), target, lines.append
     )
     assert len(train) < len(corpus_train) and train.fingerprint() != corpus_train.fingerprint()

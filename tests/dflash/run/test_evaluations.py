@@ -15,7 +15,7 @@ from dflash.eval.evaluate import evaluate_tau
 from dflash.run import pipelined
 from dflash.run.checkpoint import load_checkpoint, resolve_checkpoint
 from dflash.run.evaluations import BUDGET_SHARE, Best, TrainingEvals, trainable_weights
-from dflash.run.lifecycle import keep_best
+from dflash.run.finish import keep_best
 from dflash.run.reference import train_reference
 from tests.dflash.app_fixtures import (  # noqa: F401 - fixture
     cpu_run,

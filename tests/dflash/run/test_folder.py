@@ -224,15 +224,17 @@ import os, signal, sys, time
 sys.path.insert(0, {root!r})
 from tests.dflash.app_fixtures import small_target_everywhere
 small_target_everywhere()
-import dflash.run.lifecycle as lifecycle
-real = getattr(lifecycle, {function!r})
+import importlib
+module_name, name = {function!r}.rsplit(".", 1)
+module = importlib.import_module(module_name)
+real = getattr(module, name)
 
 def signalled(*args, **kwargs):  # the signal arrives while the main thread is in there
     os.kill(os.getpid(), signal.{signal_name})
     time.sleep(5)
     return real(*args, **kwargs)
 
-setattr(lifecycle, {function!r}, signalled)
+setattr(module, name, signalled)
 from dflash import cli
 cli.cli({args!r}, prog_name="dflash-train")
 """
@@ -243,10 +245,10 @@ cli.cli({args!r}, prog_name="dflash-train")
 @pytest.mark.parametrize(
     ("function", "signal_name", "code", "phase"),
     [
-        ("run_datasets", "SIGTERM", 143, "data.prepare"),
-        ("run_datasets", "SIGINT", 130, "data.prepare"),
-        ("build_drafter", "SIGTERM", 143, "drafter.build"),
-        ("evaluate_run", "SIGTERM", 143, "eval"),
+        ("dflash.run.build.training_rows", "SIGTERM", 143, "data.prepare"),
+        ("dflash.run.build.training_rows", "SIGINT", 130, "data.prepare"),
+        ("dflash.run.build.build_drafter", "SIGTERM", 143, "drafter.build"),
+        ("dflash.run.finish.evaluate_run", "SIGTERM", 143, "eval"),
     ],
 )
 def test_a_signal_outside_the_training_loop_is_one_line_and_keeps_what_is_known(

@@ -7,8 +7,9 @@ import torch
 from dflash.config.devices import decide_placement
 from dflash.files import sha256_file
 from dflash.nn.schedule import warmup_cosine
+from dflash.run.build import build_run
 from dflash.run.checkpoint import CheckpointError
-from dflash.run.lifecycle import RunStats, build_run, save_run_checkpoint
+from dflash.run.finish import RunStats, save_run_checkpoint
 from dflash.run.reference import train_reference
 from dflash.train.step import DrafterTrainer, anchor_seed
 from tests.dflash.app_fixtures import cpu_run, small_cfg, tiny_target  # noqa: F401 - fixture
@@ -169,7 +170,7 @@ def test_tiny_hugging_face_target_on_chat_data_end_to_end(tmp_path) -> None:
 @pytest.mark.usefixtures("tiny_target")
 def test_a_summary_before_any_finished_step_holds_null_not_nan(tmp_path) -> None:
     """Interrupted at step 0 (or diverged), summary.json must stay JSON."""
-    from dflash.run.lifecycle import RunStats, build_summary
+    from dflash.run.finish import RunStats, build_summary
     from dflash.run.progress import format_summary
 
     run = cpu_run(small_cfg(tmp_path))

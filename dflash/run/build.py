@@ -1,0 +1,247 @@
+"""Building a run: target, data, drafter and trainer on this process's `Placement`.
+
+`open_target` is the opening `train` and `cache-hidden` share: the target loaded,
+its chat-template arguments, its position limit and the layers that feed the drafter;
+the rows are then `dflash.run.rows.training_rows`'. `build_run` adds the drafter and
+its trainer, restores `--resume` or warm-starts from `--init-from`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import tracing
+from dflash import names
+from dflash.config.devices import Placement
+from dflash.config.settings import TrainConfig
+from dflash.data.datasets import PackedDataset
+from dflash.drafter.io import check_fits_target, init_drafter_from
+from dflash.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.drafter.vocab import DraftVocab, check_draft_vocab_size, select_draft_vocab
+from dflash.log import Log, say
+from dflash.run.engine import check_vllm_command
+from dflash.run.estimate import check_seq_len, check_sizes_before_work
+from dflash.run.evaluations import TrainingEvals
+from dflash.run.features import FeatureSource, feature_source
+from dflash.run.progress import live_log
+from dflash.run.resume import check_same_data, checkpoint_to_resume, restore, warm_start
+from dflash.run.rows import rows_before_target, training_rows
+from dflash.target import load as target_load  # by module: tests swap load_target
+from dflash.target.model import MaskToken, TargetModel, frozen_parts, last_layer_warning
+from dflash.train.step import DrafterTrainer, PhaseFn, null_phase
+
+
+@dataclass
+class Run:
+    """Everything a training run is built from, and where its loop stands."""
+
+    cfg: TrainConfig
+    target: TargetModel
+    drafter: DFlashDrafter
+    trainer: DrafterTrainer
+    train_data: PackedDataset
+    heldout_data: PackedDataset
+    layer_ids: list[int]
+    placement: Placement
+    output_dir: Path
+    features: FeatureSource  # where the target's features come from
+    step: int = 0
+    next_batch_index: int = 0
+    setup_s: float = 0.0
+    resumed_from: Path | None = None
+    initialized_from: Path | None = None
+    final_saved: bool = False  # the final checkpoint and OUTPUT_DIR/drafter are written
+    evals: TrainingEvals | None = None  # τ while training (--eval-every)
+    _fingerprint: str | None = None
+
+    @property
+    def data_fingerprint(self) -> str:
+        """The training rows' fingerprint (hashed once: it reads every row)."""
+        if self._fingerprint is None:
+            self._fingerprint = self.train_data.fingerprint()
+        return self._fingerprint
+
+    @property
+    def mask_token(self) -> MaskToken:
+        config = self.drafter.config
+        chosen = self.target.data_mask_token
+        if chosen is not None and chosen.token_id == config.mask_token_id:
+            return chosen  # with its text
+        return MaskToken(config.mask_token_id, config.mask_token_source)
+
+    @property
+    def target_device(self) -> torch.device:
+        return self.placement.target
+
+    @property
+    def drafter_device(self) -> torch.device:
+        return self.placement.drafter
+
+
+def build_drafter(
+    cfg: TrainConfig,
+    target: TargetModel,
+    layer_ids: list[int],
+    device: torch.device,
+    draft_vocab: DraftVocab | None = None,
+) -> DFlashDrafter:
+    """A freshly initialized drafter (seeded by --seed) sharing the target's frozen parts."""
+    dcfg = DrafterConfig.for_target(
+        target,
+        num_layers=cfg.drafter.num_layers,
+        block_size=cfg.drafter.block_size,
+        target_layer_ids=list(layer_ids),
+        intermediate_size=cfg.drafter.intermediate_size,
+        mask_token_id=cfg.drafter.mask_token_id,
+        draft_vocab_size=draft_vocab.size if draft_vocab is not None else 0,
+    )
+    # The drafter's own copy of the frozen parts when the target sits elsewhere (another
+    # GPU, or the CPU with --hidden-cache): its forward must not cross devices.
+    embed, head = frozen_parts(target, device)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.run.seed)
+        drafter = DFlashDrafter(dcfg, embed, head, draft_vocab)
+    return drafter.to(device)
+
+
+def check_draft_vocab(cfg: TrainConfig, target: TargetModel) -> None:
+    """--draft-vocab-size against the loaded target, before the data."""
+    size = cfg.drafter.draft_vocab_size
+    if size is not None:
+        # The mask token may be chosen from the data later: it counts as one more id.
+        check_draft_vocab_size(size, target.embed_tokens.num_embeddings, target.stop_token_ids)
+
+
+def choose_draft_vocab(
+    cfg: TrainConfig, target: TargetModel, train: PackedDataset, log: Log
+) -> DraftVocab | None:
+    """--draft-vocab-size: the most frequent tokens of the training labels, said at start."""
+    size = cfg.drafter.draft_vocab_size
+    vocab_size = target.embed_tokens.num_embeddings
+    if size is None or size == vocab_size:
+        return None
+    mask_id = target.mask_token(cfg.drafter.mask_token_id).token_id
+    vocab = select_draft_vocab(
+        train.ids, train.mask, size, vocab_size, (mask_id, *target.stop_token_ids)
+    )
+    log(vocab.describe())
+    return vocab
+
+
+def use_template_kwargs(target: TargetModel, kwargs: dict[str, Any], log: Log) -> None:
+    """--chat-template-kwargs for every rendering of a conversation, said at start."""
+    if not kwargs:
+        return
+    target.use_chat_template_kwargs(kwargs)
+    if getattr(target.tokenizer, "chat_template", None):
+        log(f"chat template arguments: {json.dumps(kwargs, sort_keys=True)}")
+    else:
+        why = "no chat template (conversations are rendered as documented)"
+        log(f"chat template arguments {json.dumps(kwargs)} unused: target {target.spec} has {why}")
+
+
+def check_target_fits(cfg: TrainConfig, target: TargetModel) -> None:
+    """The loaded target's position limit (a hub target's is known only now)."""
+    check_seq_len(cfg, target.max_positions)
+
+
+def open_target(
+    cfg: TrainConfig,
+    features: FeatureSource,
+    device: torch.device,
+    log: Log,
+    *,
+    load_on: torch.device,
+    head_only: bool = False,
+    cast: bool = False,
+    checks: Callable[[TargetModel], None] | None = None,
+    phase: PhaseFn = null_phase,
+) -> tuple[TargetModel, list[int]]:
+    """The target as `train` and `cache-hidden` read rows with it, and the layers that
+    feed the drafter. It loads on `load_on` (`head_only`: its embedding, LM head and
+    final norm alone) in the dtype --precision gives on `device`, where it computes
+    (`cast`: the dtype for its width, once loaded: a cache's states keep the dtype they
+    were written in); then its chat-template arguments, its position limit, the
+    caller's `checks` and the features' own against it."""
+    dtype = target_load.target_dtype(device, cfg.pipeline.precision)
+    with phase(names.TARGET_LOAD):
+        target = target_load.load_target(
+            cfg.target.spec, load_on, dtype, log=live_log(log), head_only=head_only
+        )
+        if cast:
+            target_load.run_precision(target, cfg.pipeline.precision, device)
+    use_template_kwargs(target, cfg.target.template_kwargs, log)
+    check_target_fits(cfg, target)
+    if checks is not None:
+        checks(target)
+    features.open(target, log)
+    return target, features.layer_ids(target)
+
+
+def build_run(cfg: TrainConfig, placement: Placement, log: Log = say) -> Run:
+    """Target, data, drafter and trainer for `cfg` on `placement`; restores `--resume`
+    or warm-starts from `--init-from`."""
+    start_s = time.perf_counter()
+    output_dir = Path(cfg.run.output_dir)
+    resume = checkpoint_to_resume(cfg, output_dir)  # before minutes on the target
+    warm = warm_start(cfg, resuming=resume is not None)
+    check_sizes_before_work(cfg, placement.drafter)
+    if cfg.run.eval_engine == "vllm" and cfg.run.eval_prompts:
+        check_vllm_command(cfg.run.vllm_command)  # not after hours of training
+    features = feature_source(cfg)
+    with tracing.phase(names.DATA_PREPARE):
+        early = rows_before_target(cfg, features, log)
+
+    def checks(target: TargetModel) -> None:
+        check_draft_vocab(cfg, target)
+        # A bad explicit id fails here, before the data; none at all is chosen from the data.
+        target.needs_mask_from_data(cfg.drafter.mask_token_id)
+        if warm is not None:
+            check_fits_target(warm[1], target, f"--init-from {warm[0]}")
+
+    # A target that never runs while training keeps its weights in host memory (the
+    # drafter copies the embedding and LM head it shares) until the final evaluation.
+    target, layer_ids = open_target(
+        cfg,
+        features,
+        placement.target,
+        log,
+        load_on=features.load_device(placement),
+        head_only=features.head_only,
+        cast=features.runs_target,
+        checks=checks,
+        phase=tracing.phase,
+    )
+    warning = last_layer_warning(layer_ids, target.num_layers)
+    if warning is not None:
+        log(warning)
+    with tracing.phase(names.DATA_PREPARE):
+        train, heldout = training_rows(cfg, target, log, features, early)
+    with tracing.phase(names.DRAFTER_BUILD):
+        vocab = choose_draft_vocab(cfg, target, train, log)
+        drafter = build_drafter(cfg, target, layer_ids, placement.drafter, vocab)
+        trainer = DrafterTrainer(drafter, cfg, placement.drafter)
+    run = Run(
+        cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir, features
+    )
+    skipped = features.eval_skipped(target)
+    run.evals = TrainingEvals.for_run(cfg.run, target, drafter, heldout, skipped, layer_ids)
+    log(run.mask_token.describe())
+    if warm is not None:
+        init_drafter_from(drafter, warm[0])
+        run.initialized_from = warm[0]
+        log(f"drafter initialized from {warm[0]}")
+    if resume is not None:
+        check_same_data(cfg, lambda: run.data_fingerprint, resume.path)
+        run.step, run.next_batch_index = resume.step, resume.next_batch_index
+        run.resumed_from = resume.path
+        restore(resume, drafter, trainer, output_dir, log)
+    run.setup_s = time.perf_counter() - start_s
+    return run
