@@ -90,7 +90,8 @@ REGENERATE = Command(
     },
     """target data output max_new_tokens temperature stop_token_ids prefix_tokens
     windows_per_document batch_size chunk_lines seed heldout_fraction chat_template_kwargs
-    server concurrency request_timeout retries server_model device precision debug""".split(),
+    server concurrency request_timeout retries server_model device precision otlp_endpoint
+    otlp_protocol trace_file service_name debug""".split(),
     help={
         "target": "Target whose own replies replace the data's.",
         "data": "Chat JSONL ({'messages': [...]}: every assistant turn is regenerated given "
@@ -150,9 +151,14 @@ def regenerate_command(config_file: str | None, **given: Any) -> None:
 
     with locked_output(output, "--output", debug):  # before torch: a second writer at once
         with exiting_at_once():
+            from dflash.observe.command_trace import command_trace
             from dflash.run.offline import regenerate_data  # deferred: torch, so --help is quick
 
-        report = report_errors(debug, go)
+        def traced() -> Any:
+            with command_trace("regenerate", cfg.telemetry, say):
+                return go()
+
+        report = report_errors(debug, traced)
     for line in report.skipped.lines(0):
         echo_err(line)
     resumed = f", continued after line {report.resumed_from_line}" * bool(report.resumed_from_line)

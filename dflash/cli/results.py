@@ -33,7 +33,8 @@ EVAL = Command(
     {"eval": EvalSettings, "eval_job": EvalJob, "server": ServerConfig, "device": DeviceConfig},
     """drafter server concurrency request_timeout retries server_model target eval_data data
     eval_prompts eval_prompt_tokens chat_template_kwargs max_new_tokens temperature seed
-    timing_repeats draft_sampling device dtype json overwrite debug""".split(),
+    timing_repeats draft_sampling device dtype json overwrite otlp_endpoint otlp_protocol
+    trace_file service_name debug""".split(),
     help={
         "server": "An OpenAI-compatible server running the target with a DFlash drafter (vLLM "
         "with --speculative-config): the prompts go to its /v1/completions and τ comes from "
@@ -93,6 +94,7 @@ def eval_command(config_file: str | None, **given: Any) -> None:
         report_errors(debug, client.served_models)
     with exiting_at_once():
         from dflash.eval.evaluate import evaluate_drafter_dir, evaluate_server  # deferred: torch
+        from dflash.observe.command_trace import command_trace
 
     def go() -> dict[str, Any]:
         run = settings.run.target
@@ -126,7 +128,11 @@ def eval_command(config_file: str | None, **given: Any) -> None:
             echo_err(line)
         return {**figures, "served": served}
 
-    write_json(job.json, report_errors(debug, go))
+    def traced() -> dict[str, Any]:
+        with command_trace("eval", settings.run.telemetry, say):
+            return go()
+
+    write_json(job.json, report_errors(debug, traced))
 
 
 def compare_lines(here: dict[str, Any], served: dict[str, Any]) -> list[str]:

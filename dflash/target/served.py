@@ -17,6 +17,13 @@ are one line at once. The model
 the server serves is checked against `--target`'s tokenizer before any prompt is sent:
 by the server's `/tokenize` where it has one (vLLM, SGLang and llama.cpp do), else by
 name.
+
+Tracing: each completion is an OpenTelemetry GenAI client span (`text_completion MODEL`,
+kind CLIENT, the `gen_ai.*` request, response and usage attributes of the semantic
+conventions) through the global TracerProvider, and every request carries the current
+context as W3C `traceparent`: a vLLM started with `--otlp-traces-endpoint` parents its
+`llm_request` span on ours, so one trace holds the command and the engine. Without a
+provider (nothing configured) both cost nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +41,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import PurePosixPath
 from typing import Any
+from urllib.parse import urlsplit
 
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from dflash import __version__
 from dflash.config.commands import ServerConfig
 from dflash.data.tokenizer import Tokenizer, encode_texts, tokenizer_fingerprint
 from dflash.errors import DFlashError, first_line
@@ -42,6 +55,10 @@ from dflash.errors import DFlashError, first_line
 PROBE = "Speculative decoding drafts 16 tokens; the target checks them all at once."
 PROBE_S = 3.0
 """The deadline of the probe of a server (its first request), as the hub's (HUB_PROBE_S)."""
+OPERATION = "text_completion"
+"""gen_ai.operation.name of a /v1/completions request (the GenAI semantic conventions)."""
+# A ProxyTracer until the application (or `dflash.observe`) sets the global provider.
+_tracer = trace.get_tracer("dflash.target.served", __version__)
 
 
 class ServerError(DFlashError):
@@ -129,6 +146,33 @@ class _Requests:
                 future.set_exception(exc)
 
 
+def _in_context(
+    context: otel_context.Context, call: Callable[..., Any], *args: Any, **kw: Any
+) -> Any:
+    token = otel_context.attach(context)
+    try:
+        return call(*args, **kw)
+    finally:
+        otel_context.detach(token)
+
+
+def _response_attributes(
+    reply: dict[str, Any], prompt_tokens: int, completion: Completion
+) -> dict[str, Any]:
+    """The GenAI response and usage attributes of a /v1/completions reply."""
+    usage = reply.get("usage") or {}
+    reasons = [str(c.get("finish_reason")) for c in reply.get("choices") or [] if c]
+    attributes: dict[str, Any] = {
+        "gen_ai.usage.input_tokens": int(usage.get("prompt_tokens") or prompt_tokens),
+        "gen_ai.usage.output_tokens": completion.tokens,
+        "gen_ai.response.finish_reasons": reasons,
+    }
+    for key, name in (("id", "gen_ai.response.id"), ("model", "gen_ai.response.model")):
+        if isinstance(reply.get(key), str):
+            attributes[name] = reply[key]
+    return attributes
+
+
 class CompletionClient:
     """Requests to one server; thread-safe (each call opens its own connection). At most
     `concurrency` completions are in flight, however many callers ask at once, so that a
@@ -137,6 +181,7 @@ class CompletionClient:
     def __init__(self, settings: ServerSettings, sleep: Callable[[float], None] = time.sleep):
         self.settings, self._sleep = settings, sleep
         self.model = settings.model or ""
+        self.provider: str | None = None  # the models' `owned_by` (vllm, sglang, llamacpp)
         self._requests = _Requests(settings.concurrency)
         self._stopped = threading.Event()
 
@@ -160,6 +205,7 @@ class CompletionClient:
         url = self.settings.base + path
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", "Authorization": "Bearer EMPTY"}
+        propagate.inject(headers)  # the current span (a completion's) as traceparent
         wait = self.settings.backoff_s
         timeout_s = min(self.settings.timeout_s, PROBE_S) if probe else self.settings.timeout_s
         retries = 0 if probe else self.settings.retries
@@ -205,7 +251,11 @@ class CompletionClient:
     def served_models(self) -> list[str]:
         reply = self._request("GET", "/v1/models", probe=True)
         try:
-            return [str(m["id"]) for m in reply["data"]]
+            models = [str(m["id"]) for m in reply["data"]]
+            owners = {m.get("owned_by") for m in reply["data"] if isinstance(m, dict)}
+            if len(owners) == 1 and isinstance(owner := owners.pop(), str) and owner:
+                self.provider = owner
+            return models
         except (KeyError, TypeError):
             raise ServerError(
                 f"--server {self.settings.base}: /v1/models lists no models"
@@ -289,6 +339,42 @@ class CompletionClient:
             body["stop_token_ids"] = list(stop_token_ids)  # vLLM/SGLang; EOS ends it anyway
         if self._stopped.is_set():
             raise ServerError(f"--server {self.settings.base}: the run stopped")
+        with _tracer.start_as_current_span(
+            f"{OPERATION} {self.model}",
+            kind=SpanKind.CLIENT,
+            attributes=self._request_attributes(body),
+            record_exception=False,  # a ServerError is one line, set as the status below
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                completion, reply = self._completion(body)
+            except ServerError as err:
+                if span.is_recording():
+                    span.set_attribute("error.type", str(err.status or type(err).__name__))
+                    span.set_status(Status(StatusCode.ERROR, str(err)))
+                raise
+            if span.is_recording():
+                span.set_attributes(_response_attributes(reply, len(prompt), completion))
+        return completion
+
+    def _request_attributes(self, body: dict[str, Any]) -> dict[str, Any]:
+        where = urlsplit(self.settings.base)
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": OPERATION,
+            "gen_ai.request.model": self.model,
+            "gen_ai.request.max_tokens": body["max_tokens"],
+            "gen_ai.request.temperature": body["temperature"],
+            "gen_ai.request.top_p": body["top_p"],
+            "gen_ai.request.top_k": body["top_k"],
+            "gen_ai.request.seed": body["seed"],
+            "server.address": where.hostname or "",
+            "server.port": where.port or (443 if where.scheme == "https" else 80),
+        }
+        if self.provider is not None:
+            attributes["gen_ai.provider.name"] = self.provider
+        return attributes
+
+    def _completion(self, body: dict[str, Any]) -> tuple[Completion, dict[str, Any]]:
         reply = self._request("POST", "/v1/completions", body)
         try:
             choice = reply["choices"][0]
@@ -305,7 +391,8 @@ class CompletionClient:
                 "broken or not OpenAI-compatible; nothing of this reply is written"
             )
         usage = reply.get("usage") or {}
-        return Completion(text, int(usage.get("completion_tokens") or 0), reason == "length")
+        completion = Completion(text, int(usage.get("completion_tokens") or 0), reason == "length")
+        return completion, reply
 
     def complete_all(
         self,
@@ -320,8 +407,11 @@ class CompletionClient:
         once, and this call's prompts not yet sent are not sent. `on_queued` is called once
         they are all queued."""
         seed = int(kwargs.pop("seed"))
+        caller = otel_context.get_current()  # the workers' spans are children of the caller's
         futures = [
-            self._requests.submit(priority, partial(self.complete, p, seed=seed + i, **kwargs))
+            self._requests.submit(
+                priority, partial(_in_context, caller, self.complete, p, seed=seed + i, **kwargs)
+            )
             for i, p in enumerate(prompts)
         ]
         if on_queued is not None:

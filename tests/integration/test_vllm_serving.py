@@ -286,7 +286,8 @@ def serve(vllm_python: Path, recipe: dict[str, Any]) -> Iterator[Any]:
     """Starts vLLM's OpenAI server on loopback (optionally with a drafter); -> its URL."""
     started: list[tuple[subprocess.Popen[str], str]] = []
 
-    def start(drafter: Path | None) -> str:
+    def start(drafter: Path | None, traces_to: str | None = None) -> str:
+        """`traces_to`: vLLM's --otlp-traces-endpoint (OTLP/gRPC), its service `vllm`."""
         port, marker = _free_port(), new_marker()
         args = [
             str(vllm_python),
@@ -310,13 +311,17 @@ def serve(vllm_python: Path, recipe: dict[str, Any]) -> Iterator[Any]:
             block = json.loads((drafter / "config.json").read_text())["block_size"]
             spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": block - 1}
             args += ["--speculative-config", json.dumps(spec)]
+        env = vllm_env(marker)
+        if traces_to is not None:
+            args += ["--otlp-traces-endpoint", traces_to]
+            env["OTEL_SERVICE_NAME"] = "vllm"
         log = open(recipe["root"] / f"serve-{port}.log", "w")  # noqa: SIM115
         proc = subprocess.Popen(
             args,
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
-            env=vllm_env(marker),
+            env=env,
             preexec_fn=die_with_parent,
         )
         started.append((proc, marker))
@@ -365,11 +370,12 @@ def _regenerated_replies(regen: Path) -> list[str]:
 
 
 @pytest.mark.timeout(3600)
-def test_eval_server_measures_our_tau_through_vllm_serve(recipe, serve):
+def test_eval_server_measures_our_tau_through_vllm_serve(recipe, serve, jaeger):
     drafter = recipe["drafters"]["whole"]
-    url = serve(drafter)
+    url = serve(drafter, traces_to=jaeger.otlp_grpc_endpoint)
     ours = recipe["evals"]["whole"]
     out = recipe["root"] / "served.json"
+    service = f"dflash-eval-{new_marker()}"
     done = dflash_ok(
         "eval",
         "--server",
@@ -382,6 +388,10 @@ def test_eval_server_measures_our_tau_through_vllm_serve(recipe, serve):
         str(NEW_TOKENS),
         "--json",
         str(out),
+        "--otlp-endpoint",
+        jaeger.otlp_http_endpoint,
+        "--service-name",
+        service,
     )
     served = json.loads(out.read_text())
     assert served["served"]["server"] == url
@@ -399,6 +409,41 @@ def test_eval_server_measures_our_tau_through_vllm_serve(recipe, serve):
     # Speculative decoding is lossless: the server's greedy replies with the drafter are
     # the target's own, as regeneration decoded them in this process.
     assert _completions(url, recipe["ids"]) == _regenerated_replies(recipe["regen"])
+    _one_trace_holds_the_command_and_the_engine(jaeger, service, done.stderr)
+
+
+def _one_trace_holds_the_command_and_the_engine(jaeger: Any, service: str, stderr: str) -> None:
+    """Each completion is our GenAI client span, and vLLM's `llm_request` span (exported
+    by the engine itself) is its child in the same trace, found through Jaeger's API."""
+    assert "failed 0" in stderr, stderr[-2000:]
+
+    def engine_spans(traces: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        spans = [s for t in traces for s in t["spans"]]
+        return [s for s in spans if s["operationName"] == "llm_request"]
+
+    traces = jaeger.wait_for(
+        lambda: jaeger.traces(service),
+        lambda found: len(engine_spans(found)) >= len(PROMPTS),
+        timeout_s=90,
+        waiting_for=f"vLLM's llm_request spans in the traces of {service}",
+    )
+    (trace,) = traces
+    spans = {s["spanID"]: s for s in trace["spans"]}
+    services = {pid: p["serviceName"] for pid, p in trace["processes"].items()}
+    (root,) = [s for s in spans.values() if s["operationName"] == "dflash.eval"]
+    clients = [s for s in spans.values() if s["operationName"].startswith("text_completion ")]
+    assert len(clients) == len(PROMPTS)
+    for client in clients:
+        assert services[client["processID"]] == service
+        assert [r["spanID"] for r in client["references"]] == [root["spanID"]]
+        tags = {t["key"]: t["value"] for t in client["tags"]}
+        assert tags["span.kind"] == "client" and tags["gen_ai.provider.name"] == "vllm"
+    parents = set()
+    for span in engine_spans(traces):
+        assert services[span["processID"]] == "vllm"
+        (ref,) = span["references"]
+        parents.add(ref["spanID"])
+    assert parents == {c["spanID"] for c in clients}
 
 
 @pytest.mark.timeout(3600)

@@ -8,9 +8,13 @@ is not ours, a server that is not speculative or has no metrics, one that dies m
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -67,6 +71,7 @@ class FakeEngine:
         self.drafts = self.accepted = self.requests = self.tokens = 0
         self.per_position = [0, 0, 0]
         self.served = 0
+        self.traceparents: list[str | None] = []  # each completion request's header
         self.lock = threading.Lock()
 
     def complete(self, max_tokens: int, prompt_index: int) -> int:
@@ -122,7 +127,7 @@ def engine_server() -> Iterator[Any]:
 
             def do_GET(self) -> None:  # noqa: N802 - the http.server hook name
                 if self.path == "/v1/models":
-                    self._send(200, json.dumps({"data": [{"id": MODEL}]}))
+                    self._send(200, json.dumps({"data": [{"id": MODEL, "owned_by": "vllm"}]}))
                 elif self.path == "/metrics" and engine.metrics:
                     self._send(200, engine.page(), "text/plain")
                 else:
@@ -141,6 +146,7 @@ def engine_server() -> Iterator[Any]:
                     self.connection.close()
                     return
                 engine.served += 1
+                engine.traceparents.append(self.headers.get("traceparent"))
                 for _ in range(engine.other_requests):
                     engine.complete(5, 0)
                 tokens = engine.complete(body["max_tokens"], body["seed"])
@@ -244,3 +250,75 @@ def test_a_server_of_another_tokenizer_is_refused_before_any_prompt(engine_serve
     assert result.exit_code == 2, result.output
     assert "tokenizer differs" in result.output and result.output.count("Error:") == 1
     assert engine.requests == 0
+
+
+def _spans(path: Path) -> list[dict[str, Any]]:
+    """Every span of an OTLP-JSON lines file, its scope's name added."""
+    found = []
+    for line in path.read_text().splitlines():
+        for resource in json.loads(line)["resourceSpans"]:
+            for scope in resource["scopeSpans"]:
+                found += [{**s, "scope": scope["scope"]["name"]} for s in scope["spans"]]
+    return found
+
+
+def test_each_completion_is_a_genai_client_span_whose_traceparent_the_server_gets(
+    engine_server, tmp_path
+):
+    engine = FakeEngine()
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(3)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trace_file = tmp_path / "trace.jsonl"
+    url = engine_server(engine)
+    # A process of its own: the command installs its provider as the global one.
+    done = subprocess.run(
+        [sys.executable, "-m", "dflash.cli", "eval", "--server", url, "--target", "builtin:tiny"]
+        + ["--eval-data", str(prompts), "--max-new-tokens", "6", "--trace-file", str(trace_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "eval: tracing: shutdown" in done.stderr and "failed 0" in done.stderr
+    spans = _spans(trace_file)
+    (root,) = [s for s in spans if s["name"] == "dflash.eval"]
+    clients = [s for s in spans if s["name"] == f"text_completion {MODEL}"]
+    assert len(clients) == 3 == len(engine.traceparents)
+    for span in clients:
+        assert span["kind"] == 3  # SPAN_KIND_CLIENT
+        assert span["traceId"] == root["traceId"] and span["parentSpanId"] == root["spanId"]
+        attrs = {a["key"]: next(iter(a["value"].values())) for a in span["attributes"]}
+        assert attrs["gen_ai.operation.name"] == "text_completion"
+        assert attrs["gen_ai.provider.name"] == "vllm"
+        assert attrs["gen_ai.request.model"] == MODEL
+        assert attrs["gen_ai.request.max_tokens"] == "6"  # OTLP JSON: int64 as a string
+        assert attrs["gen_ai.usage.output_tokens"] == "6"
+        assert attrs["server.address"] == "127.0.0.1"
+    # What the server got is each client span's own context, as W3C traceparent.
+    sent = {f"00-{s['traceId']}-{s['spanId']}-01" for s in clients}
+    assert set(engine.traceparents) == sent
+
+
+def test_a_server_error_marks_the_client_span(engine_server):
+    """Through the SDK in this process (no global provider is touched)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from dflash.target import served
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    client = _client(engine_server(FakeEngine(die_after=0)))
+    kept, served._tracer = served._tracer, provider.get_tracer("test")
+    try:
+        with pytest.raises(ServerError):
+            client.complete([1], max_tokens=4, temperature=0.0, seed=0, stop_token_ids=())
+    finally:
+        served._tracer = kept
+    (span,) = exporter.get_finished_spans()
+    assert span.status.status_code.name == "ERROR"
+    assert span.attributes is not None and span.attributes["error.type"] == "ServerError"
