@@ -171,6 +171,14 @@ class DrafterSettings(Section):
         "the d2t/t2d mappings vLLM and speculators read; unset uses the whole vocabulary.",
         min=1,
     )
+    init: Literal["random", "target"] = setting(
+        "random",
+        "How the drafter's weights start: `random`, or `target`: its layers as the target's "
+        "last DRAFTER_LAYERS decoder layers, its final norm the target's, the fusion passing "
+        "the deepest --target-layers layer through (learns faster from little data; "
+        "docs/training.md). A resumed run continues its checkpoint.",
+        option="drafter_init",
+    )
 
 
 @dataclass(frozen=True)
@@ -547,6 +555,11 @@ class TrainConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
     def __post_init__(self) -> None:
+        if self.drafter.init == "target" and self.run.init_from is not None:
+            raise ConfigError(
+                f"--drafter-init target and --init-from {self.run.init_from} both say where "
+                "the drafter starts: give one"
+            )
         block, seq = self.drafter.block_size, self.data.seq_len
         if block > seq:
             raise ConfigError(

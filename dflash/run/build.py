@@ -22,6 +22,7 @@ from dflash import names
 from dflash.config.devices import Placement
 from dflash.config.settings import TrainConfig
 from dflash.data.datasets import PackedDataset
+from dflash.drafter.init import start_from_target
 from dflash.drafter.io import check_fits_target, init_drafter_from
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.drafter.vocab import DraftVocab, check_draft_vocab_size, select_draft_vocab
@@ -227,6 +228,14 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Log = say) -> Run:
     with tracing.phase(names.DRAFTER_BUILD):
         vocab = choose_draft_vocab(cfg, target, train, log)
         drafter = build_drafter(cfg, target, layer_ids, placement.drafter, vocab)
+        if cfg.drafter.init == "target" and warm is None and resume is None:
+            copied = start_from_target(drafter, target)
+            which = f"layers {copied[0]}-{copied[-1]}" if len(copied) > 1 else f"layer {copied[0]}"
+            log(
+                f"drafter: starts as the target's {which} (of "
+                f"{target.num_layers}), its final norm, and a fusion passing layer "
+                f"{layer_ids[-1]} through (--drafter-init target)"
+            )
         trainer = DrafterTrainer(drafter, cfg, placement.drafter)
     run = Run(
         cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir, features

@@ -257,7 +257,7 @@ def run_pipeline(
 
     Under torchrun every rank calls this; rank 0 alone writes config.json,
     checkpoints, metrics.jsonl, the drafter and summary.json (other ranks return a
-    short dict). `start` (dflash.run.lifecycle.start_run) is made here unless the
+    short dict). `start` (dflash.run.start.start_run) is made here unless the
     caller made it; `observer` (dflash.observe) prints interval tables while it runs;
     `reporting` (dflash.observe.trackers, --report-to) gets each metrics.jsonl line.
     Raises PipelineError (one line; the traceback goes to OUTPUT_DIR/pipeline-error.log)

@@ -224,7 +224,7 @@ def _check_decoder_config(spec: str, source: str, cached_only: dict[str, bool]) 
         raise TargetError(f"target {spec}: {first_line(err).removeprefix('target ')}") from None
 
 
-def _weight_files(path: Path) -> dict[str, Path] | None:
+def weight_files(path: Path) -> dict[str, Path] | None:
     """Tensor name -> safetensors file of a local directory, or None without them."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -257,7 +257,7 @@ def load_hf_head(spec: str, dtype: torch.dtype | None) -> TargetModel:
 
     path = Path(spec).expanduser()
     check_not_a_drafter(spec)
-    files = _weight_files(path)
+    files = weight_files(path)
     if files is None:
         raise TargetError(f"target {spec} has no safetensors weights to read its head from")
     dtype = dtype or torch.float32

@@ -267,6 +267,11 @@ class TargetModel(nn.Module):
         return self.geometry.hidden_size
 
     @property
+    def decoder_layers(self) -> nn.ModuleList:
+        """The decoder layers, first to last (on the meta device when `head_only`)."""
+        return self._layers
+
+    @property
     def num_layers(self) -> int:
         return self.geometry.num_layers
 
