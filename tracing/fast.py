@@ -23,8 +23,17 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import Decision
+from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+from opentelemetry.trace import (
+    Link,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+)
 
 from tracing.clock import now_ns
 
@@ -56,7 +65,7 @@ class FastSpan(trace.Span):
 
     __slots__ = (
         *("name", "trace_id", "span_id", "parent", "trace_state", "attributes", "events"),
-        *("status", "start_time", "end_time", "_tracer", "_context"),
+        *("status", "start_time", "end_time", "links", "_tracer", "_context"),
     )
 
     def __init__(
@@ -68,12 +77,13 @@ class FastSpan(trace.Span):
         trace_state: Any,
         attributes: dict[str, Any] | None,
         start_time: int,
+        links: Sequence[Link] = (),
     ) -> None:
         self._tracer, self.name, self.parent, self.trace_id = tracer, name, parent, trace_id
         self.span_id, self.trace_state = tracer.ids.generate_span_id(), trace_state
         self.attributes = attributes  # already clean (tracing.spans): copied, never shared
         self.events: list[Event] | None = None
-        self.status, self.start_time = _UNSET, start_time
+        self.status, self.start_time, self.links = _UNSET, start_time, links
         self.end_time: int | None = None
         self._context: SpanContext | None = None
 
@@ -154,6 +164,7 @@ class FastSpan(trace.Span):
             resource=tracer.provider.resource,  # refreshed by the SDK after a fork
             attributes=attributes,
             events=tuple(self.events or ()),
+            links=self.links,
             kind=SpanKind.INTERNAL,
             status=self.status,
             start_time=self.start_time,
@@ -185,6 +196,7 @@ class FastTracer:
         context: Context | None = None,
         attributes: dict[str, Any] | None = None,
         start_time: int | None = None,
+        links: Sequence[Link] | None = None,
     ) -> trace.Span:
         parent: SpanContext | None = trace.get_current_span(context).get_span_context()
         state: TraceState | None
@@ -196,7 +208,7 @@ class FastTracer:
         else:
             parent, trace_id = None, self.ids.generate_trace_id()
             result = self.sampler.should_sample(
-                context, trace_id, name, SpanKind.INTERNAL, attributes
+                context, trace_id, name, SpanKind.INTERNAL, attributes, links
             )
             sampled, state = result.decision is Decision.RECORD_AND_SAMPLE, result.trace_state
             if result.attributes:
@@ -207,4 +219,28 @@ class FastTracer:
                 SpanContext(trace_id, span_id, False, _NOT_SAMPLED, state)
             )
         start = now_ns() if start_time is None else start_time
+        if links:
+            kept = bounded_links(links, self.limits)
+            return FastSpan(self, name, parent, trace_id, state, attributes, start, kept)
         return FastSpan(self, name, parent, trace_id, state, attributes, start)
+
+
+def bounded_links(links: Sequence[Link], limits: SpanLimits) -> BoundedList[Link]:
+    """The links as the SDK's Span keeps them (its `_new_links`): those with a valid
+    context (or attributes or a trace state), each with its attributes bounded by the
+    link limits and made immutable, at most `max_links` of them (the rest counted as
+    dropped). New Link objects: the caller's are left as they were."""
+    kept = [
+        Link(
+            link.context,
+            BoundedAttributes(
+                limits.max_link_attributes,
+                link.attributes,
+                max_value_len=limits.max_attribute_length,
+                immutable=True,
+            ),
+        )
+        for link in links
+        if link.context and (link.context.is_valid or link.attributes or link.context.trace_state)
+    ]
+    return BoundedList.from_seq(limits.max_links, kept)

@@ -15,7 +15,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import Enum
@@ -26,7 +26,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import Status, StatusCode
+from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 
 from tracing.clock import EPOCH_OFFSET_NS, now_ns
 from tracing.config import warn_once
@@ -218,6 +218,33 @@ class SpanHandle:
             self._span.end(end_time=end_ns)
 
 
+def to_links(targets: Iterable[object]) -> list[Link]:
+    """OTel Links to `targets`: a Link (its attributes cleaned as a span's are), or a
+    SpanContext, a SpanHandle or a Context (the span in it), linked without attributes.
+    A handle or Context without a span (tracing off, the level filtered it) is left out;
+    so is anything else, warned about once."""
+    links = []
+    for target in targets:
+        if isinstance(target, Link):
+            given = target.attributes
+            links.append(Link(target.context, clean_attributes(given) if given else None))
+            continue
+        context: SpanContext | None = None
+        if isinstance(target, SpanHandle):
+            span = target._span
+            context = None if span is None else span.get_span_context()
+        elif isinstance(target, SpanContext):
+            context = target
+        elif isinstance(target, Context):
+            context = trace.get_current_span(target).get_span_context()
+        else:
+            kind = type(target).__name__
+            warn_once("link", f"a link is a Link, SpanContext, SpanHandle or Context, not {kind}")
+        if context is not None and context.is_valid:
+            links.append(Link(context))
+    return links
+
+
 def _parent_context(parent: object) -> Context | None:
     """The Context under an explicit `parent` (None: the current one, as the SDK's)."""
     if isinstance(parent, SpanHandle):
@@ -263,8 +290,11 @@ def start_span(
     start_time_ns: int | None = None,
     level: str = "step",
     stats: ProfileStats | None = None,
+    links: Sequence[object] | None = None,
 ) -> SpanHandle:
-    """A span not tied to this thread (the per-batch root); `parent=None`: a new trace."""
+    """A span not tied to this thread (the per-batch root); `parent=None`: a new trace.
+    `links`: spans it is causally tied to outside its parent (`to_links`: Links,
+    SpanContexts, SpanHandles, Contexts), given to the sampler and recorded."""
     rt = _runtime
     start_ns = _time_ns() if start_time_ns is None else start_time_ns
     handle = SpanHandle(name, start_ns, stats if stats is not None else rt.stats)
@@ -273,7 +303,10 @@ def start_span(
         try:
             context = _NEW_TRACE if parent is None else _parent_context(parent)
             values = clean_attributes(attributes) if attributes else None
-            handle._span = tracer.start_span(name, context, attributes=values, start_time=start_ns)
+            kept = to_links(links) if links else None
+            handle._span = tracer.start_span(
+                name, context, attributes=values, links=kept, start_time=start_ns
+            )
         except Exception:  # telemetry never raises into the host program
             logger.exception("tracing: span %s could not start", name)
     if rt.hooks:
@@ -287,13 +320,15 @@ class Phase(SpanHandle):
     also a decorator. `level`: off < step < phase, a span only at the configured one or
     below. `parent`: a Context or SpanHandle; None: this thread's innermost phase, else
     the current OTel context. `start_time_ns` (now_ns()): a wait opened after it ended
-    (the stats get all of it; the span starts no earlier than its parent). An exception
+    (the stats get all of it; the span starts no earlier than its parent). `links`: spans
+    of other traces it is causally tied to (`to_links`), taken when the span starts. An exception
     marks the span ERROR, then propagates. `device` (e.g. "cuda:0"): `sync` timing
     synchronizes it at both ends; `events` resolves device events off the hot path."""
 
     __slots__ = (
         *("_level", "_parent", "_given_attributes", "_device", "_token", "_rt", "_mode"),
         *("_start_event", "_given_start_ns", "_propagate", "_otel_token", "_entries"),
+        "_links",
     )
 
     def __init__(
@@ -307,11 +342,14 @@ class Phase(SpanHandle):
         device: object = None,
         stats: ProfileStats | None = None,
         propagate: bool | None = None,
+        links: Sequence[object] | None = None,
     ) -> None:
         # Only stores: at level off this object lives for two clock reads and one add.
         self.name, self._level, self._parent, self._device = name, level, parent, device
         self._given_start_ns, self._given_attributes = start_time_ns, attributes
         self._stats, self._propagate = stats, propagate
+        if links is not None:  # left unset otherwise: one store less on every phase
+            self._links = links
         self._span = None
         self._context = None
         self._hooks = ()  # phases call their hooks from the runtime, not from end()
@@ -359,7 +397,11 @@ class Phase(SpanHandle):
             "device": self._device,
             "stats": self._stats,
             "propagate": self._propagate,
+            "links": self._given_links(),
         }
+
+    def _given_links(self) -> Sequence[object] | None:
+        return getattr(self, "_links", None)  # a slot set only where links were given
 
     def _enter_device(self, rt: Runtime) -> None:
         clock = rt.clock
@@ -387,9 +429,16 @@ class Phase(SpanHandle):
         context = None if parent is None else _parent_context(parent)
         attributes = self._given_attributes
         values = clean_attributes(attributes) if attributes else None
-        self._span = rt.tracer.start_span(
-            self.name, context, attributes=values, start_time=start_ns
-        )
+        given = self._given_links()
+        if given:  # a branch, not a `links=None` argument on every phase's call
+            links = to_links(given)
+            self._span = rt.tracer.start_span(
+                self.name, context, attributes=values, links=links, start_time=start_ns
+            )
+        else:
+            self._span = rt.tracer.start_span(
+                self.name, context, attributes=values, start_time=start_ns
+            )
         self._token = _current.set(self)
         held = self.context if propagate else None  # never None: the span just started
         self._otel_token = otel_context.attach(held) if held is not None else None
