@@ -113,9 +113,10 @@ class OtlpJsonFileExporter(SpanExporter):
         for resource_spans in message.get("resourceSpans", []):
             for scope_spans in resource_spans.get("scopeSpans", []):
                 for span in scope_spans.get("spans", []):
-                    for key in ("traceId", "spanId", "parentSpanId"):
-                        if span.get(key):
-                            span[key] = base64.b64decode(span[key]).hex()
+                    for ids in (span, *span.get("links", ())):  # a link names its span too
+                        for key in ("traceId", "spanId", "parentSpanId"):
+                            if ids.get(key):
+                                ids[key] = base64.b64decode(ids[key]).hex()
         with self._lock:
             if self._file.closed:
                 return SpanExportResult.FAILURE

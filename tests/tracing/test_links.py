@@ -4,6 +4,7 @@ trace is shown them, and a phase without links records none."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -185,3 +186,29 @@ def test_the_sampler_of_a_new_trace_sees_its_links() -> None:
         spans: tuple[ReadableSpan, ...] = memory.get_finished_spans()
         assert [[link.context for link in s.links] for s in spans] == [[linked], [linked]]
     assert seen["fast"] == seen["sdk"] == [[0xB]]
+
+
+def test_the_trace_file_names_linked_spans_by_hex_ids(tmp_path) -> None:
+    """OTLP/JSON ids are hex, a link's as a span's: a reader finds the linked span."""
+    path = tmp_path / "spans.jsonl"
+    tracing.setup(tracing.TracingConfig(), exporters=[tracing.OtlpJsonFileExporter(path)])
+    with tracing.phase("drafter.step", level="step") as step:
+        pass
+    with tracing.phase("checkpoint.save", level="step", links=[Link(step.span.get_span_context())]):
+        pass
+    tracing.shutdown(timeout_s=2.0)
+    spans = [
+        span
+        for line in path.read_text().splitlines()
+        for resource in json.loads(line)["resourceSpans"]
+        for scope in resource["scopeSpans"]
+        for span in scope["spans"]
+    ]
+    by_name = {s["name"]: s for s in spans}
+    (link,) = by_name["checkpoint.save"]["links"]
+    assert (
+        link["spanId"]
+        == by_name["drafter.step"]["spanId"]
+        == f"{step.span.get_span_context().span_id:016x}"
+    )
+    assert link["traceId"] == by_name["drafter.step"]["traceId"]
