@@ -26,6 +26,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from opentelemetry.trace import Link
 
 import tracing
 from dflash import names
@@ -226,6 +227,39 @@ class TargetForwardLoop(StageThread):
 StepFn = Callable[[Any, Any, Callable[[str], AbstractContextManager[Any]]], Any]
 
 
+class StepPeers:
+    """The drafter.step spans of one optimizer step, one per drafter replica of this
+    process, for the links of each replica's drafter.optimizer span.
+
+    Where the replicas' gradients are averaged (dflash.pipeline.distributed.GradAverager),
+    no replica's optimizer runs before every replica has finished its backward (a
+    barrier in drafter.grad_sync), so each update applies the gradients of all the
+    replicas' batches: its span links to the other replicas' drafter.step spans, in
+    the traces of those batches. A replica publishes its span when its step starts; one
+    that runs ahead publishes the next step's at most, so two steps are kept."""
+
+    def __init__(self, replicas: int):
+        self._steps: list[dict[int, Link]] = [{} for _ in range(replicas)]
+        self._lock = threading.Lock()
+
+    def publish(self, replica: int, step: int, span: tracing.SpanHandle, batch_id: int) -> None:
+        otel_span = span.span
+        if otel_span is None:  # no span recorded (tracing off): nothing to link to
+            return
+        attributes = {names.STEP: step, names.BATCH_ID: batch_id}
+        link = Link(otel_span.get_span_context(), attributes)
+        with self._lock:
+            steps = self._steps[replica]
+            steps[step] = link
+            steps.pop(step - 2, None)
+
+    def others(self, replica: int, step: int) -> list[Link]:
+        """The other replicas' drafter.step spans of `step` (after the barrier: all)."""
+        with self._lock:
+            found = (steps.get(step) for i, steps in enumerate(self._steps) if i != replica)
+            return [link for link in found if link is not None]
+
+
 class DrafterTrainLoop(StageThread):
     """hs_queue -> step(batch, target_out, phase) on one drafter replica."""
 
@@ -240,17 +274,23 @@ class DrafterTrainLoop(StageThread):
         on_step: Callable[[int, Any, Any], None],
         move: Callable[[Any, Any], tuple[Any, Any]] | None = None,
         first_step: int = 0,
+        peers: tuple[StepPeers, int] | None = None,
     ):
         super().__init__(name, group)
         self.in_q, self.step_fn, self.device = in_q, step, device
         self.counters, self.on_step = counters, on_step
         self.move, self.first_step = move, first_step
+        self.peers = peers  # (the replicas' step spans, this replica's index)
         self.steps_done = 0
 
     def _phase(self, name: str) -> AbstractContextManager[Any]:
         # The trainer's phases nest under drafter.step (the innermost open phase of
         # this thread); entering them here makes a failure name the exact phase.
         self.enter(name)
+        if name == names.OPTIMIZER and self.peers is not None:
+            peers, replica = self.peers
+            links = peers.others(replica, self.first_step + self.steps_done)
+            return tracing.phase(name, device=self.device, links=links)
         return tracing.phase(name, device=self.device)
 
     def loop(self) -> None:
@@ -268,7 +308,10 @@ class DrafterTrainLoop(StageThread):
                 step_attrs = {**attrs, names.STEP: number, names.BATCH_ID: batch.batch_id}
                 with tracing.phase(
                     names.DRAFTER_STEP, level="step", parent=item.span, attributes=step_attrs
-                ):
+                ) as span:
+                    if self.peers is not None:
+                        peers, replica = self.peers
+                        peers.publish(replica, number, span, batch.batch_id)
                     result = self.step_fn(batch, target_out, self._phase)
             except BaseException as exc:
                 _end_span(item.span, exc)
@@ -307,10 +350,14 @@ class Pipeline:
         group: StageGroup | None = None,
         first_step: int = 0,
         target_phase: str = names.TARGET_FORWARD,
+        averaged: bool = False,
     ) -> Pipeline:
         """Wire the stages; `on_step(replica, replica_step, batch, result)` after each step.
 
-        `target_phase` names the target threads' phase (target.read for a hidden cache)."""
+        `target_phase` names the target threads' phase (target.read for a hidden cache).
+        `averaged`: the step functions average their gradients before each update (a
+        barrier among them), so each drafter.optimizer links to the other replicas'
+        drafter.step spans (`StepPeers`)."""
         group, counters = group or StageGroup(), PipelineCounters()
         batch_q: BoundedQueue[Any] = BoundedQueue("batch_queue", batch_queue_size, group.stop)
         hs_q: BoundedQueue[Any] = BoundedQueue("hs_queue", hs_queue_size, group.stop)
@@ -330,10 +377,20 @@ class Pipeline:
                 num_consumers=len(steps),
                 phase_name=target_phase,
             )
+        peers = StepPeers(len(steps)) if averaged and len(steps) > 1 else None
         for i, (device, step, move) in enumerate(steps):
             report = partial(on_step, i)  # on_step(replica, replica_step, batch, result)
             DrafterTrainLoop(
-                f"drafter-{i}", group, hs_q, step, device, counters, report, move, first_step
+                f"drafter-{i}",
+                group,
+                hs_q,
+                step,
+                device,
+                counters,
+                report,
+                move,
+                first_step,
+                peers=None if peers is None else (peers, i),
             )
         return cls(group, batch_q, hs_q, counters)
 

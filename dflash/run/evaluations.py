@@ -20,6 +20,7 @@ the last ones.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,21 +132,24 @@ class TrainingEvals:
         cost_s = self._last_walk_s
         return self._fits(cost_s, train_s) and self.walk_spent_s + cost_s <= share
 
-    def on_logged_step(self, step: int, train_s: float) -> dict[str, Any]:
+    def on_logged_step(
+        self, step: int, train_s: float, links: Sequence[object] = ()
+    ) -> dict[str, Any]:
         """The figures a logged step gains: the decoding's when due, else the serving
         walk's where the budget leaves room for it (never at the last step: the final
-        evaluation measures it)."""
+        evaluation measures it). `links`: to the step's span (tracing.phase's `links`)."""
         if self.due(step, train_s):
-            return self.evaluate(step)
+            return self.evaluate(step, links)
         if step < self.cfg.steps and self._walk_fits(train_s):
-            return self.walk(step)
+            return self.walk(step, links)
         return {}
 
-    def walk(self, step: int) -> dict[str, Any]:
+    def walk(self, step: int, links: Sequence[object] = ()) -> dict[str, Any]:
         """The serving walk's τ of the drafter now: walk_* figures of a logged step (the
         target's continuations are computed at the first call, inside its cost)."""
         start_s = time.perf_counter()
-        with tracing.phase(names.EVAL_WALK, level="step", attributes={names.STEP: step}):
+        attributes = {names.STEP: step}
+        with tracing.phase(names.EVAL_WALK, level="step", attributes=attributes, links=links):
             if self._walk_rows is None:
                 with self.target.forward_lock, torch.no_grad():
                     bs = self.drafter.config.block_size
@@ -162,12 +166,12 @@ class TrainingEvals:
         self.walk_spent_s += now_s - start_s
         return {"walk_tau": result.tau, "walk_tau_pooled": result.tau_pooled}
 
-    def evaluate(self, step: int) -> dict[str, Any]:
+    def evaluate(self, step: int, links: Sequence[object] = ()) -> dict[str, Any]:
         """τ of the drafter now: the eval_* figures of `step`'s metrics.jsonl line."""
         start_s = time.perf_counter()
         attributes = {names.STEP: step}
         # The target thread's forwards wait meanwhile: `capture` hooks the same module.
-        phase = tracing.phase(names.EVAL, level="step", attributes=attributes)
+        phase = tracing.phase(names.EVAL, level="step", attributes=attributes, links=links)
         with phase, torch.no_grad(), self.target.forward_lock:
             result = evaluate_tau(self.target, self.drafter, self.prompts, self.cfg.eval_new_tokens)
         cost_s = time.perf_counter() - start_s

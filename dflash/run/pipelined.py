@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+from opentelemetry.trace import Link
 
 import tracing
 from dflash import names
@@ -119,6 +120,7 @@ class _StepBook:
         self.start_step, self.start_index = run.step, run.next_batch_index
         self.batches_per_step = info.world_size * num_replicas
         self.losses: dict[int, list[torch.Tensor]] = {}  # device tensors, read at the end
+        self.last_step: Link | None = None  # replica 0's last drafter.step span
         self.tokens = 0  # over all ranks: every rank trains batches of the same size
         self._lock = threading.Lock()
         self._started_s = time.perf_counter()
@@ -129,6 +131,8 @@ class _StepBook:
             self.tokens += batch.num_tokens * self.info.world_size
         if replica != 0:
             return
+        if result.link is not None:
+            self.last_step = result.link
         run, figures = self.run, result.figures
         run.step = self.start_step + step + 1
         run.next_batch_index = self.start_index + (step + 1) * self.batches_per_step
@@ -138,7 +142,7 @@ class _StepBook:
         if figures is not None:
             evals, train_s = run.evals, time.perf_counter() - self._started_s
             if self.info.is_main and evals is not None:  # other ranks wait in the next sync
-                figures.update(evals.on_logged_step(run.step, train_s))
+                figures.update(evals.on_logged_step(run.step, train_s, self.step_links()))
         self.progress.update(run.step, batch.num_tokens * self.batches_per_step, figures)
         if figures is not None:
             self._log_step(figures, result.context)
@@ -146,8 +150,18 @@ class _StepBook:
         if self.info.is_main and run.cfg.run.checkpoint_due(run.step):
             # replica 0's weights cannot move while it is here
             attributes = {names.STEP: run.step}
-            with tracing.phase(names.CHECKPOINT_SAVE, level="step", attributes=attributes):
+            links = self.step_links()
+            phase = tracing.phase(
+                names.CHECKPOINT_SAVE, level="step", attributes=attributes, links=links
+            )
+            with phase:
                 save_checkpoint_or_fail(run)
+
+    def step_links(self) -> list[Link]:
+        """A link to the last step's drafter.step span (none before the first step, or
+        without spans): checkpoint and eval spans, in traces of their own, point at the
+        weights they saved or measured."""
+        return [] if self.last_step is None else [self.last_step]
 
     def _log_step(self, figures: dict[str, Any], context: Any = None) -> None:
         """A logged step: metrics.jsonl (rank 0), the metrics signal and the step's event
@@ -370,6 +384,7 @@ def _setup(
         pin_memory=torch.cuda.is_available() and any(d.type == "cuda" for d in placement.targets),
         group=group,
         first_step=run.step,
+        averaged=averager.needed,
     )
     book.rates = StageRates(_stage_tokens(pipe, info.world_size))
     # Every check has passed (the hidden-state cache's among them): the run's lines and
@@ -415,6 +430,10 @@ def _step_fn(
             if path is not None and span is not None:
                 span.set_attribute(names.PROFILE_FILE, path)
         result = trainer.step(batch, target_out, phase=phase)
+        span = tracing.current_phase()  # drafter.step: the trainer's phases have ended
+        if index == 0 and span is not None and span.span is not None:
+            number = span.attributes.get(names.STEP, trainer.step_count - 1)
+            result.link = Link(span.span.get_span_context(), {names.STEP: number})
         if index == 0 and metrics.due(trainer.step_count):
             result.figures = metrics.read(trainer.step_count, result)
             span = tracing.current_phase()
@@ -482,7 +501,8 @@ def _finish(
         close()
         return {"rank": info.rank, "steps": run.step, "pipeline": figures}
     try:
-        evaluation = complete_run(run, lambda n: tracing.phase(n, level="step"), log)
+        links = setup.book.step_links()  # the final save and evaluation: of the last step
+        evaluation = complete_run(run, lambda n: tracing.phase(n, level="step", links=links), log)
     except Interrupted as exc:  # during the final save or evaluation: record what is known
         stopped_in = exc.describe()
         extra = _extra(figures, close())

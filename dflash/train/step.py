@@ -77,6 +77,9 @@ class StepResult:
     metrics: dict[str, Tensor] = field(default_factory=dict)
     figures: dict[str, Any] | None = None  # host values, on logged steps (step_metrics)
     context: Any = None  # on logged steps: the OTel context of its drafter.step span, if any
+    # Where the caller records it (the pipeline's replica 0): an OTel Link to its
+    # drafter.step span, for the checkpoint and eval spans that follow it.
+    link: Any = None
 
 
 def micro_batches(num_rows: int, grad_accum: int) -> list[slice]:
