@@ -347,9 +347,7 @@ class Phase(SpanHandle):
         # Only stores: at level off this object lives for two clock reads and one add.
         self.name, self._level, self._parent, self._device = name, level, parent, device
         self._given_start_ns, self._given_attributes = start_time_ns, attributes
-        self._stats, self._propagate = stats, propagate
-        if links is not None:  # left unset otherwise: one store less on every phase
-            self._links = links
+        self._stats, self._propagate, self._links = stats, propagate, links
         self._span = None
         self._context = None
         self._hooks = ()  # phases call their hooks from the runtime, not from end()
@@ -397,11 +395,8 @@ class Phase(SpanHandle):
             "device": self._device,
             "stats": self._stats,
             "propagate": self._propagate,
-            "links": self._given_links(),
+            "links": self._links,
         }
-
-    def _given_links(self) -> Sequence[object] | None:
-        return getattr(self, "_links", None)  # a slot set only where links were given
 
     def _enter_device(self, rt: Runtime) -> None:
         clock = rt.clock
@@ -429,9 +424,8 @@ class Phase(SpanHandle):
         context = None if parent is None else _parent_context(parent)
         attributes = self._given_attributes
         values = clean_attributes(attributes) if attributes else None
-        given = self._given_links()
-        if given:  # a branch, not a `links=None` argument on every phase's call
-            links = to_links(given)
+        if self._links:  # a branch, not a `links=None` argument on every phase's call
+            links = to_links(self._links)
             self._span = rt.tracer.start_span(
                 self.name, context, attributes=values, links=links, start_time=start_ns
             )
