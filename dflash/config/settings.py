@@ -457,6 +457,12 @@ class PipelineConfig(Section):
         "the second half of this rank's GPUs.",
         check=checks.device_list,
     )
+    shard_drafter: bool = setting(
+        False,
+        "Under torchrun with 2+ ranks: shard the drafter's weights, gradients and AdamW "
+        "state across the ranks with FSDP2 (one drafter device per rank) instead of "
+        "keeping a whole copy per rank; --dry-run shows the memory of both.",
+    )
     batch_queue_size: int = setting(4, "Batches prefetched ahead of the target threads.", min=1)
     hs_queue_size: int = setting(
         2, "Hidden-state batches buffered between target and drafter threads.", min=1

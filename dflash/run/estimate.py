@@ -16,6 +16,7 @@ V vocabulary, H/Hkv heads, Hd head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -28,6 +29,7 @@ from dflash.config.devices import DeviceError, decide_placement
 from dflash.config.settings import LossConfig, TrainConfig
 from dflash.drafter.vocab import check_draft_vocab_size
 from dflash.errors import DFlashError, first_line
+from dflash.pipeline.distributed import dist_info_from_env
 from dflash.target.geometry import TargetError, TargetGeometry, geometry_from_hf_config
 from dflash.target.hf import hub_unreachable
 from dflash.target.model import choose_target_layers
@@ -65,6 +67,7 @@ class StepShape:
     document_masks: bool = False  # --packing docs: the target attends through a [T, T] mask
     draft_vocab_size: int | None = None  # rows of the drafter's head; None: the whole vocabulary
     from_cache: bool = False  # --hidden-cache: the target never runs on the device
+    shard_over: int = 1  # ranks whose FSDP2 shards hold the drafter's weights, grads and AdamW
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -72,6 +75,8 @@ class StepShape:
                 raise EstimateError(f"{name} {getattr(self, name)} must be >= 1")
         if self.loss_chunk_size is not None and self.loss_chunk_size < 1:
             raise EstimateError(f"--loss-chunk-size {self.loss_chunk_size} must be >= 1")
+        if self.shard_over < 1:
+            raise EstimateError(f"shard_over {self.shard_over} must be >= 1")
         if self.attention not in ("flex", "grouped", "dense"):
             raise EstimateError(f"attention {self.attention!r}: choose flex, grouped or dense")
 
@@ -165,9 +170,15 @@ def _memory(s: StepShape) -> dict[str, float]:
         target_weights, target_act = 2.0 * g.vocab_size * d * s.target_bytes, 0.0
     else:
         target_weights = g.params() * s.target_bytes
+    drafter_state = {"drafter weights+grads+AdamW": s.drafter_params() * 16.0}
+    if s.shard_over > 1:  # fp32 shards; a whole fp32 copy (evaluated, saved); 2 layers gathered
+        drafter_state = {
+            "drafter shards (weights+grads+AdamW)": s.drafter_params() * 16.0 / s.shard_over,
+            "drafter whole copy+gathered layers": (s.drafter_params() + 2 * g.layer_params()) * 4.0,
+        }
     return {
         "target weights": target_weights,
-        "drafter weights+grads+AdamW": s.drafter_params() * 16.0,
+        **drafter_state,
         "target activations": target_act + queue,
         "drafter activations": kept * s.activation_bytes + rows_t * d * 4,
         "loss": loss_rows * v * 4.0 * _LOSS_COPIES[s.soft_labels],
@@ -349,6 +360,7 @@ def check_sizes_before_work(
     estimated peak memory within the drafter device's (or the host's) memory unless
     --allow-over-memory, then the target layers. A target known only through the hub is
     checked once loaded."""
+    check_sharding(cfg)
     known = local_limits(cfg.target.spec)
     if known is None:
         return
@@ -361,6 +373,27 @@ def check_sizes_before_work(
     if cfg.target.layer_ids is not None or target_runs(cfg):
         # Unset with a cache: per-sample files may name the layers themselves.
         choose_target_layers(cfg.target.layer_ids, geometry.num_layers, cfg.drafter.num_layers)
+
+
+def check_sharding(cfg: TrainConfig) -> None:
+    """--shard-drafter needs 2+ torchrun ranks and one drafter device per rank (FSDP2
+    shards one module per process; this run's replicas in threads would each need one)."""
+    if not cfg.pipeline.shard_drafter:
+        return
+    info = dist_info_from_env()
+    if info.world_size < 2:
+        raise EstimateError(
+            f"--shard-drafter is invalid on {info.world_size} rank (WORLD_SIZE "
+            f"{info.world_size}): it shards the drafter across torchrun's ranks; start 2+ "
+            "with torchrun --nproc-per-node N, or drop it"
+        )
+    drafters = decide_placement(cfg.pipeline, info.local_rank, info.local_world_size).drafters
+    if len(drafters) > 1:
+        names = ",".join(str(d) for d in drafters)
+        raise EstimateError(
+            f"--shard-drafter trains one drafter per rank, --drafter-devices gives this rank "
+            f"{len(drafters)} ({names}): name one, or start one rank per device"
+        )
 
 
 def check_memory(
@@ -398,4 +431,27 @@ def dry_run_lines(cfg: TrainConfig) -> list[str]:
     lines += estimate_for_config(cfg, geometry, device)
     if str(device).startswith("cpu"):
         lines += estimate_for_config(cfg, geometry, "cuda", device_bytes=math.inf)
+    world_size = dist_info_from_env().world_size
+    if world_size > 1 or cfg.pipeline.shard_drafter:
+        ranks = max(world_size, 2)  # --shard-drafter alone: the least it runs on
+        lines += per_rank_lines(cfg, geometry, device, ranks)
+        if str(device).startswith("cpu"):
+            lines += per_rank_lines(cfg, geometry, "cuda", ranks)
     return lines
+
+
+def per_rank_lines(
+    cfg: TrainConfig, geometry: TargetGeometry, device: torch.device | str, ranks: int
+) -> list[str]:
+    """The peak memory per rank of `ranks` ranks, the drafter replicated on each (every
+    rank holds its weights, gradients and AdamW state) and sharded (--shard-drafter)."""
+    kind = torch.device(device).type
+    replicated = estimate_step(shape_for_config(cfg, geometry, kind))
+    sharded = estimate_step(
+        dataclasses.replace(shape_for_config(cfg, geometry, kind), shard_over=ranks)
+    )
+    gib = f"{replicated.total_bytes / GIB:.1f} GiB"
+    return [
+        f"per rank of {ranks} on {kind}, drafter replicated: {gib}; sharded "
+        f"(--shard-drafter): {sharded.total_bytes / GIB:.1f} GiB ({sharded.format()})"
+    ]
