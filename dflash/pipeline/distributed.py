@@ -18,6 +18,12 @@ the next permutation), so no world size "fails to divide" the data: every rank
 gets the same number of batches per step, no rank runs dry while another waits in
 a collective, and an epoch boundary may fall inside a step exactly as it does in
 the single-threaded loop. The resume position after s steps is i0 + s*W*D.
+
+Sharded (`--shard-drafter`): one replica per rank whose parameters, gradients and
+AdamW state FSDP2 (`fully_shard`) splits across the ranks. Its reduce-scatter in the
+backward already sums the ranks' gradients (and divides by W); `GradAverager` then only
+all-reduces the two loss sums and rescales the local shards, so the update is the
+same as the replicated one.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
 
 import tracing
 from dflash import names
@@ -166,6 +174,33 @@ def sync_initial_weights(replicas: Sequence[nn.Module]) -> None:
             buffer.copy_(kept)
 
 
+def shard_module(
+    module: nn.Module, blocks: Sequence[nn.Module], forward_methods: Sequence[str] = ()
+) -> None:
+    """FSDP2 over the default process group: each of `blocks` (the decoder layers) is
+    one unit gathered for its own forward and backward, then the rest as the root.
+    Only the module tree's trainable parameters are sharded: modules held outside it
+    (the drafter's frozen embedding and LM head, the target's) and frozen parameters
+    inside it (a pruned head, read outside any forward) stay whole, never communicated.
+    `forward_methods` are methods called in place of forward that need the root's
+    parameters gathered as forward has them."""
+    for block in blocks:
+        fully_shard(block)
+    frozen = {p for p in module.parameters() if not p.requires_grad}
+    fully_shard(module, ignored_params=frozen or None)
+    for name in forward_methods:
+        register_fsdp_forward_method(module, name)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (a view sharing its storage), else `t`."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class CrossRankHook(Protocol):
     """A collective that every rank runs after the same step, when rank 0 asks for it
     (e.g. gathering every rank's interval table). It runs on the training thread
@@ -211,6 +246,9 @@ class GradAverager:
         self._loss: torch.Tensor | None = None
         self._hook = cross_rank_hook if self._world_size > 1 else None
         self._requested: torch.Tensor | None = None  # the request element, left on the device
+        self._sharded = is_sharded(replicas[0])
+        if self._sharded and len(replicas) != 1:
+            raise DistributedError("a sharded drafter trains as one replica per rank")
 
     def _all_reduce(self, total: torch.Tensor) -> torch.Tensor:
         if self._hook is None:
@@ -254,6 +292,8 @@ class GradAverager:
     def sync(self, replica: int, weighted: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
         """Replica `replica`'s part of one step: its gradients become those of every
         replica's loss together; -> that loss, sum(w*l) / denominator over all."""
+        if self._sharded:
+            return self._sync_sharded(weighted, denominator)
         own_device = weighted.device
         self._sums[replica] = torch.stack([weighted.float(), denominator.float()])
         with tracing.phase(names.GRAD_SYNC_WAIT):
@@ -282,3 +322,17 @@ class GradAverager:
                 p.grad = torch.empty_like(p)
             p.grad.copy_(chunk)
         return self._loss.to(own_device)
+
+    def _sync_sharded(self, weighted: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+        """FSDP2 left each rank the mean over ranks of its shard of the gradients of
+        sum(w*l): times W it is the sum, divided once by the denominator of all ranks."""
+        sums = torch.stack([weighted.float(), denominator.float()])
+        attributes = {names.GRAD_BYTES: sums.numel() * 4, names.WORLD_SIZE: self._world_size}
+        with tracing.phase(names.GRAD_SYNC_REDUCE, attributes=attributes):
+            if self._world_size > 1:
+                sums = self._all_reduce(sums)
+            divide_by = sums[1].clamp(min=1e-8)
+            grads = [local_tensor(p.grad) for p in self._params[0] if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, self._world_size / divide_by)
+        return sums[0] / divide_by

@@ -8,6 +8,12 @@ manifest with a SHA-256 per file. It is written into a hidden temporary sibling,
 fsynced, then renamed: a crash mid-write leaves only a `.tmp-*` directory that
 loading ignores, never a `step-*` that loads wrong. The manifest is written last
 and checked on load, so a damaged file is caught instead of silently resumed.
+
+A sharded drafter (`--shard-drafter`) writes the same files: `gather_full_state`
+collects its whole weights and AdamW state onto rank 0 (torch's public
+`get_model_state_dict` / `get_optimizer_state_dict` with full_state_dict), so a
+checkpoint does not depend on the world size that wrote it and resumes on any, sharded
+or not.
 """
 
 from __future__ import annotations
@@ -25,6 +31,12 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 from dflash.errors import DFlashError, first_line
 from dflash.files import FILE_MODE, free_space_note, sha256_file
@@ -287,3 +299,38 @@ def load_trainable_weights(module: torch.nn.Module, weights: dict[str, torch.Ten
                     f"drafter expects {tuple(params[name].shape)}"
                 )
             params[name].copy_(tensor)
+
+
+_FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def gather_full_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(weights and buffers, optimizer state) of a sharded `module`, whole, on the host
+    of rank 0 (other ranks get empty dicts). A collective: every rank calls it at the
+    same step. The optimizer state is keyed by parameter name (torch's full form)."""
+    weights = get_model_state_dict(module, options=_FULL_ON_RANK0)
+    if optimizer is None:
+        return weights, None
+    return weights, get_optimizer_state_dict(module, optimizer, options=_FULL_ON_RANK0)
+
+
+def full_optimizer_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The optimizer state of an unsharded `module`, keyed by parameter name."""
+    options = StateDictOptions(full_state_dict=True)
+    return get_optimizer_state_dict(module, optimizer, options=options)
+
+
+def load_full_optimizer_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Puts a name-keyed whole optimizer state into `optimizer` of `module`; a sharded
+    module keeps its shard of every moment (each rank passes the whole state). torch
+    creates the moments of an optimizer that has none by a step at lr 0, which counts
+    in AdamW's bias correction until the loaded state replaces it: load only a state
+    that holds moments."""
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(module, optimizer, state, options=options)

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from dflash.errors import DFlashError
 
@@ -87,9 +88,13 @@ def grad_norm(params: Iterable[nn.Parameter], max_norm: float = 0.0) -> Tensor:
     """Global L2 norm of the gradients (device scalar); clipped to max_norm when > 0."""
     params = list(params)
     if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grads = [p.grad for p in params if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    # A sharded drafter's norm is a replicated DTensor (the shards' norms combined):
+    # its local value is the whole norm, and the guard mixes it with plain tensors.
+    return norm.to_local() if isinstance(norm, DTensor) else norm
 
 
 def nonfinite(loss: Tensor, norm: Tensor) -> Tensor:
