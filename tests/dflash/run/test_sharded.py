@@ -138,3 +138,28 @@ def test_shard_drafter_with_two_drafter_devices_per_rank_is_refused(
     with pytest.raises(EstimateError, match=r"--drafter-devices gives this rank 2 \(cpu,cpu\)"):
         check_sharding(cfg)
     check_sharding(small_cfg(tmp_path, shard_drafter=True))  # one device per rank: fine
+
+
+def test_a_signal_between_gathers_keeps_the_newest_checkpoint(tmp_path):
+    """Rank 0 cannot gather the shards alone after a signal: no checkpoint, one line, and
+    the summary is still written (the newest checkpoint stands)."""
+    from types import SimpleNamespace
+
+    from dflash.pipeline.distributed import DistInfo
+    from dflash.run.checkpoint import CheckpointError
+    from dflash.run.pipelined import _checkpoint_after_signal
+
+    def not_gathered() -> dict:
+        raise CheckpointError("step 7: the sharded drafter's state was last gathered at step 6")
+
+    guard = SimpleNamespace(raise_if_diverged=lambda: None)
+    trainer = SimpleNamespace(guard=guard, state_dict=not_gathered)
+    run = SimpleNamespace(output_dir=tmp_path, trainer=trainer, step=7)
+    lines: list[str] = []
+    info = DistInfo(rank=0, world_size=2, local_rank=0)
+    assert _checkpoint_after_signal(run, info, "SIGTERM", [], lines.append) is True
+    assert lines == [
+        "SIGTERM: no checkpoint written (step 7: the sharded drafter's state was last "
+        "gathered at step 6); the newest checkpoint stands"
+    ]
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
