@@ -14,6 +14,7 @@ from pathlib import Path
 from tracing.config import TracingConfigError, parse_endpoint
 
 __all__ = [
+    "byte_size",
     "device_list",
     "endpoint",
     "existing_file",
@@ -26,6 +27,7 @@ __all__ = [
     "noise_spec",
     "not_blank",
     "one_device",
+    "parse_size",
     "parse_steps",
     "report_tools",
     "split_device_name",
@@ -174,6 +176,29 @@ def http_url(url: str | None) -> str | None:
 
 def token_ids(ids: tuple[int, ...]) -> str | None:
     return "ids must be >= 0" if any(i < 0 for i in ids) else None
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """`2GiB`, `500MB`, `1048576` -> bytes; a ValueError for anything else."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a size such as 2GiB, 500MB or 1048576")
+    number, unit = float(match.group(1)), (match.group(2) or "b").lower()
+    return int(number * _UNITS[unit])
+
+
+def byte_size(text: str) -> str | None:
+    """A size such as 2GiB, 500MB or 1048576 (bytes), above zero."""
+    try:
+        size = parse_size(text)
+    except ValueError as err:
+        return str(err)
+    return None if size > 0 else f"{text!r} is not above zero"
 
 
 def json_object(text: str | None) -> str | None:

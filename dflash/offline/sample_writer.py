@@ -42,15 +42,25 @@ def _plan(train: PackedDataset, heldout: PackedDataset) -> Plan:
         assert dataset.doc_ids is not None
         for row in range(len(dataset)):
             segments = []
-            docs, mask = dataset.doc_ids[row], dataset.mask[row]
-            for doc in np.unique(docs):
-                where = np.nonzero(docs == doc)[0]
-                start, length = int(where[0]), len(where)
-                if mask[start : start + length].any():
-                    segments.append([index, start, length])
-                    index += 1
+            for start, length in document_segments(dataset, row):
+                segments.append([index, start, length])
+                index += 1
             plan[key].append(segments)
     return plan
+
+
+def document_segments(dataset: PackedDataset, row: int) -> list[tuple[int, int]]:
+    """(start, length) of each document of `row` that has a position to learn: the
+    samples an engine extracts (padding and pieces without one get no file)."""
+    assert dataset.doc_ids is not None
+    docs, mask = dataset.doc_ids[row], dataset.mask[row]
+    found = []
+    for doc in np.unique(docs):
+        where = np.nonzero(docs == doc)[0]
+        start, length = int(where[0]), len(where)
+        if mask[start : start + length].any():
+            found.append((start, length))
+    return found
 
 
 def _manifest(

@@ -20,6 +20,12 @@ layers named go into a cache-only KV cache group, and a KV connector writes each
 request's rows to a file. vLLM's ExampleHiddenStatesConnector copies them through CUDA streams
 and pinned memory; without a GPU, hidden_states_connector.py gathers them with the CPU.
 A sample whose file exists and reads is kept: an interrupted run continues.
+
+--spool-size BYTES makes OUT a bounded spool that a training run reads while this writes
+(`train --target-engine vllm`): the samples are written in the order of SAMPLES.jsonl, and
+each vLLM call waits until what OUT holds plus what the call writes fits in BYTES. The
+protocol is specified in dflash/offline/spool.py (this file cannot import dflash); the
+functions named spool_* here are its writer's side.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ SAMPLES_DIR = "hidden_states"
 MANIFEST = "dflash_samples.json"  # written by dflash-train cache-hidden --samples-only
 RAW_DIR = ".vllm-states"  # where the connector writes, one file per request
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SPOOL_HEADER_BYTES = 512  # dflash.offline.spool.HEADER_BYTES
 
 
 class UsageError(Exception):
@@ -233,6 +240,69 @@ def convert(
     os.replace(tmp, out_path)
 
 
+# ------------------------------------------------------------------ spool (writer's side)
+
+
+def spool_sample_bytes(length: int, layers: int, width: int, itemsize: int) -> int:
+    """dflash.offline.spool.sample_bytes: one sample's file."""
+    return length * layers * width * itemsize + length * 8 + length + SPOOL_HEADER_BYTES
+
+
+def spool_bytes(out: Path) -> int:
+    """dflash.offline.spool.spool_bytes: every file under OUT/hidden_states and the raw dir."""
+    total = 0
+    for sub in (SAMPLES_DIR, RAW_DIR):
+        try:
+            entries = list(os.scandir(out / sub))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            try:
+                total += entry.stat().st_size
+            except FileNotFoundError:  # taken by the reader meanwhile
+                pass
+    return total
+
+
+def spool_parts(
+    samples: list[tuple[int, list[int], list[bool]]],
+    bound: int,
+    raw_layers: int,
+    layers: int,
+    width: int,
+    itemsize: int,
+    most: int,
+) -> Iterator[tuple[list[tuple[int, list[int], list[bool]]], int]]:
+    """The samples in order, in calls of at most `most` whose bytes (the raw files of the
+    call, and one converted file beside them) take at most half the bound, so that the
+    reader drains one half while the engine fills the other; -> (call, its bytes)."""
+    part: list[tuple[int, list[int], list[bool]]] = []
+    raw = largest = 0
+    for sample in samples:
+        t = len(sample[1])
+        one_raw = spool_sample_bytes(t, raw_layers, width, itemsize)
+        one = spool_sample_bytes(t, layers, width, itemsize)
+        if one_raw + one > bound:
+            raise UsageError(
+                f"--spool-size {bound} bytes: sample {sample[0]} of {t} tokens needs "
+                f"{one_raw + one} (its raw and converted files)"
+            )
+        need = raw + one_raw + max(largest, one)
+        if part and (len(part) >= most or need > max(bound // 2, one_raw + one)):
+            yield part, raw + largest
+            part, raw, largest = [], 0, 0
+        part.append(sample)
+        raw, largest = raw + one_raw, max(largest, one)
+    if part:
+        yield part, raw + largest
+
+
+def spool_wait(out: Path, need: int, bound: int, poll_s: float = 0.02) -> None:
+    """Waits until the spool has room for `need` more bytes."""
+    while spool_bytes(out) + need > bound:
+        time.sleep(poll_s)
+
+
 def extract(args: argparse.Namespace, rest: list[str]) -> str:
     # Absolute: vLLM's workers write there from their own processes.
     out = Path(args.output).resolve()
@@ -250,7 +320,12 @@ def extract(args: argparse.Namespace, rest: list[str]) -> str:
     wanted = [i + 1 for i in layers] + [num_layers]
     captured = sorted(set(wanted))
     order = [captured.index(i) for i in wanted]
-    todo = [s for s in samples if not is_complete(sample_path(out, s[0]), len(s[1]), len(wanted))]
+    if args.spool_size is not None:  # each file is taken (and deleted) by the reader
+        todo = samples
+    else:
+        todo = [
+            s for s in samples if not is_complete(sample_path(out, s[0]), len(s[1]), len(wanted))
+        ]
     (out / SAMPLES_DIR).mkdir(parents=True, exist_ok=True)
     if not todo:
         return f"extract-hidden-states: all {len(samples)} samples already in {out / SAMPLES_DIR}"
@@ -303,7 +378,15 @@ def extract(args: argparse.Namespace, rest: list[str]) -> str:
     try:
         params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         tokens = 0
-        for part in chunks(todo, args.chunk):
+        itemsize = DTYPES[dtype_name].itemsize
+        if args.spool_size is None:
+            parts: Iterator[tuple[list[Any], int]] = ((p, 0) for p in chunks(todo, args.chunk))
+        else:
+            sizes = (len(captured), len(wanted), width, itemsize)
+            parts = spool_parts(todo, args.spool_size, *sizes, args.chunk)
+        for part, need in parts:
+            if args.spool_size is not None:
+                spool_wait(out, need, args.spool_size)
             prompts = [{"prompt_token_ids": ids} for _, ids, _ in part]
             outputs = llm.generate(prompts, params, use_tqdm=False)
             for (index, ids, mask), output in zip(part, outputs, strict=True):
@@ -382,6 +465,12 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=600.0,
         help="how long to wait for vLLM to write one sample's file",
+    )
+    parser.add_argument(
+        "--spool-size",
+        type=int,
+        default=None,
+        help="bytes: OUT is a spool of at most this many, which a training run empties",
     )
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,138 @@
+"""The spool's protocol (dflash.offline.spool), its two sides against each other: the
+writer's functions of tools/vllm/extract_hidden_states.py (loaded from its file: it runs
+in vLLM's venv and never imports dflash) and the reader the training run uses. vLLM
+itself is replaced by what its connector writes, a raw file per request; the real engine
+runs in tests/integration/test_vllm_streamed.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dflash.offline.sample_file import SampleFile
+from dflash.offline.spool import (
+    RAW_DIR,
+    EngineDied,
+    Spool,
+    SpoolError,
+    parse_size,
+    sample_bytes,
+    sample_path,
+    spool_bytes,
+)
+
+REPO = Path(__file__).resolve().parents[3]
+WIDTH, ITEMSIZE = 16, 4
+
+
+def _writer() -> ModuleType:
+    path = REPO / "tools" / "vllm" / "extract_hidden_states.py"
+    spec = importlib.util.spec_from_file_location("extract_hidden_states", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _samples(count: int) -> list[tuple[int, list[int], list[bool]]]:
+    return [(n, list(range(5 + n % 7)), [n % 2 == 0] * (5 + n % 7)) for n in range(count)]
+
+
+def test_sizes_are_the_same_on_both_sides_and_bound_a_real_file(tmp_path: Path) -> None:
+    writer = _writer()
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size("500MB") == 500 * 10**6
+    assert parse_size("1048576") == 2**20
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("2 gigs")
+    for t, layers in ((1, 2), (7, 3), (512, 7)):
+        assert writer.spool_sample_bytes(t, layers, WIDTH, 2) == sample_bytes(t, layers, WIDTH, 2)
+    # A converted file, as the writer makes it, within the size both sides count.
+    (n, ids, mask) = _samples(3)[2]
+    raw = tmp_path / "raw.safetensors"
+    save_file(
+        {"hidden_states": torch.randn(len(ids), 3, WIDTH), "token_ids": torch.tensor(ids)}, raw
+    )
+    out = sample_path(tmp_path, n)
+    out.parent.mkdir()
+    writer.convert(raw, out, (n, ids, mask), [1, 0, 2], torch.float32, WIDTH)
+    assert out.stat().st_size <= sample_bytes(len(ids), 3, WIDTH, ITEMSIZE)
+    assert raw.stat().st_size <= writer.spool_sample_bytes(len(ids), 3, WIDTH, ITEMSIZE)
+    assert SampleFile(out, WIDTH).layers == 3
+
+
+def test_the_writer_waits_for_the_reader_and_the_spool_stays_within_its_bound(
+    tmp_path: Path,
+) -> None:
+    writer = _writer()
+    samples = _samples(120)
+    largest = max(sample_bytes(len(ids), 3, WIDTH, ITEMSIZE) for _, ids, _ in samples)
+    bound = 4 * largest
+    spool = Spool(tmp_path / "spool")
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:  # the spool's bytes, seen from outside both sides
+        while not stop.is_set():
+            peak[0] = max(peak[0], spool_bytes(spool.directory))
+
+    def write() -> None:  # as extract() does with vLLM's raw files
+        raw_dir = spool.directory / RAW_DIR
+        raw_dir.mkdir(exist_ok=True)
+        for part, need in writer.spool_parts(samples, bound, 3, 3, WIDTH, ITEMSIZE, 256):
+            writer.spool_wait(spool.directory, need, bound, poll_s=0.001)
+            raws = []
+            for n, ids, _ in part:
+                states = torch.full((len(ids), 3, WIDTH), float(n))
+                raws.append(raw_dir / f"r{n}.safetensors")
+                save_file({"hidden_states": states, "token_ids": torch.tensor(ids)}, raws[-1])
+            for sample, raw in zip(part, raws, strict=True):
+                out = sample_path(spool.directory, sample[0])
+                writer.convert(raw, out, sample, [0, 1, 2], torch.float32, WIDTH)
+                raw.unlink()
+
+    threads = [threading.Thread(target=watch), threading.Thread(target=write)]
+    for thread in threads:
+        thread.start()
+    total = 0
+    try:
+        for n, ids, _ in samples:
+            path = spool.wait(n, lambda: None, poll_s=0.001)
+            sample = SampleFile(path, WIDTH)
+            (hs,) = sample.read("hidden_states")
+            assert sample.length == len(ids) and bool((hs == n).all()), n  # in order, whole
+            total += path.stat().st_size
+            spool.remove(path)
+            time.sleep(0.002)  # a reader slower than the writer: the writer must wait
+    finally:
+        threads[1].join(30)
+        stop.set()
+        threads[0].join()
+    assert total >= 10 * bound, (total, bound)
+    assert 0 < peak[0] <= bound and spool.peak_bytes <= bound, (peak[0], spool.peak_bytes, bound)
+    assert spool_bytes(spool.directory) == 0
+
+
+def test_one_run_per_spool_and_a_dead_engine_is_one_error(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "spool")
+    with pytest.raises(SpoolError, match="in use by another run"):
+        Spool(tmp_path / "spool")
+    with pytest.raises(EngineDied, match="exited with code 1"):
+        spool.wait(0, lambda: "the vLLM engine exited with code 1: see its log")
+    spool.close()
+    Spool(tmp_path / "spool").close()  # free again
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SpoolError, match="is not writable"):
+        Spool(blocker / "spool")
+
+
+def test_a_sample_too_big_for_the_bound_is_refused_by_the_writer() -> None:
+    writer = _writer()
+    with pytest.raises(writer.UsageError, match="--spool-size 100 bytes"):
+        list(writer.spool_parts(_samples(2), 100, 3, 3, WIDTH, ITEMSIZE, 256))
