@@ -29,6 +29,7 @@ from dflash.eval.served import evaluate_served, format_served
 from dflash.eval.settings import EvalSettings
 from dflash.eval.speculative import SpecStats, speculative_generate
 from dflash.log import Log, say
+from dflash.summary import HeldOutFigures
 from dflash.target import load as target_mod  # by module: tests swap load_target
 from dflash.target.decoding import check_decoding
 from dflash.target.generation import generate
@@ -178,48 +179,45 @@ def _float_or_none(value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
-def eval_figures(result: EvalResult | None) -> dict[str, Any]:
-    """summary.json fields of an EvalResult (tau None when not evaluated)."""
-    if result is None:
-        return {"tau": None}
-    return {
-        "tau": float(result.tau),
-        "tau_pooled": float(result.tau_pooled),
-        "acceptance_per_position": [float(a) for a in result.acceptance_per_position],
-        "tokens_per_target_forward": float(result.tokens_per_target_forward),
-        "speedup": _float_or_none(result.speedup),
-        "speculative_s": float(result.speculative_s),
-        "greedy_s": _float_or_none(result.baseline_s),
-        "repeated_share": float(result.repeated_share),
-        "tau_without_repeats": _float_or_none(result.tau_without_repeats),
-    }
+def held_out_figures(result: EvalResult) -> HeldOutFigures:
+    """The figures summary.json and the eval JSON keep of an EvalResult."""
+    return HeldOutFigures(
+        tau=float(result.tau),
+        tau_pooled=float(result.tau_pooled),
+        acceptance_per_position=[float(a) for a in result.acceptance_per_position],
+        tokens_per_target_forward=float(result.tokens_per_target_forward),
+        speedup=_float_or_none(result.speedup),
+        speculative_s=float(result.speculative_s),
+        greedy_s=_float_or_none(result.baseline_s),
+        repeated_share=float(result.repeated_share),
+        tau_without_repeats=_float_or_none(result.tau_without_repeats),
+    )
 
 
-def format_eval(figures: dict[str, Any], where: str) -> list[str]:
+def format_eval(figures: HeldOutFigures, where: str) -> list[str]:
     """The log lines of an evaluation: τ both ways, speedup, acceptance per position."""
-    rates = " ".join(f"{r:.2f}" for r in figures["acceptance_per_position"])
-    speedup = figures.get("speedup")
+    rates = " ".join(f"{r:.2f}" for r in figures.acceptance_per_position)
     against = (
-        f"; speedup {speedup:.2f}x vs greedy decoding with the same KV-cached target "
-        f"({figures['greedy_s']:.2f} s -> {figures['speculative_s']:.2f} s)"
-        if speedup is not None
+        f"; speedup {figures.speedup:.2f}x vs greedy decoding with the same KV-cached target "
+        f"({figures.greedy_s or 0.0:.2f} s -> {figures.speculative_s:.2f} s)"
+        if figures.speedup is not None
         else ""
     )
     return [
-        f"eval: τ {figures['tau']:.3f} (mean of per-prompt means), pooled "
-        f"{figures['tau_pooled']:.3f}, on {where}{against}",
+        f"eval: τ {figures.tau:.3f} (mean of per-prompt means), pooled "
+        f"{figures.tau_pooled:.3f}, on {where}{against}",
         f"eval: acceptance per block position {rates}; tokens per target forward "
-        f"{figures['tokens_per_target_forward']:.2f}",
+        f"{figures.tokens_per_target_forward:.2f}",
         *_repeat_line(figures),
     ]
 
 
-def _repeat_line(figures: dict[str, Any]) -> list[str]:
-    if "repeated_share" not in figures:
+def _repeat_line(figures: HeldOutFigures) -> list[str]:
+    if figures.repeated_share is None:
         return []
-    without = figures.get("tau_without_repeats")
+    without = figures.tau_without_repeats
     return [
-        f"eval: {figures['repeated_share']:.0%} of accepted drafts fall inside repeated spans "
+        f"eval: {figures.repeated_share:.0%} of accepted drafts fall inside repeated spans "
         f"(loops of the output, easy to draft); pooled τ without them "
         + (f"{without:.3f}" if without is not None else "n/a")
     ]
@@ -309,8 +307,9 @@ def evaluate_drafter_dir(
     result = evaluate_tau(
         target, drafter, prompts, compare_baseline=True, follow_up=follow_up, **decoding
     )
+    held_out = held_out_figures(result)
     figures = {
-        **eval_figures(result),
+        **held_out.to_dict(),
         "prompts": len(prompts),
         "turns": result.num_prompts,  # with later turns of {"turns": [...]} lines
         "new_tokens": result.new_tokens,
@@ -322,7 +321,7 @@ def evaluate_drafter_dir(
         "dtype": str(torch_dtype).removeprefix("torch."),
         "eval_s": time.perf_counter() - start_s,
     }
-    for line in format_eval(figures, where):
+    for line in format_eval(held_out, where):
         log(line)
     return figures
 

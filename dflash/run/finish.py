@@ -22,7 +22,7 @@ import torch
 from dflash import names
 from dflash.data.datasets import heldout_prompts
 from dflash.drafter.io import pruned_head_note, save_drafter
-from dflash.eval.evaluate import eval_figures, evaluate_run
+from dflash.eval.evaluate import evaluate_run, held_out_figures
 from dflash.files import write_json_atomic
 from dflash.log import Log, say
 from dflash.run.build import Run
@@ -38,6 +38,7 @@ from dflash.run.engine import measure_with_vllm
 from dflash.run.evaluations import eval_keys, trainable_weights
 from dflash.run.folder import METRICS_FILE
 from dflash.run.progress import format_summary
+from dflash.summary import Evaluation, ServedFigures, Summary
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.served import TokenizerTarget
 from dflash.train.optim import DivergedError
@@ -138,22 +139,20 @@ def save_dtype(run: Run) -> torch.dtype:
     return getattr(torch, name)
 
 
-def complete_run(
-    run: Run, phase: PhaseFn = null_phase, log: Log = say
-) -> tuple[dict[str, Any], float]:
+def complete_run(run: Run, phase: PhaseFn = null_phase, log: Log = say) -> tuple[Evaluation, float]:
     """Final checkpoint and drafter, then τ on held-out: (its figures, seconds spent).
     The evaluation joins the last step's metrics.jsonl line; with --keep-best a better
     drafter of an evaluation while training then replaces OUTPUT_DIR/drafter."""
     with phase(names.CHECKPOINT_SAVE):
         save_final(run, log)
-    figures, eval_s = _final_evaluation(run, phase, log)
+    evaluation, eval_s = _final_evaluation(run, phase, log)
     if run.evals is not None:
-        final = eval_keys(figures)
+        final = eval_keys(evaluation.to_dict())
         if final:
             run.evals.record(run.step, final, final=True)
             amend_line(run.output_dir / METRICS_FILE, run.step, final)
         keep_best(run, log)
-    return figures, eval_s
+    return evaluation, eval_s
 
 
 def keep_best(run: Run, log: Log) -> None:
@@ -175,24 +174,25 @@ def keep_best(run: Run, log: Log) -> None:
     )
 
 
-def _final_evaluation(run: Run, phase: PhaseFn, log: Log) -> tuple[dict[str, Any], float]:
+def _final_evaluation(run: Run, phase: PhaseFn, log: Log) -> tuple[Evaluation, float]:
     """τ on the held-out prompts at the end: in process or by vLLM."""
     eval_start_s = time.perf_counter()
     if run.cfg.run.eval_engine == "vllm" and run.cfg.run.eval_prompts:
         with phase(names.EVAL):
-            figures = _measure_with_vllm(run, log)
-        return figures, time.perf_counter() - eval_start_s
+            served = _measure_with_vllm(run, log)
+        return Evaluation(served=served), time.perf_counter() - eval_start_s
     skipped = run.features.eval_skipped(run.target)
     if skipped is not None:
-        return {"tau": None, "eval_skipped": skipped}, 0.0
+        return Evaluation(skipped=skipped), 0.0
     with phase(names.EVAL):
         if run.cfg.run.eval_prompts and run.target.device != run.placement.target:
             run.target.to(run.placement.target)  # kept on the host while training from a cache
         result = evaluate_run(run.target, run.drafter, run.heldout_data, run.cfg.run)
-    return eval_figures(result), time.perf_counter() - eval_start_s
+    held_out = held_out_figures(result) if result is not None else None
+    return Evaluation(held_out=held_out), time.perf_counter() - eval_start_s
 
 
-def _measure_with_vllm(run: Run, log: Log) -> dict[str, Any]:
+def _measure_with_vllm(run: Run, log: Log) -> ServedFigures:
     """--eval-engine vllm: τ on the held-out prompts as vLLM serves the saved drafter."""
     cfg = run.cfg.run
     prompts = heldout_prompts(run.heldout_data, cfg.eval_prompts, cfg.eval_prompt_tokens)
@@ -205,8 +205,7 @@ def _measure_with_vllm(run: Run, log: Log) -> dict[str, Any]:
         "log_dir": run.output_dir,
     }
     served = measure_with_vllm(cfg.vllm_command, target, prompts=prompts, log=log, **engine)
-    figures = {key: served[key] for key in ("tau", "tau_pooled", "acceptance_per_position")}
-    return {**figures, "speedup": None, "served": served}
+    return ServedFigures.from_dict(served)
 
 
 def build_summary(
@@ -214,53 +213,74 @@ def build_summary(
     stats: RunStats,
     started_s: float,
     *,
-    evaluation: tuple[dict[str, Any], float] | None = None,
+    evaluation: tuple[Evaluation, float] | None = None,
     interrupted: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """summary.json of a finished (`evaluation` given) or interrupted run."""
+    """summary.json of a finished (`evaluation` given) or interrupted run, as written.
+    `extra`: the pipeline's blocks (`pipeline`, `verdict`, `telemetry`)."""
+    return make_summary(
+        run, stats, started_s, evaluation=evaluation, interrupted=interrupted, extra=extra
+    ).to_dict()
+
+
+def make_summary(
+    run: Run,
+    stats: RunStats,
+    started_s: float,
+    *,
+    evaluation: tuple[Evaluation, float] | None = None,
+    interrupted: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Summary:
+    """The typed summary of a finished or interrupted run (see build_summary)."""
     last = stats.losses[-1] if stats.losses else run.trainer.last_loss
-    figures, eval_s = evaluation if evaluation is not None else ({"tau": None}, None)
-    summary: dict[str, Any] = {
-        "steps": run.step,
-        "steps_this_run": len(stats.losses),
-        "tokens_per_s": stats.num_tokens / stats.train_s if stats.train_s > 0 else 0.0,
+    final, eval_s = evaluation if evaluation is not None else (Evaluation(), None)
+    blocks = dict(extra or {})
+    source = run.features.summary()
+    summary = Summary(
+        steps=run.step,
+        steps_this_run=len(stats.losses),
+        tokens_per_s=stats.num_tokens / stats.train_s if stats.train_s > 0 else 0.0,
         # None (JSON null), not NaN, when no step finished or the loss is not finite:
         # summary.json stays JSON.
-        "final_loss": _finite_or_none(last),
-        **figures,
-        **_while_training(run, stats),
-        "wall_s": time.perf_counter() - started_s,
-        "train_s": stats.train_s,
-        "setup_s": run.setup_s,
-        "eval_s": eval_s,
-        "bad_steps": run.trainer.guard.bad_steps,  # non-finite steps skipped (no update)
-        "block_size": run.drafter.config.block_size,
-        "target": run.cfg.target.spec,
-        "target_layer_ids": run.layer_ids,
-        "mask_token_id": run.mask_token.token_id,
-        "mask_token_source": run.mask_token.source,
-        "packing": run.cfg.data.packing,
-        "initialized_from": None if run.initialized_from is None else str(run.initialized_from),
-        "drafter_dir": str(run.output_dir / "drafter") if run.final_saved else None,
-        "tau_estimate": _last_tau_estimate(run.output_dir / METRICS_FILE),
-    }
-    summary.update(run.features.summary())
-    if interrupted is not None:
-        summary["interrupted"] = interrupted
-    return {**summary, **(extra or {})}
+        final_loss=_finite_or_none(last),
+        evaluation=final,
+        wall_s=time.perf_counter() - started_s,
+        train_s=stats.train_s,
+        setup_s=run.setup_s,
+        eval_s=eval_s,
+        bad_steps=run.trainer.guard.bad_steps,
+        block_size=run.drafter.config.block_size,
+        target=run.cfg.target.spec,
+        target_layer_ids=list(run.layer_ids),
+        mask_token_id=run.mask_token.token_id,
+        mask_token_source=run.mask_token.source,
+        packing=run.cfg.data.packing,
+        initialized_from=None if run.initialized_from is None else str(run.initialized_from),
+        drafter_dir=str(run.output_dir / "drafter") if run.final_saved else None,
+        tau_estimate=_last_tau_estimate(run.output_dir / METRICS_FILE),
+        hidden_cache_skipped=source.pop("hidden_cache_skipped", None),
+        feature_source=source,
+        interrupted=interrupted,
+        pipeline=blocks.pop("pipeline", None),
+        verdict=blocks.pop("verdict", None),
+        telemetry=blocks.pop("telemetry", None),
+        extra=blocks,
+    )
+    _while_training(run, stats, summary)
+    return summary
 
 
-def _while_training(run: Run, stats: RunStats) -> dict[str, Any]:
+def _while_training(run: Run, stats: RunStats, summary: Summary) -> None:
     """summary.json's record of the evaluations while training, and which step's drafter
     OUTPUT_DIR/drafter holds."""
     if run.evals is None:
-        return {}
-    out = {"evaluations_while_training": run.evals.summary(stats.train_s)}
+        return
+    summary.evaluations_while_training = run.evals.summary(stats.train_s)
     best = run.evals.best
     if run.cfg.run.keep_best and best is not None:
-        out["drafter_step"] = best.step if best.weights is not None else run.step
-    return out
+        summary.drafter_step = best.step if best.weights is not None else run.step
 
 
 def _last_tau_estimate(path: Path) -> float | None:
