@@ -23,6 +23,7 @@ from dflash.errors import DFlashError, first_line
 from dflash.files import special_file, unwritable, write_text_atomic
 from dflash.observe.bottleneck import snapshot_verdict
 from dflash.observe.report_svg import Slice, bar_chart, line_chart, timeline_chart
+from dflash.summary import Summary
 from tracing import StatsSnapshot
 
 REQUIRED = ("summary.json", "config.json")
@@ -138,19 +139,18 @@ def phase_table(snap: StatsSnapshot) -> str:
     return f'<table id="phases">{head}{"".join(rows)}</table>'
 
 
-def _verdict(summary: dict[str, Any], snap: StatsSnapshot | None) -> str | None:
-    if isinstance(summary.get("verdict"), str):
-        return summary["verdict"]
+def _verdict(summary: Summary, snap: StatsSnapshot | None) -> str | None:
+    if summary.verdict is not None:
+        return summary.verdict
     if snap is None:
         return None
     return snapshot_verdict(snap)
 
 
-def _timeline_path(run_dir: Path, summary: dict[str, Any]) -> Path:
+def _timeline_path(run_dir: Path, summary: Summary) -> Path:
     """The run's timeline: where training wrote it (`--timeline`), else the default."""
-    files = (summary.get("telemetry") or {}).get("files") or {}
-    written = files.get("timeline") if isinstance(files, dict) else None
-    if isinstance(written, str) and Path(written).is_file():
+    written = summary.timeline_file
+    if written is not None and Path(written).is_file():
         return Path(written)
     return run_dir / "timeline.json"
 
@@ -162,16 +162,16 @@ def render(run_dir: Path) -> str:
             f"report: {run_dir} is not a run directory: {', '.join(missing)} missing "
             "(written at the end of `dflash-train train`)"
         )
-    summary = _load_json(run_dir / "summary.json")
+    summary = Summary.from_dict(_load_json(run_dir / "summary.json"))
     rows = read_metrics(run_dir / "metrics.jsonl")
     stats_path = run_dir / "stats.json"
     snap = StatsSnapshot.from_dict(_load_json(stats_path)) if stats_path.exists() else None
     timeline_path = _timeline_path(run_dir, summary)
     doc = _load_json(timeline_path) if timeline_path.exists() else {}
-    acceptance = list(summary.get("acceptance_per_position") or [])
+    acceptance = summary.acceptance_per_position
     rates = _stage_rates(rows) or _timeline_rates(doc)
     charts = [
-        line_chart("loss", "Training loss", {"loss": _series(rows, "loss")}, "step"),
+        line_chart("loss", "Training loss", {"loss": _series(rows, "loss")}, "step", "loss"),
         line_chart(
             "tau",
             "τ (acceptance length): held-out decoding and training's estimates",
@@ -182,16 +182,18 @@ def render(run_dir: Path) -> str:
                 "training τ, positions independent": _series(rows, "tau", "tau_estimate"),
             },
             "step",
+            "τ, tokens per cycle",
         ),
         bar_chart(
             "acceptance",
-            f"Acceptance per block position (τ {_tau_text(summary.get('tau'))})",
+            f"Acceptance per block position (τ {_tau_text(summary.tau)})",
             [str(k + 1) for k in range(len(acceptance))],
             acceptance,
             "block position",
+            "share of cycles accepting it",
             y_max=1.0,
         ),
-        line_chart("tokens", "Tokens per second per stage", rates, "time s"),
+        line_chart("tokens", "Tokens per second per stage", rates, "time, s", "tokens/s"),
         timeline_chart(
             "timeline",
             f"Timeline of {TIMELINE_BATCHES} batches across threads",
@@ -199,45 +201,125 @@ def render(run_dir: Path) -> str:
         ),
     ]
     verdict = _verdict(summary, snap)
-    tau_keys = ("tau", "tau_pooled", "tau_without_repeats", "repeated_share", "tau_estimate")
-    keys = ("steps", "final_loss", *tau_keys, "tokens_per_s", "train_s", "wall_s", "target")
-    figures = "".join(
-        f"<tr><th>{escape(k)}</th><td>{escape(_show(summary[k]))}</td></tr>"
-        for k in keys
-        if k in summary
-    ) + "".join(f'<tr><th>τ</th><td class="note">{escape(n)}</td></tr>' for n in tau_notes(summary))
+    notes = "".join(f"<li>{escape(note)}</li>" for note in tau_notes(summary))
     return PAGE.format(
         title=escape(f"dflash-train run {run_dir.name}"),
         made=time.strftime("%Y-%m-%d %H:%M"),
-        figures=figures,
-        verdict=escape(verdict or "no phase statistics recorded (stats.json)"),
-        charts="".join(f'<section class="card">{c}</section>' for c in charts),
+        headline=headline(summary, verdict),
+        details=details_table(summary),
+        notes=f'<ul class="notes">{notes}</ul>' if notes else "",
+        charts="".join(f'<section class="card chart-card">{c}</section>' for c in charts),
         phases=phase_table(snap) if snap else "<p>no phase statistics recorded (stats.json)</p>",
         css=CSS,
     )
 
 
-def tau_notes(summary: dict[str, Any]) -> list[str]:
+def _tile(name: str, label: str, value: str, detail: str = "") -> str:
+    """One figure of the headline: its label, its value (with unit), a line under it."""
+    under = f'<div class="detail">{escape(detail)}</div>' if detail else ""
+    return (
+        f'<div class="tile" data-figure="{name}"><div class="label">{escape(label)}</div>'
+        f'<div class="value">{escape(value)}</div>{under}</div>'
+    )
+
+
+def headline(summary: Summary, verdict: str | None) -> str:
+    """The card a person reads first: τ, τ without repeats, speedup, tokens/s, verdict."""
+    evaluation = summary.evaluation
+    tau, pooled = summary.tau, summary.tau_pooled
+    if tau is None:
+        why = evaluation.skipped or "no final evaluation"
+        tau_tile = _tile("tau", "τ on held-out prompts", "not evaluated", why)
+    else:
+        engine = "served by vLLM" if evaluation.served is not None else "decoded in process"
+        pooled_text = f"pooled {pooled:.2f}, " if pooled is not None else ""
+        tau_tile = _tile("tau", "τ on held-out prompts", f"{tau:.2f}", pooled_text + engine)
+    share, without = evaluation.repeated_share, evaluation.tau_without_repeats
+    if without is None:
+        repeats = _tile("tau-without-repeats", "τ without repeats", "n/a", "not measured")
+    else:
+        detail = "" if share is None else f"{share:.0%} of accepted drafts in repeated spans"
+        repeats = _tile("tau-without-repeats", "τ without repeats", f"{without:.2f}", detail)
+    speedup = summary.speedup
+    speed_tile = _tile(
+        "speedup",
+        "Speedup",
+        "n/a" if speedup is None else f"{speedup:.2f}×",
+        "vs greedy decoding, same target" if speedup is not None else "not measured",
+    )
+    rate = summary.tokens_per_s
+    rate_tile = _tile(
+        "tokens-per-s",
+        "Training speed",
+        "n/a" if rate is None else f"{rate:,.0f} tokens/s",
+        "" if summary.train_s is None else f"over {_duration(summary.train_s)} of training",
+    )
+    said = verdict or "no phase statistics recorded (stats.json)"
+    verdict_tile = (
+        '<div class="tile verdict-tile" data-figure="verdict"><div class="label">Bottleneck '
+        f'verdict</div><div id="verdict">{escape(said)}</div></div>'
+    )
+    tiles = tau_tile + repeats + speed_tile + rate_tile + verdict_tile
+    return f'<section class="card" id="headline">{tiles}</section>'
+
+
+def details_table(summary: Summary) -> str:
+    """The run's other figures, one labelled row each (a row only for what is known)."""
+    rows: list[tuple[str, str | None]] = [
+        ("Steps", None if summary.steps is None else f"{summary.steps:,}"),
+        ("Final loss", None if summary.final_loss is None else f"{summary.final_loss:.3f}"),
+        (
+            "Training's τ estimate (last logged step)",
+            None if summary.tau_estimate is None else f"{summary.tau_estimate:.2f}",
+        ),
+        ("Block size", None if summary.block_size is None else str(summary.block_size)),
+        ("Training time", None if summary.train_s is None else _duration(summary.train_s)),
+        ("Wall time", None if summary.wall_s is None else _duration(summary.wall_s)),
+        ("Target", summary.target),
+        ("Stopped by", summary.interrupted),
+    ]
+    body = "".join(
+        f"<tr><th>{escape(label)}</th><td>{escape(value)}</td></tr>"
+        for label, value in rows
+        if value is not None
+    )
+    return f'<table id="figures">{body}</table>'
+
+
+def _duration(seconds: float) -> str:
+    """Seconds for a reader: 12.3 s, 4 min 05 s, 2 h 03 min."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"
+
+
+def tau_notes(summary: Summary | dict[str, Any]) -> list[str]:
     """What τ on held-out is made of, beside it in the summary and the report: the share
     of accepted drafts inside repeated spans, and the training estimate against it."""
+    if not isinstance(summary, Summary):
+        summary = Summary.from_dict(summary)
     notes = []
-    tau = summary.get("tau")
-    served = summary.get("served")
-    if isinstance(served, dict):
+    tau, served = summary.tau, summary.evaluation.served
+    if served is not None:
         notes.append(
-            f"τ measured by the serving engine ({served.get('server')}): its own counters over "
-            f"{served.get('requests')} held-out prompts, {served.get('num_drafts')} drafts "
-            f"of {served.get('num_speculative_tokens')} tokens"
+            f"τ measured by the serving engine ({served.server}): its own counters over "
+            f"{served.requests} held-out prompts, {served.num_drafts} drafts "
+            f"of {served.num_speculative_tokens} tokens"
         )
-    if isinstance(summary.get("repeated_share"), float):
-        without = summary.get("tau_without_repeats")
+    share = summary.evaluation.repeated_share
+    if share is not None:
+        without = summary.evaluation.tau_without_repeats
         notes.append(
-            f"{summary['repeated_share']:.0%} of accepted drafts are inside repeated spans of "
+            f"{share:.0%} of accepted drafts are inside repeated spans of "
             "the output; pooled τ without them "
-            + (f"{without:.3f}" if isinstance(without, float) else "n/a")
+            + (f"{without:.3f}" if without is not None else "n/a")
         )
-    estimate = summary.get("tau_estimate")
-    if isinstance(estimate, float) and isinstance(tau, float):
+    estimate = summary.tau_estimate
+    if estimate is not None and tau is not None:
         notes.append(
             f"training's τ estimate {estimate:.2f} vs evaluation τ {tau:.3f}: the estimate "
             "scores random anchors of training rows against the data's next tokens; "
@@ -247,12 +329,8 @@ def tau_notes(summary: dict[str, Any]) -> list[str]:
     return notes
 
 
-def _tau_text(tau: Any) -> str:
-    return f"{tau:.3f}" if isinstance(tau, (int, float)) else "not evaluated"
-
-
-def _show(value: Any) -> str:
-    return f"{value:,.4g}" if isinstance(value, float) else str(value)
+def _tau_text(tau: float | None) -> str:
+    return f"{tau:.3f}" if tau is not None else "not evaluated"
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -282,27 +360,35 @@ def write_report(run_dir: str | Path) -> Path:
 
 
 CSS = """
-body{font:14px system-ui,sans-serif;margin:24px;color:#222;background:#fafafa}
-h1{font-size:20px}.card{background:#fff;border:1px solid #ddd;border-radius:6px;
-padding:8px;margin:8px;display:inline-block;vertical-align:top}
-table{border-collapse:collapse}td,th{padding:2px 8px;text-align:right;border-bottom:1px solid #eee}
-th:first-child,td:first-child{text-align:left}#verdict{font-weight:600;padding:8px;
-background:#fff3cd;border-radius:6px;display:inline-block}
-svg .title{font-size:13px;font-weight:600}svg .plot{fill:#fff;stroke:#999}
-svg .grid{stroke:#eee}svg .ytick{font-size:10px;text-anchor:end}
-svg .xtick,svg .barvalue{font-size:10px;text-anchor:middle}
-svg .xlabel{font-size:10px;text-anchor:end}
-svg .legend{font-size:11px}svg .empty{font-size:12px;text-anchor:middle;fill:#999}
+body{font:15px system-ui,sans-serif;margin:24px auto;max-width:1200px;padding:0 16px;
+color:#222;background:#fafafa}
+h1{font-size:22px}h2{font-size:17px}.made{color:#777}
+.card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:12px;margin:12px 0}
+#headline{display:flex;flex-wrap:wrap;gap:12px}
+.tile{flex:1 1 170px;padding:6px 10px;border-left:3px solid #1f77b4}
+.tile .label{font-size:13px;color:#555}.tile .value{font-size:28px;font-weight:600}
+.tile .detail{font-size:13px;color:#555}
+.verdict-tile{flex:2 1 360px;border-left-color:#e0a800}#verdict{font-weight:600;padding-top:4px}
+table{border-collapse:collapse}td,th{padding:3px 10px;text-align:right;border-bottom:1px solid #eee}
+th:first-child,td:first-child{text-align:left}#figures th{font-weight:normal;color:#555}
+.notes{margin:8px 0 0;padding-left:20px;color:#444}.notes li{margin:4px 0}
+.chart-card svg{display:block;width:100%;height:auto}
+svg .title{font-size:14px;font-weight:600}svg .plot{fill:#fff;stroke:#999}
+svg .grid{stroke:#eee}svg .ytick{font-size:11px;text-anchor:end}
+svg .xtick,svg .barvalue{font-size:11px;text-anchor:middle}
+svg .xlabel,svg .ylabel{font-size:12px;text-anchor:middle;fill:#444}
+svg .legend{font-size:12px}svg .empty{font-size:13px;text-anchor:middle;fill:#999}
 """
 
-# The script only records, after layout, that each chart has a drawn size: the test
-# reads it back through the page (the charts draw without it).
+# The script only records, after layout, that each chart and the headline have a drawn
+# size: the tests read it back through the page (nothing draws by it).
 PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
 <style>{css}</style></head><body>
-<h1>{title}</h1><p>report written {made}</p>
-<section class="card"><table id="figures">{figures}</table></section>
-<section class="card"><div>bottleneck verdict</div><div id="verdict">{verdict}</div></section>
+<h1>{title}</h1><p class="made">report written {made}</p>
+{headline}
+<section class="card"><h2>The run</h2>{details}{notes}</section>
 <div>{charts}</div>
 <section class="card"><h2>Phases</h2>{phases}</section>
 <script>
@@ -311,6 +397,9 @@ window.addEventListener("load", function () {{
     var box = svg.getBoundingClientRect();
     svg.setAttribute("data-drawn", Math.round(box.width) + "x" + Math.round(box.height));
   }});
+  var top = document.getElementById("headline").getBoundingClientRect();
+  var drawn = Math.round(top.width) + "x" + Math.round(top.height);
+  document.body.setAttribute("data-headline", drawn);
   document.body.setAttribute("data-ready", "1");
 }});
 </script>

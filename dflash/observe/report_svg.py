@@ -2,7 +2,8 @@
 
 Every chart is an <svg class="chart" data-chart=NAME> whose marks carry their numbers
 (`data-x`, `data-y`, `data-value`), so a test can read back through the rendered page
-what was drawn. No script is needed to draw anything.
+what was drawn. No script is needed to draw anything. The report's style stretches each
+chart to the page's width (the viewBox keeps its proportions); both axes are labelled.
 """
 
 from __future__ import annotations
@@ -11,18 +12,22 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from html import escape
 
-WIDTH, HEIGHT = 640, 240
-LEFT, RIGHT, TOP, BOTTOM = 56, 12, 28, 34
+WIDTH, HEIGHT = 960, 300
+LEFT, RIGHT, TOP, BOTTOM = 76, 16, 30, 50
 _TAB10 = "1f77b4 ff7f0e 2ca02c d62728 9467bd 8c564b e377c2 7f7f7f bcbd22 17becf"
 COLORS = tuple(f"#{rgb}" for rgb in _TAB10.split())  # matplotlib's tab10 palette
 Point = tuple[float, float]
+_EMPTY = f'<text x="{WIDTH // 2}" y="{HEIGHT // 2}" class="empty">{{text}}</text>'
 
 
 def _fmt(value: float) -> str:
+    """A number as a person reads it: 21,360 rather than 2.136e+04."""
     if value == 0:
         return "0"
-    if abs(value) >= 1e4 or abs(value) < 1e-2:
-        return f"{value:.3g}"
+    if abs(value) >= 1e4:
+        return f"{value:,.0f}"
+    if abs(value) < 1e-2:
+        return f"{value:.2g}"
     return f"{value:.4g}"
 
 
@@ -49,7 +54,7 @@ def _frame(name: str, title: str, body: str, legend: Sequence[str] = ()) -> str:
         for i, label in enumerate(legend)
     )
     if len(legend) > 2:  # a long legend gets a line of its own, under the plot
-        body += f'<text x="{LEFT}" y="{HEIGHT - 4}" class="legend">{items}</text>'
+        body += f'<text x="{LEFT}" y="{HEIGHT - 3}" class="legend">{items}</text>'
         items = ""
     return (
         f'<svg class="chart" data-chart="{escape(name)}" viewBox="0 0 {WIDTH} {HEIGHT}" '
@@ -60,7 +65,7 @@ def _frame(name: str, title: str, body: str, legend: Sequence[str] = ()) -> str:
 
 
 def _axes(
-    x_range: Point, y_range: Point, x_label: str, x_ticks: bool = True
+    x_range: Point, y_range: Point, x_label: str, y_label: str, x_ticks: bool = True
 ) -> tuple[str, Callable[[float], float], Callable[[float], float]]:
     (x0, x1), (y0, y1) = x_range, y_range
     if x1 <= x0:
@@ -82,18 +87,25 @@ def _axes(
         parts.append(_text(LEFT - 4, f"{sy(y) + 4:.1f}", "ytick", _fmt(y)))
     for x in _ticks(x0, x1) if x_ticks else []:
         parts.append(_text(f"{sx(x):.1f}", HEIGHT - BOTTOM + 14, "xtick", _fmt(x)))
-    parts.append(_text(WIDTH - RIGHT, HEIGHT - 4, "xlabel", escape(x_label)))
+    parts.append(_text(LEFT + plot_w / 2, HEIGHT - BOTTOM + 31, "xlabel", escape(x_label)))
+    middle = TOP + plot_h / 2
+    parts.append(
+        f'<text x="14" y="{middle:.1f}" class="ylabel" '
+        f'transform="rotate(-90 14 {middle:.1f})">{escape(y_label)}</text>'
+    )
     return "".join(parts), sx, sy
 
 
-def line_chart(name: str, title: str, series: Mapping[str, Sequence[Point]], x_label: str) -> str:
+def line_chart(
+    name: str, title: str, series: Mapping[str, Sequence[Point]], x_label: str, y_label: str
+) -> str:
     """One polyline per series; each point also a circle carrying data-x/data-y."""
     points = [p for values in series.values() for p in values]
     if not points:
-        return _frame(name, title, '<text x="320" y="120" class="empty">no data</text>')
+        return _frame(name, title, _EMPTY.format(text="no data"))
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     low = min(0.0, min(ys)) if min(ys) >= 0 and min(ys) < 0.2 * max(ys) else min(ys)
-    axes, sx, sy = _axes((min(xs), max(xs)), (low, max(ys)), x_label)
+    axes, sx, sy = _axes((min(xs), max(xs)), (low, max(ys)), x_label, y_label)
     body = [axes]
     for index, (label, values) in enumerate(series.items()):
         color = COLORS[index % len(COLORS)]
@@ -117,13 +129,14 @@ def bar_chart(
     labels: Sequence[str],
     values: Sequence[float],
     x_label: str,
+    y_label: str,
     y_max: float | None = None,
 ) -> str:
     """Vertical bars, each with its value printed above it and in data-value."""
     if not values:
-        return _frame(name, title, '<text x="320" y="120" class="empty">no data</text>')
+        return _frame(name, title, _EMPTY.format(text="no data"))
     top = y_max if y_max is not None else max(max(values), 1e-9)
-    axes, _, sy = _axes((0, len(values)), (0.0, top), x_label, x_ticks=False)
+    axes, _, sy = _axes((0, len(values)), (0.0, top), x_label, y_label, x_ticks=False)
     slot = (WIDTH - LEFT - RIGHT) / len(values)
     body = [axes]
     for i, (label, value) in enumerate(zip(labels, values, strict=True)):
@@ -135,7 +148,8 @@ def bar_chart(
             f'data-label="{escape(label)}" data-value="{value:g}"/>'
         )
         middle = f"{x + slot * 0.35:.1f}"
-        body.append(_text(middle, f"{y - 3:.1f}", "barvalue", _fmt(value)))
+        shown = f"{value:.2f}" if top <= 1.0 else _fmt(value)  # shares: two decimals
+        body.append(_text(middle, f"{y - 3:.1f}", "barvalue", shown))
         body.append(_text(middle, HEIGHT - BOTTOM + 14, "xtick", escape(label)))
     return _frame(name, title, "".join(body))
 
@@ -146,9 +160,7 @@ Slice = tuple[str, str, float, float, int | None]  # thread, phase, start s, dur
 def timeline_chart(name: str, title: str, slices: Sequence[Slice]) -> str:
     """One row per thread, one rectangle per phase slice (colored by phase)."""
     if not slices:
-        return _frame(
-            name, title, '<text x="320" y="120" class="empty">no timeline recorded</text>'
-        )
+        return _frame(name, title, _EMPTY.format(text="no timeline recorded"))
     threads = list(dict.fromkeys(s[0] for s in slices))
     phases = list(dict.fromkeys(s[1] for s in slices))
     t0 = min(s[2] for s in slices)
@@ -173,8 +185,8 @@ def timeline_chart(name: str, title: str, slices: Sequence[Slice]) -> str:
             f'data-phase="{escape(phase)}" data-batch="{batch_id}" data-duration-ms="{ms:.3f}">'
             f"<title>{escape(phase)} {ms:.2f} ms</title></rect>"
         )
-    shown = f"{(t1 - t0) * 1e3:.1f} ms shown"
-    body.append(_text(WIDTH - RIGHT, HEIGHT - 20, "xlabel", shown))
+    shown = f"time: {(t1 - t0) * 1e3:.1f} ms shown, left to right"
+    body.append(_text(left + (WIDTH - left - RIGHT) / 2, HEIGHT - 22, "xlabel", shown))
     return _frame(name, title, "".join(body), phases)
 
 

@@ -87,7 +87,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     summary = {"steps": NUM_STEPS, "final_loss": rows[-1]["loss"], "tau": 1.34, "tau_pooled": 1.3}
     summary |= {"repeated_share": 0.25, "tau_without_repeats": 1.21, "tau_estimate": 1.5}
     summary |= {"acceptance_per_position": ACCEPTANCE, "tokens_per_s": 16687.5}
-    summary |= {"train_s": 0.61, "wall_s": 1.9, "target": "builtin:tiny"}
+    summary |= {"train_s": 0.61, "wall_s": 1.9, "target": "builtin:tiny", "speedup": 1.42}
     (run / "summary.json").write_text(json.dumps(summary))
     (run / "config.json").write_text("{}")
     return run
@@ -226,3 +226,45 @@ def test_screenshot_for_the_readme(run_dir: Path, tmp_path: Path) -> None:
     target = os.environ.get("DFLASH_REPORT_SCREENSHOT")
     if target:  # docs/report.png is refreshed with DFLASH_REPORT_SCREENSHOT=docs/report.png
         shutil.copyfile(shot, target)
+
+
+# summary.json's keys, which a person reading the page should never meet as text.
+RAW_KEYS = (
+    "tau_pooled",
+    "repeated_share",
+    "tau_without_repeats",
+    "tokens_per_s",
+    "tau_estimate",
+    "final_loss",
+    "train_s",
+    "wall_s",
+)
+
+
+def test_the_headline_is_labelled_figures_a_person_reads(run_dir: Path, tmp_path: Path) -> None:
+    """Through headless Chromium: the headline's labels and formatted numbers are drawn
+    text, no raw summary key or exponent notation is, and no row is a bare `τ`."""
+    path = write_report(run_dir)
+    done = headless("--dump-dom", "--window-size=1400,1100", path.as_uri())
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = DomReader()
+    dom.feed(done.stdout)
+    assert dom.body.get("data-ready") == "1", "the page's load handler did not run"
+    width, height = (int(v) for v in dom.body["data-headline"].split("x"))
+    assert width > 800 and height > 60, dom.body["data-headline"]  # drawn, page-wide
+    text = dom.text
+    for label in ("τ on held-out prompts", "τ without repeats", "Speedup", "Training speed"):
+        assert label in text, label
+    assert "Bottleneck verdict" in text
+    assert {"1.34", "pooled 1.30, decoded in process", "1.21", "1.42×"} <= set(text)
+    assert "25% of accepted drafts in repeated spans" in text
+    assert "16,688 tokens/s" in text
+    assert {"Steps", "Final loss", "Training time"} <= set(text)
+    page = " ".join(text)
+    assert not [key for key in RAW_KEYS if key in page]
+    assert not re.search(r"\d\.?\d*e[+-]\d", page), "a number in exponent notation"
+    assert "τ" not in text  # no row labelled with τ alone
+    shot = tmp_path / "headline.png"
+    done = headless(f"--screenshot={shot}", "--window-size=1400,700", path.as_uri())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
