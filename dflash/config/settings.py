@@ -136,6 +136,38 @@ class TargetConfig(Section):
         check=checks.json_object,
     )
 
+    engine: Literal["in-process", "vllm"] = setting(
+        "in-process",
+        "What computes the target's hidden states while training: `in-process` (the target "
+        "runs in the run's target stage), or `vllm`: a vLLM engine run by --vllm-python "
+        "(tools/vllm/extract_hidden_states.py) writes them into a spool of at most "
+        "--spool-size bytes, in the order training reads them; --packing docs.",
+        option="target_engine",
+    )
+    vllm_python: str | None = setting(
+        None,
+        "With --target-engine vllm: the python that has vLLM (`bash tools/vllm/venv.sh` "
+        "prints its CPU build's).",
+        check=checks.not_blank,
+    )
+    engine_args: str | None = setting(
+        None,
+        "With --target-engine vllm: vLLM engine arguments, as one string (e.g. "
+        "'--tensor-parallel-size 8').",
+    )
+    spool_dir: str | None = setting(
+        None,
+        "With --target-engine vllm: the spool's folder (default OUTPUT_DIR/spool); one run "
+        "at a time.",
+        check=checks.not_blank,
+    )
+    spool_size: str = setting(
+        "2GiB",
+        "With --target-engine vllm: the most bytes of hidden states the spool holds (2GiB, "
+        "500MB, ...); the engine waits while it is full. At least two samples of --seq-len.",
+        check=checks.byte_size,
+    )
+
     @property
     def template_kwargs(self) -> dict[str, Any]:
         return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}

@@ -1,5 +1,6 @@
 """Where a run's target features come from, chosen once: the live target, a batch cache
-written by `cache-hidden`, or per-sample hidden-state files (speculators' layout).
+written by `cache-hidden`, per-sample hidden-state files (speculators' layout), or a vLLM
+engine streaming them through a bounded spool (`--target-engine vllm`, dflash.run.streamed).
 
 `feature_source(cfg)` is the one place that looks at `--hidden-cache`; the run asks the
 `FeatureSource` it returns where the target loads, which layers feed the drafter, the
@@ -22,6 +23,7 @@ from dflash import names
 from dflash.config.devices import Placement
 from dflash.config.settings import DataConfig, TrainConfig
 from dflash.data.datasets import Batch, PackedDataset, pad_id
+from dflash.files import write_text_atomic
 from dflash.offline.hidden_cache import HiddenCacheReader, open_hidden_cache
 from dflash.offline.sample_cache import (
     SampleCache,
@@ -33,6 +35,8 @@ from dflash.offline.sample_cache import (
     sample_datasets,
 )
 from dflash.offline.sample_reader import SampleCacheReader
+from dflash.offline.spool import Spool, SpoolError, parse_size
+from dflash.run import streamed
 from dflash.run.estimate import EstimateError, device_memory_bytes, geometry_for_spec
 from dflash.run.progress import HeldLog
 from dflash.target import load as target_load  # by module: tests swap load_target
@@ -306,9 +310,101 @@ def evaluates_whole_target(cfg: TrainConfig) -> bool:
     return host is not None and geometry.params() * width <= HOST_SHARE * host
 
 
+class StreamedSamples(FeatureSource):
+    """Features from a vLLM engine through the spool: the target's decoder never runs in
+    this process (its embedding, LM head and final norm load, or the whole target for
+    evaluations where it fits, as with per-sample files)."""
+
+    runs_target = False
+    target_phase = names.TARGET_READ
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        super().__init__(cfg)
+        if cfg.data.packing != "docs":
+            raise SpoolError(
+                "--target-engine vllm streams one sample per document: --packing must be docs"
+            )
+        self.bound = parse_size(cfg.target.spool_size)
+        one = streamed.smallest_sample_bytes(cfg)
+        if one is not None and self.bound < 2 * one:
+            raise SpoolError(
+                f"--spool-size {cfg.target.spool_size} ({self.bound:,} bytes) is smaller than "
+                f"one sample of --seq-len {cfg.data.seq_len}: {one:,} bytes, twice that while "
+                "vLLM's file is converted"
+            )
+        self.output_dir = Path(cfg.run.output_dir)
+        given = cfg.target.spool_dir
+        self.spool = Spool(Path(given) if given else self.output_dir / "spool")
+        try:  # last: it starts a python (seconds)
+            streamed.check_vllm_python(cfg.target.vllm_python)
+        except SpoolError:
+            self.spool.close()
+            raise
+        self.head_only = not evaluates_whole_target(cfg)
+        self._reader: streamed.SpoolReader | None = None
+        self._engine: streamed.Engine | None = None
+
+    def load_device(self, placement: Placement) -> torch.device:
+        return torch.device("cpu")
+
+    def open(self, target: TargetModel, log: Log) -> None:
+        log(
+            f"target engine: vLLM ({self.cfg.target.vllm_python}) writes the hidden states "
+            f"into {self.spool.directory}, at most {self.bound:,} bytes; its output in "
+            f"{self.output_dir / streamed.LOG_NAME}; the target's decoder layers never run here"
+        )
+
+    def forwards(
+        self,
+        target: TargetModel,
+        layer_ids: list[int],
+        dataset: PackedDataset,
+        placement: Placement,
+        batches: tuple[int, int | None],
+        all_devices: bool = True,
+    ) -> list[tuple[torch.device, Forward]]:
+        first, last = batches
+        order, lines = streamed.stream_plan(dataset, first, first if last is None else last)
+        plan = self.output_dir / streamed.SAMPLES_NAME
+        plan.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(plan, "".join(line + "\n" for line in lines))
+        where = self.spool.directory
+        command = streamed.engine_command(self.cfg, target, layer_ids, plan, where, self.bound)
+        self._engine = streamed.Engine(command, self.output_dir / streamed.LOG_NAME)
+        norm = target.final_norm() if self.cfg.loss.use_soft_labels else None
+        dtype, width = target.embed_tokens.weight.dtype, target.hidden_size
+        self._reader = streamed.SpoolReader(
+            self.spool, self._engine, order, dataset, len(layer_ids), width, dtype, norm
+        )
+        return [(torch.device("cpu"), self._reader.read)]
+
+    def stop(self) -> None:
+        """Ends the engine's process group and releases the spool."""
+        if self._engine is not None:
+            self._engine.stop()
+        self.spool.close()
+
+    def bytes_counter(self) -> Callable[[], int] | None:
+        return lambda: 0 if self._reader is None else self._reader.bytes_read
+
+    def eval_skipped(self, target: TargetModel) -> str | None:
+        return "the target was loaded without its decoder" if target.head_only else None
+
+    def summary(self) -> dict[str, Any]:
+        reader = self._reader
+        return {
+            "spool_bytes_bound": self.bound,
+            "spool_peak_bytes": self.spool.peak_bytes,
+            "spool_samples_read": 0 if reader is None else reader.samples_read,
+            "spool_bytes_read": 0 if reader is None else reader.bytes_read,
+        }
+
+
 def feature_source(cfg: TrainConfig) -> FeatureSource:
     """The one place that decides where the run's features come from (a directory
     holding neither kind of cache, or both, is one line)."""
+    if cfg.target.engine == "vllm":
+        return StreamedSamples(cfg)
     if cfg.data.hidden_cache is None:
         return FeatureSource(cfg)
     directory = Path(cfg.data.hidden_cache)

@@ -1,0 +1,214 @@
+"""`train --target-engine vllm`: the target stage as a vLLM engine, its hidden states
+streamed into training through a bounded spool (dflash.offline.spool, the protocol).
+
+The run's rows are the online run's. Once the batches the run reads are known, their
+samples (each document with a position to learn, dflash.offline.sample_writer's
+document_segments, as `cache-hidden --samples-only` cuts them) are written in the order
+training reads them to OUTPUT_DIR/vllm-samples.jsonl, and
+tools/vllm/extract_hidden_states.py --spool-size runs over them in a process group of its
+own (its output in OUTPUT_DIR/vllm-extract.log). The reader takes each sample's file from
+the spool, places it in its row, and deletes it. Whatever ends the run ends the group
+(SIGTERM, then SIGKILL), at the latest when the interpreter exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shlex
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from dflash.config.settings import TrainConfig
+from dflash.data.datasets import Batch, PackedDataset
+from dflash.offline.sample_file import DTYPES, HIDDEN, SampleFile, dtype_name
+from dflash.offline.sample_writer import document_segments
+from dflash.offline.spool import Spool, SpoolError, sample_bytes
+from dflash.run.estimate import EstimateError, geometry_for_spec
+from dflash.target.model import TargetModel, TargetOutput, choose_target_layers
+
+SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "vllm" / "extract_hidden_states.py"
+LOG_NAME = "vllm-extract.log"
+SAMPLES_NAME = "vllm-samples.jsonl"
+STOP_GRACE_S = 10.0
+
+
+def check_vllm_python(python: str | None) -> None:
+    """A python that imports vLLM, or one line naming it."""
+    if python is None:
+        raise SpoolError("--target-engine vllm needs --vllm-python: the python that has vLLM")
+    probe = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('vllm') else 3)"
+    try:
+        done = subprocess.run([python, "-c", probe], capture_output=True, timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise SpoolError(f"--vllm-python {python} does not run ({err})") from None
+    if done.returncode != 0:
+        raise SpoolError(f"--vllm-python {python} has no vLLM (it cannot import vllm)")
+
+
+def smallest_sample_bytes(cfg: TrainConfig) -> int | None:
+    """The bytes of one sample of --seq-len tokens, from the target's config (None: its
+    geometry is unknown here), in the narrowest dtype it may run in."""
+    try:
+        geometry, _ = geometry_for_spec(cfg.target.spec)
+    except EstimateError:
+        return None
+    layers = len(
+        choose_target_layers(cfg.target.layer_ids, geometry.num_layers, cfg.drafter.num_layers)
+    )
+    itemsize = 4 if cfg.pipeline.precision == "fp32" else 2
+    return sample_bytes(cfg.data.seq_len, layers + 1, geometry.hidden_size, itemsize)
+
+
+class Engine:
+    """The extraction script's process group; `stop` ends it, once."""
+
+    def __init__(self, command: list[str], log_path: Path) -> None:
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self._lock = threading.Lock()
+        atexit.register(self.stop)
+
+    def error(self) -> str | None:
+        """Why the engine will write nothing more, or None while it runs (or ended well)."""
+        code = self.process.poll()
+        if code is None or code == 0:
+            return None
+        return f"the vLLM engine exited with code {code}: see {self.log_path}"
+
+    def ended(self) -> bool:
+        return self.process.poll() is not None
+
+    def stop(self) -> None:
+        with self._lock:
+            group = self.process.pid
+            try:
+                os.killpg(group, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+            try:  # vLLM's engine-core and workers share the group
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+
+
+class SpoolReader:
+    """The target stage of a streamed run: batch i's features from the spool's files, the
+    n-th file the n-th sample the run reads, each deleted once read.
+
+    Thread contract: one target thread calls `read`, batches in order."""
+
+    def __init__(
+        self,
+        spool: Spool,
+        engine: Engine | None,
+        order: dict[int, list[list[tuple[int, int, int]]]],
+        dataset: PackedDataset,
+        k: int,
+        width: int,
+        dtype: torch.dtype,
+        norm: torch.nn.Module | None,
+    ) -> None:
+        self.spool, self.engine, self.order, self.dataset = spool, engine, order, dataset
+        self.k, self.width, self.dtype, self.norm = k, width, dtype, norm
+        self.bytes_read = 0
+        self.samples_read = 0
+
+    def _engine_error(self) -> str | None:
+        if self.engine is None:
+            return None
+        why = self.engine.error()
+        if why is None and self.engine.ended():
+            return f"the vLLM engine ended before writing every sample: see {self.engine.log_path}"
+        return why
+
+    def read(self, batch: Batch) -> TargetOutput:
+        places = self.order[batch.batch_id]
+        b, t = batch.input_ids.shape
+        hidden = torch.zeros(b, t, self.k * self.width, dtype=self.dtype)
+        final = torch.zeros(b, t, self.width, dtype=self.dtype) if self.norm else None
+        for r, segments in enumerate(places):
+            for n, start, length in segments:
+                path = self.spool.wait(n, self._engine_error)
+                sample = SampleFile(path, self.width)
+                got = (sample.length, sample.layers, sample.width)
+                want = (length, self.k + 1, self.width)
+                if not sample.stacked or got != want or DTYPES.get(sample.dtype) != self.dtype:
+                    raise SpoolError(
+                        f"spool sample {path}: hidden states {list(got)} "
+                        f"{dtype_name(sample.dtype)}, the run needs {list(want)} {self.dtype}"
+                    )
+                (hs,) = sample.read(HIDDEN)
+                self.spool.remove(path)
+                span = slice(start, start + length)
+                hidden[r, span].view(length, self.k, -1).copy_(hs[:, : self.k])
+                if final is not None:
+                    final[r, span].copy_(hs[:, self.k])
+                self.bytes_read += sample.nbytes(HIDDEN)
+                self.samples_read += 1
+        if final is not None and self.norm is not None:
+            with torch.no_grad():
+                final = self.norm(final.to(next(self.norm.parameters()).device)).to(final.dtype)
+        return TargetOutput(hidden=hidden, logits=None, final_hidden=final)
+
+
+Order = dict[int, list[list[tuple[int, int, int]]]]
+
+
+def stream_plan(dataset: PackedDataset, first: int, last: int) -> tuple[Order, list[str]]:
+    """Per batch in [first, last], per row, its samples (n, start, length), n counting
+    the samples in the order training reads them; and samples.jsonl's lines for them."""
+    order: Order = {}
+    lines: list[str] = []
+    for index in range(first, last + 1):
+        order[index] = []
+        for row in dataset.row_indices(index):
+            segments = []
+            for start, length in document_segments(dataset, int(row)):
+                ids = dataset.ids[row, start : start + length].astype("int64").tolist()
+                mask = dataset.mask[row, start : start + length].astype(int).tolist()
+                n = len(lines)
+                lines.append(json.dumps({"index": n, "token_ids": ids, "loss_mask": mask}))
+                segments.append((n, start, length))
+            order[index].append(segments)
+    return order, lines
+
+
+def engine_command(
+    cfg: TrainConfig, target: TargetModel, layer_ids: list[int], plan: Path, spool: Path, bound: int
+) -> list[str]:
+    """The extraction script over `plan`, into `spool`, in the target's dtype."""
+    dtype = str(target.embed_tokens.weight.dtype).removeprefix("torch.")
+    command = [
+        str(cfg.target.vllm_python),
+        str(SCRIPT),
+        "--target",
+        target.spec,
+        "--samples",
+        str(plan),
+        "--output",
+        str(spool),
+        "--target-layers",
+        ",".join(str(i) for i in layer_ids),
+        "--dtype",
+        dtype,
+        "--spool-size",
+        str(bound),
+    ]
+    if cfg.target.engine_args:
+        command += ["--", *shlex.split(cfg.target.engine_args)]
+    return command

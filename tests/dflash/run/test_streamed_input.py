@@ -1,0 +1,56 @@
+"""`train --target-engine vllm`: bad input is one `Error:` line, exit 2, before any model
+loads (the project's own venv has no vLLM: the engine never starts here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from dflash.cli import cli
+from dflash.offline.spool import Spool
+
+
+def _train_error(tmp_path: Path, *args: str) -> str:
+    done = CliRunner().invoke(
+        cli,
+        [
+            "train",
+            "--target-engine",
+            "vllm",
+            "--packing",
+            "docs",
+            "--steps",
+            "1",
+            "--output-dir",
+            str(tmp_path / "run"),
+            *args,
+        ],
+    )
+    assert done.exit_code == 2, done.output
+    errors = [line for line in done.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in done.output, done.output
+    return errors[0]
+
+
+def test_bad_streaming_input_is_one_line_before_any_model_loads(tmp_path: Path) -> None:
+    python = sys.executable  # this venv has no vLLM
+    assert subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode != 0
+    assert "has no vLLM" in _train_error(tmp_path, "--vllm-python", python)
+    assert "needs --vllm-python" in _train_error(tmp_path)
+    small = _train_error(tmp_path, "--vllm-python", python, "--spool-size", "1KiB")
+    assert "--spool-size 1KiB" in small and "smaller than one sample" in small
+    assert "not a size" in _train_error(tmp_path, "--spool-size", "lots")
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    spool = ["--vllm-python", python, "--spool-dir", str(blocker / "spool")]
+    assert "is not writable" in _train_error(tmp_path, *spool)
+    held = Spool(tmp_path / "held")
+    try:
+        used = ["--vllm-python", python, "--spool-dir", str(tmp_path / "held")]
+        assert "in use by another run" in _train_error(tmp_path, *used)
+    finally:
+        held.close()
+    assert "--packing must be docs" in _train_error(tmp_path, "--packing", "concat")
