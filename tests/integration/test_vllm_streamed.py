@@ -1,0 +1,203 @@
+"""`train --target-engine vllm`: SmolLM2-135M-Instruct's hidden states streamed from vLLM's
+CPU build through a bounded spool give the losses of the same steps trained from the
+files the same extraction script writes; the spool stays within its bound while the
+run's states are more than 10x it; no process of vLLM outlives the run, whether it ends
+well, by SIGTERM, or by the engine dying.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT, die_with_parent
+from test_vllm_hidden_states import _chats
+from vllm_fixtures import (  # noqa: F401 - fixtures
+    dflash_ok,
+    end_leftovers,
+    new_marker,
+    smollm2_dir_fixture,
+    vllm_env,
+    vllm_python_fixture,
+)
+
+from dflash.offline.spool import spool_bytes
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.vllm]
+
+SCRIPT = REPO_ROOT / "tools" / "vllm" / "extract_hidden_states.py"
+STEPS = 16
+# One sample of --seq-len 128 is 128 x 3 layers x 576 x 4 bytes = 0.88 MB; the bound
+# takes two, and the run's 16 steps of 2 rows read more than 10 times it.
+SPOOL_SIZE = 2_000_000
+DATA_OPTIONS = (
+    "--seq-len 128 --batch-size 2 --drafter-layers 2 --seed 0 --packing docs --precision fp32"
+).split()
+TRAIN_OPTIONS = (
+    f"--block-size 4 --num-anchors 8 --steps {STEPS} --log-every 1 --eval-prompts 0 --overwrite"
+).split()
+
+
+def _train(args: list[str], marker: str, timeout_s: float = 600) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "dflash.cli", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=vllm_env(marker),
+        preexec_fn=die_with_parent,
+    )
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+class _Watch:
+    """The spool's bytes, polled from outside both processes."""
+
+    def __init__(self, spool: Path) -> None:
+        self.spool, self.peak, self._stop = spool, 0, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, spool_bytes(self.spool))
+            time.sleep(0.005)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def test_streamed_losses_equal_the_files_and_the_spool_stays_bounded(
+    vllm_python: Path, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    data = ["--target", str(smollm2_dir), "--data", str(_chats(tmp_path / "chats.jsonl"))]
+    data += DATA_OPTIONS
+    # From files: the samples, vLLM's states of them, training from the files.
+    files = tmp_path / "files"
+    dflash_ok(
+        "cache-hidden", "--format", "speculators", "--samples-only", "--output", str(files), *data
+    )
+    marker = new_marker()
+    started = time.perf_counter()
+    done = subprocess.run(
+        [str(vllm_python), str(SCRIPT), "--target", str(smollm2_dir)]
+        + ["--samples", str(files / "samples.jsonl"), "--output", str(files)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=vllm_env(marker),
+        check=False,
+        preexec_fn=die_with_parent,
+    )
+    extract_s = time.perf_counter() - started
+    assert not end_leftovers(marker)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cached = tmp_path / "cached"
+    dflash_ok(
+        "train", *data, *TRAIN_OPTIONS, "--hidden-cache", str(files), "--output-dir", str(cached)
+    )
+    # Streamed.
+    run = tmp_path / "streamed"
+    spool = tmp_path / "spool"
+    marker = new_marker()
+    started = time.perf_counter()
+    proc = _train(
+        [*data, *TRAIN_OPTIONS, "--output-dir", str(run), "--target-engine", "vllm"]
+        + ["--vllm-python", str(vllm_python), "--spool-dir", str(spool)]
+        + ["--spool-size", str(SPOOL_SIZE)],
+        marker,
+    )
+    watch = _Watch(spool)
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        peak = watch.stop()
+        left = end_leftovers(marker)
+    streamed_s = time.perf_counter() - started
+    assert proc.returncode == 0, err[-3000:] + (run / "vllm-extract.log").read_text()[-3000:]
+    assert not left, f"processes {left} of vLLM outlived the streamed run"
+    summary = json.loads((run / "summary.json").read_text())
+    states = summary["spool_bytes_read"]
+    figures = (
+        f"spool peak {peak:,} B polled, {summary['spool_peak_bytes']:,} B at reads, bound "
+        f"{SPOOL_SIZE:,} B; states read {states:,} B ({states / SPOOL_SIZE:.1f}x); "
+        f"{summary['spool_samples_read']} samples; extraction then training from files "
+        f"{extract_s:.0f} s + training, streamed {streamed_s:.0f} s"
+    )
+    print(figures)
+    assert 0 < peak <= SPOOL_SIZE and summary["spool_peak_bytes"] <= SPOOL_SIZE, figures
+    assert states >= 10 * SPOOL_SIZE, figures
+    streamed, from_files = _losses(run), _losses(cached)
+    assert len(streamed) == len(from_files) == STEPS
+    worst = max(abs(a - b) / abs(b) for a, b in zip(streamed, from_files, strict=True))
+    print(
+        f"losses: streamed {streamed[:3]}..., from files {from_files[:3]}...; max rel {worst:.3g}"
+    )
+    assert streamed == from_files, f"max rel {worst:.3g}"
+
+
+def test_sigterm_and_a_dead_engine_leave_no_vllm_process(
+    vllm_python: Path, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    data = ["--target", str(smollm2_dir), "--data", str(_chats(tmp_path / "chats.jsonl"))]
+    base = [*data, *DATA_OPTIONS, "--block-size", "4", "--num-anchors", "8", "--eval-prompts", "0"]
+    base += ["--target-engine", "vllm", "--vllm-python", str(vllm_python)]
+    base += ["--spool-size", str(SPOOL_SIZE), "--steps", "1000", "--save-every", "1"]
+
+    def started(run: Path, marker: str) -> subprocess.Popen[str]:
+        proc = _train([*base, "--output-dir", str(run)], marker)
+        deadline = time.monotonic() + 400
+        while not any(run.glob("checkpoints/step-*")):  # a step trained, and saved
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint in 400 s"
+            time.sleep(0.5)
+        return proc
+
+    # SIGTERM to the trainer, mid-run.
+    marker = new_marker()
+    proc = started(tmp_path / "term", marker)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        left = end_leftovers(marker)
+    assert proc.returncode == 143, err[-2000:]
+    assert not left, f"processes {left} of vLLM outlived a SIGTERM to the run"
+    # The engine dies mid-run (its whole group, as the OOM killer could): one line naming
+    # its log, a checkpoint kept, exit non-zero.
+    marker = new_marker()
+    run = tmp_path / "dead"
+    proc = started(run, marker)
+    try:
+        engine = next(
+            int(p.name)
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit()
+            and str(SCRIPT).encode() in (p / "cmdline").read_bytes()
+            and f"{run}".encode() in (p / "cmdline").read_bytes()
+        )
+        os.killpg(engine, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        left = end_leftovers(marker)
+    assert proc.returncode not in (0, None), err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "vllm-extract.log" in errors[0], err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert kept and kept[-1].startswith("step-"), kept  # the last one, kept
+    print(f"dead engine: {errors[0]}; checkpoints {kept}")
+    assert not left, f"processes {left} of vLLM outlived the dead engine's run"
