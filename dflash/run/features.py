@@ -139,6 +139,9 @@ class FeatureSource:
         """The samples left out or cut so far, by reason; None: the source skips none."""
         return None
 
+    def stop(self) -> None:
+        """Ends what the source started (an engine), once the pipeline has stopped reading."""
+
     def summary(self) -> dict[str, Any]:
         """What summary.json records of the source."""
         return {}

@@ -305,6 +305,8 @@ def run_pipeline(
                 stuck.extend(setup.pipe.run(stall_timeout_s))
             finally:
                 setup.progress.close()
+                if not stuck:  # a target thread still reading keeps its engine
+                    setup.run.features.stop()  # a streaming engine ends with training
         train_s = time.perf_counter() - train_start_s
         # CPU seconds of the whole process (every thread) while training: the cost of
         # tracing shows here even where wall-clock throughput is too noisy to show it.
