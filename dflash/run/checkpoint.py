@@ -285,12 +285,29 @@ def load_checkpoint(path: Path) -> Checkpoint:
 
 
 def load_trainable_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Copy saved trainable parameters into `module`; names must match exactly."""
+    """Copy saved trainable parameters into `module`; names must match exactly. The
+    frozen tensors a checkpoint's drafter also holds (a draft vocabulary's head and
+    d2t/t2d, rebuilt by this run from its data) must equal the module's own."""
     params = dict(module.named_parameters())
     trainable = {n for n, p in params.items() if p.requires_grad}
-    if set(weights) != trainable:
-        diff = sorted(set(weights) ^ trainable)
+    frozen = {
+        **dict(module.named_buffers()),
+        **{n: p for n, p in params.items() if n not in trainable},
+    }
+    extra = set(weights) - trainable
+    if not trainable <= set(weights) or not extra <= set(frozen):
+        diff = sorted((set(weights) ^ trainable) - set(frozen))
         raise CheckpointError(f"checkpoint weights do not match the drafter (e.g. {diff[0]!r})")
+    for name in sorted(extra):
+        mine = frozen[name]
+        if mine.shape != weights[name].shape or not torch.equal(
+            mine.detach().cpu(), weights[name].to(mine.dtype)
+        ):
+            raise CheckpointError(
+                f"checkpoint's {name!r} differs from this run's: the draft vocabulary (or the "
+                "target's head) is not the one the checkpoint was trained with"
+            )
+    weights = {name: weights[name] for name in trainable}
     with torch.no_grad():
         for name, tensor in weights.items():
             if params[name].shape != tensor.shape:

@@ -95,3 +95,27 @@ def test_manifest_lists_every_file(tmp_path) -> None:
     path = _save(tmp_path, 3)
     manifest = json.loads((path / "manifest.json").read_text())
     assert set(manifest["sha256"]) == {"drafter.safetensors", "trainer.pt", "config.json"}
+
+
+def test_a_draft_vocabulary_run_resumes_and_its_vocabulary_is_checked(tmp_path) -> None:
+    """The checkpoint's drafter holds the draft head and d2t/t2d besides the trainable
+    weights: a resume takes them as this run's own (equal), and refuses other ones."""
+    from click.testing import CliRunner
+
+    from dflash.cli import cli
+
+    out = tmp_path / "run"
+    common = ["--draft-vocab-size", "64", "--output-dir", str(out), "--save-every", "2"]
+    common += "--eval-prompts 0 --trace-level off --seq-len 32 --batch-size 2".split()
+    first = CliRunner().invoke(cli, ["train", "--steps", "2", *common], catch_exceptions=False)
+    assert first.exit_code == 0, first.output
+    more = ["train", "--steps", "4", "--resume", "latest", *common]
+    resumed = CliRunner().invoke(cli, more, catch_exceptions=False)
+    assert resumed.exit_code == 0, resumed.output
+    assert "resumed from" in resumed.output
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
+
+    module = _module()
+    weights = {**trainable_weights(module), "0.weight": torch.zeros(4, 3)}
+    with pytest.raises(CheckpointError, match="differs from this run's"):
+        load_trainable_weights(module, weights)
