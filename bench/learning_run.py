@@ -59,6 +59,28 @@ def _heldout(run_dir: Path) -> Any:
     )
 
 
+def _judge_run_prompts(server: Any, run_dir: Path, target_spec: str) -> dict[str, Any]:
+    """τ by the engine on the very prompts the run measured its own τ on (the token ids
+    of OUTPUT_DIR/eval_prompts.json), with the run's token budget."""
+    from dflash.eval.served import evaluate_served
+    from dflash.target.hf import load_stop_token_ids
+    from dflash.target.load import load_tokenizer
+    from dflash.target.served import CompletionClient, TokenizerTarget
+
+    record = json.loads((run_dir / "eval_prompts.json").read_text())
+    tokenizer = load_tokenizer(target_spec)
+    client = CompletionClient(server)
+    client.connect(TokenizerTarget(target_spec, tokenizer), print, command="eval")
+    stops = load_stop_token_ids(target_spec, tokenizer)
+    result = evaluate_served(
+        client, record["prompts"], record["max_new_tokens"], stops, concurrency=8, log=print
+    )
+    figures = {**result.figures(), "prompts": len(record["prompts"])}
+    print(f"eval (server): τ pooled {figures['tau_pooled']:.3f} on the run's own prompts")
+    keys = ("prompts", "tau", "tau_pooled", "acceptance_per_position")
+    return {key: figures.get(key) for key in keys}
+
+
 def judge(run_dir: Path, vllm: str, files: list[Path], max_new_tokens: int) -> dict[str, Any]:
     """τ by vLLM of the run's drafter on each file's chat prompts (every conversation);
     `heldout` names the run's own held-out windows."""
@@ -74,6 +96,10 @@ def judge(run_dir: Path, vllm: str, files: list[Path], max_new_tokens: int) -> d
     with served_drafter(vllm, config.target_spec, drafter_dir, config.block_size, run_dir) as url:
         server = ServerSettings(url, concurrency=8, retries=1)
         for path in files:
+            if str(path) == "heldout" and (run_dir / "eval_prompts.json").is_file():
+                figures = _judge_run_prompts(server, run_dir, config.target_spec)
+                found[path.name] = figures
+                continue
             settings = (
                 _heldout(run_dir)
                 if str(path) == "heldout"

@@ -23,7 +23,7 @@ from dflash import names
 from dflash.data.datasets import heldout_prompts
 from dflash.drafter.io import pruned_head_note, save_drafter
 from dflash.eval.evaluate import evaluate_run, held_out_figures
-from dflash.files import write_json_atomic
+from dflash.files import write_json_atomic, write_text_atomic
 from dflash.log import Log, say
 from dflash.run.build import Run
 from dflash.run.checkpoint import (
@@ -36,7 +36,7 @@ from dflash.run.checkpoint import (
 )
 from dflash.run.engine import measure_with_vllm
 from dflash.run.evaluations import eval_keys, trainable_weights
-from dflash.run.folder import METRICS_FILE
+from dflash.run.folder import EVAL_PROMPTS_FILE, METRICS_FILE
 from dflash.run.progress import format_summary
 from dflash.summary import Evaluation, ServedFigures, Summary
 from dflash.target import load as target_load  # by module: tests swap load_target
@@ -178,18 +178,38 @@ def _final_evaluation(run: Run, phase: PhaseFn, log: Log) -> tuple[Evaluation, f
     """τ on the held-out prompts at the end: in process or by vLLM."""
     eval_start_s = time.perf_counter()
     if run.cfg.run.eval_engine == "vllm" and run.cfg.run.eval_prompts:
+        write_eval_prompts(run)
         with phase(names.EVAL):
             served = _measure_with_vllm(run, log)
         return Evaluation(served=served), time.perf_counter() - eval_start_s
     skipped = run.features.eval_skipped(run.target)
     if skipped is not None:
         return Evaluation(skipped=skipped), 0.0
+    write_eval_prompts(run)
     with phase(names.EVAL):
         if run.cfg.run.eval_prompts and run.target.device != run.placement.target:
             run.target.to(run.placement.target)  # kept on the host while training from a cache
         result = evaluate_run(run.target, run.drafter, run.heldout_data, run.cfg.run)
     held_out = held_out_figures(result) if result is not None else None
     return Evaluation(held_out=held_out), time.perf_counter() - eval_start_s
+
+
+def write_eval_prompts(run: Run) -> None:
+    """OUTPUT_DIR/eval_prompts.json: the token ids of the held-out prompts the run's τ is
+    measured on, so that an engine judges the drafter on the very same ones
+    (`bench/learning_run.py --judge heldout`): rebuilding them from the data file takes
+    every data option the run had (a hidden cache's rows, kept cut replies, ...)."""
+    cfg = run.cfg.run
+    if not cfg.eval_prompts:
+        return
+    prompts = heldout_prompts(run.heldout_data, cfg.eval_prompts, cfg.eval_prompt_tokens)
+    record = {
+        "what": f"the held-out prompts of {run.cfg.data.source}, as token ids",
+        "max_new_tokens": cfg.eval_new_tokens,
+        "prompts": prompts,
+    }
+    # One line: the ids would take a line each indented.
+    write_text_atomic(run.output_dir / EVAL_PROMPTS_FILE, json.dumps(record) + "\n")
 
 
 def _measure_with_vllm(run: Run, log: Log) -> ServedFigures:

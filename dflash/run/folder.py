@@ -26,6 +26,7 @@ from dflash.log import Log
 
 LOCK_FILE = ".dflash-run.lock"
 METRICS_FILE = "metrics.jsonl"
+EVAL_PROMPTS_FILE = "eval_prompts.json"
 # What a run writes into its folder (the hidden-state cache lives elsewhere and is
 # keyed by its data: --overwrite leaves it).
 RUN_FILES = (
@@ -36,9 +37,14 @@ RUN_FILES = (
     METRICS_FILE,
     "report.html",
     "pipeline-error.log",
+    EVAL_PROMPTS_FILE,
+    "vllm.log",  # --eval-engine vllm (dflash.run.engine)
+    "vllm-extract.log",  # --target-engine vllm (dflash.run.streamed)
+    "vllm-samples.jsonl",
 )
-# tensorboard/ and wandb/: --report-to (dflash.observe.trackers).
-RUN_DIRS = ("checkpoints", "drafter", "profile", "tensorboard", "wandb")
+# tensorboard/ and wandb/: --report-to (dflash.observe.trackers); spool/: the default
+# --spool-dir of --target-engine vllm.
+RUN_DIRS = ("checkpoints", "drafter", "profile", "tensorboard", "wandb", "spool")
 # What a run stopped by a signal in its start-up leaves in a folder that held no run: its
 # start-up's tables. No earlier run: the next run replaces them.
 STARTUP_FILES = ("stats.json", "timeline.json")
