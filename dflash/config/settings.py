@@ -418,6 +418,13 @@ class RunConfig(Section):
         "summary.json names the best step. Needs evaluations while training.",
     )
     eval_new_tokens: int = setting(64, "Tokens generated per evaluation prompt.", min=1)
+    eval_dtype: Literal["auto", "float32", "bfloat16"] = setting(
+        "auto",
+        "Dtype the target decodes in for τ while training and at the end: `auto`, the one "
+        "it trains in; give the dtype the engine will serve it in (a second copy of the "
+        "target is loaded when they differ): greedy replies differ between bf16 and fp32, "
+        "and τ with them.",
+    )
     eval_prompt_tokens: int = setting(64, "Length of each evaluation prompt, in tokens.", min=1)
     eval_engine: Literal["in-process", "vllm"] = setting(
         "in-process",

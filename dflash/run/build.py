@@ -60,7 +60,13 @@ class Run:
     initialized_from: Path | None = None
     final_saved: bool = False  # the final checkpoint and OUTPUT_DIR/drafter are written
     evals: TrainingEvals | None = None  # τ while training (--eval-every)
+    eval_target: TargetModel | None = None  # --eval-dtype's copy; None: `target` decodes
     _fingerprint: str | None = None
+
+    @property
+    def decoding_target(self) -> TargetModel:
+        """The target evaluations decode with (--eval-dtype)."""
+        return self.target if self.eval_target is None else self.eval_target
 
     @property
     def data_fingerprint(self) -> str:
@@ -110,6 +116,26 @@ def build_drafter(
         torch.manual_seed(cfg.run.seed)
         drafter = DFlashDrafter(dcfg, embed, head, draft_vocab)
     return drafter.to(device)
+
+
+def eval_target_copy(
+    cfg: TrainConfig, target: TargetModel, device: torch.device, log: Log
+) -> TargetModel | None:
+    """--eval-dtype other than the dtype the target trains in: a copy of it in that dtype,
+    for the evaluations alone (None: the run's target decodes)."""
+    wanted = cfg.run.eval_dtype
+    if wanted == "auto" or not cfg.run.eval_prompts:
+        return None
+    dtype = getattr(torch, wanted)
+    if target.embed_tokens.weight.dtype == dtype:
+        return None
+    copy = target_load.load_target(cfg.target.spec, device, dtype, log=lambda _: None)
+    copy.use_chat_template_kwargs(target.chat_template_kwargs)
+    log(
+        f"evaluation: the target decodes in {wanted} (--eval-dtype; it trains in "
+        f"{str(target.embed_tokens.weight.dtype).removeprefix('torch.')}): a second copy"
+    )
+    return copy
 
 
 def check_draft_vocab(cfg: TrainConfig, target: TargetModel) -> None:
@@ -241,7 +267,10 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Log = say) -> Run:
         cfg, target, drafter, trainer, train, heldout, layer_ids, placement, output_dir, features
     )
     skipped = features.eval_skipped(target)
-    run.evals = TrainingEvals.for_run(cfg.run, target, drafter, heldout, skipped, layer_ids)
+    if skipped is None:
+        run.eval_target = eval_target_copy(cfg, target, placement.target, log)
+    evaluated = run.decoding_target
+    run.evals = TrainingEvals.for_run(cfg.run, evaluated, drafter, heldout, skipped, layer_ids)
     log(run.mask_token.describe())
     if warm is not None:
         init_drafter_from(drafter, warm[0])

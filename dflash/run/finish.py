@@ -187,9 +187,10 @@ def _final_evaluation(run: Run, phase: PhaseFn, log: Log) -> tuple[Evaluation, f
         return Evaluation(skipped=skipped), 0.0
     write_eval_prompts(run)
     with phase(names.EVAL):
-        if run.cfg.run.eval_prompts and run.target.device != run.placement.target:
-            run.target.to(run.placement.target)  # kept on the host while training from a cache
-        result = evaluate_run(run.target, run.drafter, run.heldout_data, run.cfg.run)
+        target = run.decoding_target
+        if run.cfg.run.eval_prompts and target.device != run.placement.target:
+            target.to(run.placement.target)  # kept on the host while training from a cache
+        result = evaluate_run(target, run.drafter, run.heldout_data, run.cfg.run)
     held_out = held_out_figures(result) if result is not None else None
     return Evaluation(held_out=held_out), time.perf_counter() - eval_start_s
 

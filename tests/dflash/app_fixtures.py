@@ -123,9 +123,15 @@ NON_DEFAULT = {
     "otlp_endpoint": "http://localhost:4317", "otlp_protocol": "http", "trace_level": "step",
     "trace_sample_ratio": 0.5, "trace_file": "spans.jsonl", "cuda_timing": "events",
     "profile_interval": 5.0, "service_name": "svc", "timeline": "tl.json", "nvtx": True,
-    "torch_profile": "2:4", "report_to": ("tensorboard",),
+    "torch_profile": "2:4", "report_to": ("tensorboard",), "eval_dtype": "bfloat16",
+    "shard_drafter": True,
 }  # fmt: skip
-# Valid alone, not beside the rest of NON_DEFAULT (--streak-alpha refuses D-PACE).
-NON_DEFAULT_ALONE = {"streak_alpha": 0.5}
+# Valid alone, not beside the rest of NON_DEFAULT (--streak-alpha refuses D-PACE,
+# --drafter-init target --init-from, --target-engine vllm --packing concat).
+NON_DEFAULT_ALONE = {
+    "streak_alpha": 0.5, "drafter_init": "target", "target_engine": "vllm",
+    "vllm_python": "/usr/bin/python3", "engine_args": "--tensor-parallel-size 2",
+    "spool_dir": "spool/", "spool_size": "1GiB",
+}  # fmt: skip
 # What an option tested alone needs beside it (--dpace-alpha needs D-PACE).
 COMPANIONS = {"dpace_alpha": {"position_weighting": "dpace"}}

@@ -159,3 +159,30 @@ def test_eval_every_asks_for_exact_steps() -> None:
 def test_bad_evaluation_settings_are_one_line(run: dict, line: str) -> None:
     with pytest.raises(ConfigError, match=line):
         RunConfig(**{"steps": 100, **run})
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_eval_dtype_decodes_a_copy_of_the_target_in_that_dtype(tmp_path, monkeypatch) -> None:
+    """--eval-dtype bfloat16 on a run that trains in fp32: every evaluation (while
+    training and the final one) decodes with a bf16 copy; the run keeps its prompts."""
+    from dflash.eval import evaluate as evaluate_mod
+    from dflash.run import evaluations
+
+    seen: list[torch.dtype] = []
+    real = evaluate_mod.evaluate_tau
+
+    def spy(target, *args, **kwargs):
+        seen.append(target.embed_tokens.weight.dtype)
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate_mod, "evaluate_tau", spy)
+    monkeypatch.setattr(evaluations, "evaluate_tau", spy)
+    lines: list[str] = []
+    cfg = small_cfg(tmp_path, steps=4, eval_every=2, eval_dtype="bfloat16", **EVAL)
+    summary = pipelined.run_pipeline(cfg, log=lines.append)
+    assert any("the target decodes in bfloat16" in line for line in lines), lines
+    assert seen and set(seen) == {torch.bfloat16}  # the estimate, step 2, the final one
+    assert summary["tau"] is not None
+    record = json.loads((tmp_path / "eval_prompts.json").read_text())
+    assert len(record["prompts"]) == EVAL["eval_prompts"]
+    assert record["max_new_tokens"] == EVAL["eval_new_tokens"]
