@@ -151,7 +151,7 @@ def regenerate_command(config_file: str | None, **given: Any) -> None:
 
     with locked_output(output, "--output", debug):  # before torch: a second writer at once
         with exiting_at_once():
-            from dflash.observe.command_trace import command_trace
+            from dflash.observe.command_trace import command_trace  # deferred: torch
             from dflash.run.offline import regenerate_data  # deferred: torch, so --help is quick
 
         def traced() -> Any:

@@ -94,7 +94,7 @@ def eval_command(config_file: str | None, **given: Any) -> None:
         report_errors(debug, client.served_models)
     with exiting_at_once():
         from dflash.eval.evaluate import evaluate_drafter_dir, evaluate_server  # deferred: torch
-        from dflash.observe.command_trace import command_trace
+        from dflash.observe.command_trace import command_trace  # deferred: torch
 
     def go() -> dict[str, Any]:
         run = settings.run.target
