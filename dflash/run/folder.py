@@ -42,9 +42,9 @@ RUN_FILES = (
     "vllm-extract.log",  # --target-engine vllm (dflash.run.streamed)
     "vllm-samples.jsonl",
 )
-# tensorboard/ and wandb/: --report-to (dflash.observe.trackers); spool/: the default
-# --spool-dir of --target-engine vllm.
-RUN_DIRS = ("checkpoints", "drafter", "profile", "tensorboard", "wandb", "spool")
+# tensorboard/ and wandb/: --report-to (dflash.observe.trackers). Not spool/ (the default
+# --spool-dir): the spool's own lock guards it, and its checks create it before a refusal.
+RUN_DIRS = ("checkpoints", "drafter", "profile", "tensorboard", "wandb")
 # What a run stopped by a signal in its start-up leaves in a folder that held no run: its
 # start-up's tables. No earlier run: the next run replaces them.
 STARTUP_FILES = ("stats.json", "timeline.json")

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import tracing
 from dflash.observe.bottleneck import WaitShares
-from dflash.observe.metrics import NAMESPACE, record_step, start_run_metrics
+from dflash.observe.metrics import MEMORY_FIGURES, NAMESPACE, record_step, start_run_metrics
 
 TICK_S = 0.1
 
@@ -38,7 +38,7 @@ def metrics_run(
         tokens={k: (lambda k=k: tokens[k]) for k in tokens},
         steps={k: (lambda k=k: tokens[k] / 512) for k in tokens},
         queues={"batch_queue": lambda: 2, "hs_queue": lambda: 1},
-        memory={"cpu": lambda: 1 << 20},
+        memory={"cpu": {figure: (lambda: 1 << 20) for figure in MEMORY_FIGURES}},
         skipped_steps=lambda: 0,
         skipped_samples={"nonfinite": lambda: 1},
         spans={"handed": lambda: 3, "exported": lambda: 3, "failed": lambda: 0},
