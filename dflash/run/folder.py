@@ -38,9 +38,7 @@ RUN_FILES = (
     "report.html",
     "pipeline-error.log",
     EVAL_PROMPTS_FILE,
-    "vllm.log",  # --eval-engine vllm (dflash.run.engine)
-    "vllm-extract.log",  # --target-engine vllm (dflash.run.streamed)
-    "vllm-samples.jsonl",
+    "vllm.log",  # --eval-engine vllm (dflash.run.engine), written at the end
 )
 # tensorboard/ and wandb/: --report-to (dflash.observe.trackers). Not spool/ (the default
 # --spool-dir): the spool's own lock guards it, and its checks create it before a refusal.
