@@ -43,50 +43,32 @@ def train(args: list[str]) -> tuple[Path, float]:
     return out, time.perf_counter() - start_s
 
 
-def _heldout(run_dir: Path) -> Any:
-    """The settings of the run's own final evaluation: its held-out windows, decoded as
-    training decoded them, so that vLLM's τ stands beside summary.json's on one set."""
+def _settings(run_dir: Path, path: Path, max_new_tokens: int) -> Any:
+    """What `eval` takes for one --judge: a chat file with the bench's token budget, or
+    (`heldout`) the run's own OUTPUT_DIR/eval_prompts.json with the run's budget, so that
+    vLLM's τ stands beside summary.json's on the very same prompts."""
+    from dflash.eval.prompts import read_token_prompts
     from dflash.eval.settings import EvalSettings
 
-    run = json.loads((run_dir / "config.json").read_text())["run"]
-    data = json.loads((run_dir / "config.json").read_text())["data"]["source"]
-    return EvalSettings(
-        data=data,
-        num_prompts=run["eval_prompts"],
-        prompt_tokens=run["eval_prompt_tokens"],
-        max_new_tokens=run["eval_new_tokens"],
-        seed=run["seed"],
-    )
-
-
-def _judge_run_prompts(server: Any, run_dir: Path, target_spec: str) -> dict[str, Any]:
-    """τ by the engine on the very prompts the run measured its own τ on (the token ids
-    of OUTPUT_DIR/eval_prompts.json), with the run's token budget."""
-    from dflash.eval.served import evaluate_served
-    from dflash.target.hf import load_stop_token_ids
-    from dflash.target.load import load_tokenizer
-    from dflash.target.served import CompletionClient, TokenizerTarget
-
-    record = json.loads((run_dir / "eval_prompts.json").read_text())
-    tokenizer = load_tokenizer(target_spec)
-    client = CompletionClient(server)
-    client.connect(TokenizerTarget(target_spec, tokenizer), print, command="eval")
-    stops = load_stop_token_ids(target_spec, tokenizer)
-    result = evaluate_served(
-        client, record["prompts"], record["max_new_tokens"], stops, concurrency=8, log=print
-    )
-    figures = {**result.figures(), "prompts": len(record["prompts"])}
-    print(f"eval (server): τ pooled {figures['tau_pooled']:.3f} on the run's own prompts")
-    keys = ("prompts", "tau", "tau_pooled", "acceptance_per_position")
-    return {key: figures.get(key) for key in keys}
+    if str(path) != "heldout":
+        return EvalSettings(eval_data=str(path), max_new_tokens=max_new_tokens, num_prompts=None)
+    record = run_dir / "eval_prompts.json"
+    tokens = read_token_prompts(record) if record.is_file() else None
+    if tokens is None:
+        sys.exit(
+            f"learning_run: {record} is missing (a run before it was written): rerun the "
+            f"final evaluation with `dflash-train train --config {run_dir}/config.json "
+            f"--output-dir {run_dir} --resume latest`"
+        )
+    budget = tokens.max_new_tokens or max_new_tokens
+    return EvalSettings(eval_data=str(record), max_new_tokens=budget, num_prompts=None)
 
 
 def judge(run_dir: Path, vllm: str, files: list[Path], max_new_tokens: int) -> dict[str, Any]:
     """τ by vLLM of the run's drafter on each file's chat prompts (every conversation);
-    `heldout` names the run's own held-out windows."""
+    `heldout` names the run's own held-out prompts."""
     from dflash.drafter.io import read_drafter_config
     from dflash.eval.evaluate import evaluate_server
-    from dflash.eval.settings import EvalSettings
     from dflash.run.engine import served_drafter
     from dflash.target.served import ServerSettings
 
@@ -96,21 +78,12 @@ def judge(run_dir: Path, vllm: str, files: list[Path], max_new_tokens: int) -> d
     with served_drafter(vllm, config.target_spec, drafter_dir, config.block_size, run_dir) as url:
         server = ServerSettings(url, concurrency=8, retries=1)
         for path in files:
-            if str(path) == "heldout" and (run_dir / "eval_prompts.json").is_file():
-                figures = _judge_run_prompts(server, run_dir, config.target_spec)
-                found[path.name] = figures
-                continue
-            settings = (
-                _heldout(run_dir)
-                if str(path) == "heldout"
-                else EvalSettings(
-                    eval_data=str(path), max_new_tokens=max_new_tokens, num_prompts=None
-                )
-            )
+            settings = _settings(run_dir, path, max_new_tokens)
             figures = evaluate_server(server, drafter_dir, None, settings, log=print)
             found[path.name] = {
-                key: figures.get(key)
-                for key in ("prompts", "tau_pooled", "acceptance_per_position")
+                "prompts": figures.prompts,
+                "tau_pooled": figures.tau_pooled,
+                "acceptance_per_position": figures.acceptance_per_position,
             }
     return found
 
@@ -136,21 +109,23 @@ def main() -> int:
         run_dir, wall_s = args.run_dir, float("nan")
     else:
         run_dir, wall_s = train(train_args)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    from dflash.summary import Summary
+
+    summary = Summary.from_dict(json.loads((run_dir / "summary.json").read_text()))
     config = json.loads((run_dir / "config.json").read_text())
     judged = judge(run_dir, args.vllm, args.judge, args.max_new_tokens) if args.judge else {}
-    during = summary.get("evaluations_while_training") or {}
+    during = summary.evaluations_while_training or {}
     row = {
         "name": args.name,
         "train_args": train_args,
         "config": config,
-        "steps": summary.get("steps"),
-        "train_min": round(summary.get("train_s", 0.0) / 60, 2),
+        "steps": summary.steps,
+        "train_min": round((summary.train_s or 0.0) / 60, 2),
         "wall_min": round(wall_s / 60, 2),
-        "tokens_per_s": summary.get("tokens_per_s"),
-        "final_loss": summary.get("final_loss"),
-        "tau_in_training": summary.get("tau"),
-        "tau_pooled_in_training": summary.get("tau_pooled"),
+        "tokens_per_s": summary.tokens_per_s,
+        "final_loss": summary.final_loss,
+        "tau_in_training": summary.tau,
+        "tau_pooled_in_training": summary.tau_pooled,
         "curve": during.get("curve"),
         "vllm": judged,
     }

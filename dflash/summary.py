@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-# 1: the first typed summary.json (the files before it carry no schema_version: 0).
+# 1: the first typed summary.json and eval JSON (files before carry no schema_version: 0).
 SCHEMA_VERSION = 1
 
 JSON = dict[str, Any]
@@ -208,6 +208,83 @@ class Evaluation:
         if _float(data.get("tau")) is not None:
             return cls(held_out=HeldOutFigures.from_dict(data))
         return cls(skipped=_str(data.get("eval_skipped")))
+
+
+# The eval JSON's keys beside the figures: the settings that produced them.
+_EVAL_CONTEXT = (
+    "prompts",
+    "turns",
+    "new_tokens",
+    "max_new_tokens",
+    "temperature",
+    "draft_sampling",
+    "block_size",
+    "target",
+    "dtype",
+    "eval_s",
+)
+
+
+@dataclass
+class EvalRecord:
+    """The eval JSON (`dflash-train eval --json`): the in-process figures with the
+    settings that produced them (`held_out`), the engine's (`served`, with `--server`),
+    or both. The figures of whichever ran sit at the top level, as they always have."""
+
+    held_out: HeldOutFigures | None = None
+    served: ServedFigures | None = None
+    prompts: int | None = None
+    turns: int | None = None  # the prompts plus the later turns of {"turns": [...]} lines
+    new_tokens: int | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    draft_sampling: str | None = None
+    block_size: int | None = None
+    target: str | None = None
+    dtype: str | None = None  # the target's and the drafter's, in process
+    eval_s: float | None = None
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def tau_pooled(self) -> float | None:
+        if self.held_out is not None:
+            return self.held_out.tau_pooled
+        return self.served.tau_pooled if self.served is not None else None
+
+    def to_dict(self) -> JSON:
+        out: JSON = {"schema_version": self.schema_version}
+        if self.held_out is not None:
+            out.update(self.held_out.to_dict())
+            out.update({key: getattr(self, key) for key in _EVAL_CONTEXT})
+        elif self.served is not None:
+            out.update(self.served.to_dict())
+        if self.served is not None:
+            out["served"] = self.served.to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: JSON) -> EvalRecord:
+        """An eval JSON of any version; raises TypeError when `data` is not an object."""
+        if not isinstance(data, dict):
+            raise TypeError(f"the eval JSON holds {type(data).__name__}, not an object")
+        served = _dict(data.get("served"))
+        # speculative_s is the in-process evaluation's own key: the engine has no such clock.
+        in_process = _float(data.get("tau")) is not None and "speculative_s" in data
+        return cls(
+            held_out=HeldOutFigures.from_dict(data) if in_process else None,
+            served=ServedFigures.from_dict(served) if served is not None else None,
+            prompts=_int(data.get("prompts")),
+            turns=_int(data.get("turns")),
+            new_tokens=_int(data.get("new_tokens")),
+            max_new_tokens=_int(data.get("max_new_tokens")),
+            temperature=_float(data.get("temperature")),
+            draft_sampling=_str(data.get("draft_sampling")),
+            block_size=_int(data.get("block_size")),
+            target=_str(data.get("target")),
+            dtype=_str(data.get("dtype")),
+            eval_s=_float(data.get("eval_s")),
+            schema_version=_int(data.get("schema_version")) or 0,
+        )
 
 
 # summary.json's keys, in the order they are written; the evaluation's figures go after

@@ -27,6 +27,7 @@ from dflash.config.commands import DeviceConfig, ExportSettings, ServerConfig
 from dflash.eval.settings import EvalJob, EvalSettings
 from dflash.log import say
 from dflash.observe.report import write_report
+from dflash.summary import EvalRecord, ServedFigures
 from dflash.target.served import CompletionClient
 
 EVAL = Command(
@@ -96,7 +97,7 @@ def eval_command(config_file: str | None, **given: Any) -> None:
         from dflash.eval.evaluate import evaluate_drafter_dir, evaluate_server  # deferred: torch
         from dflash.observe.command_trace import command_trace  # deferred: torch
 
-    def go() -> dict[str, Any]:
+    def go() -> EvalRecord:
         run = settings.run.target
         kwargs = run.template_kwargs if run.chat_template_kwargs else None
         drafter = Path(job.drafter) if job.drafter is not None else None
@@ -111,7 +112,7 @@ def eval_command(config_file: str | None, **given: Any) -> None:
                 chat_template_kwargs=kwargs,
             )
         if drafter is None:
-            return {**served, "served": served} if served is not None else {}
+            return EvalRecord(served=served)
         device = settings.get(DeviceConfig).device
         figures = evaluate_drafter_dir(
             drafter,
@@ -126,23 +127,25 @@ def eval_command(config_file: str | None, **given: Any) -> None:
             return figures
         for line in compare_lines(figures, served):
             echo_err(line)
-        return {**figures, "served": served}
+        return dataclasses.replace(figures, served=served)
 
-    def traced() -> dict[str, Any]:
+    def traced() -> EvalRecord:
         with command_trace("eval", settings.run.telemetry, say):
             return go()
 
-    write_json(job.json, report_errors(debug, traced))
+    write_json(job.json, report_errors(debug, traced).to_dict())
 
 
-def compare_lines(here: dict[str, Any], served: dict[str, Any]) -> list[str]:
+def compare_lines(here: EvalRecord, served: ServedFigures) -> list[str]:
     """One line setting the engine's τ beside this process's."""
-    ratio = served["tau_pooled"] / here["tau_pooled"] if here["tau_pooled"] else float("nan")
-    faster = here["eval_s"] / served["eval_s"] if served["eval_s"] > 0 else float("nan")
+    mine = here.tau_pooled or 0.0
+    ratio = served.tau_pooled / mine if mine else float("nan")
+    here_s = here.eval_s or 0.0
+    faster = here_s / served.eval_s if served.eval_s > 0 else float("nan")
     return [
-        f"eval: τ pooled {served['tau_pooled']:.4f} by the server vs {here['tau_pooled']:.4f} "
-        f"in process (ratio {ratio:.4f}); the server took {served['eval_s']:.1f} s, this "
-        f"process {here['eval_s']:.1f} s ({faster:.1f}x)"
+        f"eval: τ pooled {served.tau_pooled:.4f} by the server vs {mine:.4f} "
+        f"in process (ratio {ratio:.4f}); the server took {served.eval_s:.1f} s, this "
+        f"process {here_s:.1f} s ({faster:.1f}x)"
     ]
 
 

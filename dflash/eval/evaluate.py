@@ -24,12 +24,18 @@ from dflash.data.sources import DataReport
 from dflash.data.tokenizer import Tokenizer, decode_text
 from dflash.drafter.io import load_drafter, read_drafter_config, saved_chat_template_kwargs
 from dflash.drafter.model import DFlashDrafter
-from dflash.eval.prompts import PromptError, read_conversations, render_prompt
+from dflash.eval.prompts import (
+    PromptError,
+    TokenPrompts,
+    read_conversations,
+    read_token_prompts,
+    render_prompt,
+)
 from dflash.eval.served import evaluate_served, format_served
 from dflash.eval.settings import EvalSettings
 from dflash.eval.speculative import SpecStats, speculative_generate
 from dflash.log import Log, say
-from dflash.summary import HeldOutFigures
+from dflash.summary import EvalRecord, HeldOutFigures, ServedFigures
 from dflash.target import load as target_mod  # by module: tests swap load_target
 from dflash.target.decoding import check_decoding
 from dflash.target.generation import generate
@@ -231,7 +237,17 @@ class _PromptSource:
         self.settings = settings
         self.conversations: list[list[dict[str, str]]] | None = None
         self.followups: list[list[str]] = []
+        self.tokens: TokenPrompts | None = None
         if settings.eval_data is not None:
+            self.tokens = read_token_prompts(settings.eval_data, settings.num_prompts)
+        if self.tokens is not None:
+            budget = self.tokens.max_new_tokens
+            if budget is not None and budget != settings.max_new_tokens:
+                log(
+                    f"eval: the run measured its τ on {settings.eval_data} with "
+                    f"--max-new-tokens {budget}; this evaluation uses {settings.max_new_tokens}"
+                )
+        elif settings.eval_data is not None:
             report = DataReport()
             self.conversations = read_conversations(
                 settings.eval_data, settings.num_prompts, report, self.followups
@@ -262,6 +278,9 @@ class _PromptSource:
     def prompts(self, tokenizer: Tokenizer) -> tuple[list[list[int]], str]:
         """(prompts, a phrase saying where they come from)."""
         settings = self.settings
+        if self.tokens is not None:
+            prompts = self.tokens.prompts
+            return prompts, f"the {len(prompts)} prompts (token ids) of {settings.eval_data}"
         if self.conversations is not None:
             prompts = [render_prompt(tokenizer, m) for m in self.conversations]
             return prompts, f"{len(prompts)} conversations of {settings.eval_data}"
@@ -284,7 +303,7 @@ def evaluate_drafter_dir(
     log: Log = say,
     chat_template_kwargs: dict[str, Any] | None = None,
     dtype: str = "auto",
-) -> dict[str, Any]:
+) -> EvalRecord:
     """`dflash-train eval`: τ of a saved drafter, and its speedup against greedy decoding.
     `chat_template_kwargs` None: the ones the drafter was trained with. `dtype` (auto:
     the target's usual one on the device) is the target's and the drafter's, as an engine
@@ -308,22 +327,22 @@ def evaluate_drafter_dir(
         target, drafter, prompts, compare_baseline=True, follow_up=follow_up, **decoding
     )
     held_out = held_out_figures(result)
-    figures = {
-        **held_out.to_dict(),
-        "prompts": len(prompts),
-        "turns": result.num_prompts,  # with later turns of {"turns": [...]} lines
-        "new_tokens": result.new_tokens,
-        "max_new_tokens": settings.max_new_tokens,
-        "temperature": settings.temperature,
-        "draft_sampling": settings.draft_sampling,
-        "block_size": drafter.config.block_size,
-        "target": target.spec,
-        "dtype": str(torch_dtype).removeprefix("torch."),
-        "eval_s": time.perf_counter() - start_s,
-    }
+    record = EvalRecord(
+        held_out=held_out,
+        prompts=len(prompts),
+        turns=result.num_prompts,
+        new_tokens=result.new_tokens,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        draft_sampling=settings.draft_sampling,
+        block_size=drafter.config.block_size,
+        target=target.spec,
+        dtype=str(torch_dtype).removeprefix("torch."),
+        eval_s=time.perf_counter() - start_s,
+    )
     for line in format_eval(held_out, where):
         log(line)
-    return figures
+    return record
 
 
 def _served_target_spec(drafter_dir: Path | None, target_spec: str | None) -> str:
@@ -342,7 +361,7 @@ def evaluate_server(
     settings: EvalSettings,
     log: Log = say,
     chat_template_kwargs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> ServedFigures:
     """`dflash-train eval --server URL`: τ as the serving engine measures it, on the
     prompts the in-process evaluation uses; only the target's tokenizer loads here."""
     if settings.temperature != 0.0:
@@ -366,15 +385,14 @@ def evaluate_server(
     result = evaluate_served(
         client, prompts, settings.max_new_tokens, stops, concurrency=server.concurrency, log=log
     )
-    figures = {
-        **result.figures(),
-        "server": server.base,
-        "server_model": client.model,
-        "prompts": len(prompts),
-        "max_new_tokens": settings.max_new_tokens,
-        "target": spec,
-        "block_size": result.block_size,
-    }
+    figures = result.figures(
+        server=server.base,
+        server_model=client.model,
+        prompts=len(prompts),
+        max_new_tokens=settings.max_new_tokens,
+        target=spec,
+        block_size=result.block_size,
+    )
     for line in format_served(figures, f"{server.base} on {where}"):
         log(line)
     if drafter_dir is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dflash.data.sources import DataReport
 from dflash.data.tokenizer import Tokenizer
@@ -71,6 +71,45 @@ def render_prompt(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> list[
     text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
     bos = getattr(tokenizer, "bos_token_id", None)
     return ([bos] if isinstance(bos, int) else []) + list(tokenizer.encode(text))
+
+
+class TokenPrompts(NamedTuple):
+    """A run's OUTPUT_DIR/eval_prompts.json: the token ids its τ was measured on."""
+
+    prompts: list[list[int]]
+    max_new_tokens: int | None  # the run's budget per prompt
+
+
+def read_token_prompts(path: Path | str, limit: int | None = None) -> TokenPrompts | None:
+    """The prompts of a run's eval_prompts.json, so that `eval` (in process or `--server`)
+    measures a drafter on the very prompts its run did; None when `path` is not such a
+    file (chat JSONL)."""
+    source = Path(path)
+    if source.suffix != ".json":
+        return None
+    try:
+        record = json.loads(source.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None  # read_conversations names what is wrong with it
+    if not isinstance(record, dict) or "prompts" not in record:
+        return None
+    prompts = record["prompts"]
+    if not (
+        isinstance(prompts, list)
+        and prompts
+        and all(
+            isinstance(p, list) and p and all(type(i) is int and i >= 0 for i in p) for p in prompts
+        )
+    ):
+        raise PromptError(
+            f"--eval-data {source}: 'prompts' is not a list of token-id lists (a run's "
+            "eval_prompts.json holds one)"
+        )
+    budget = record.get("max_new_tokens")
+    return TokenPrompts(
+        prompts[:limit] if limit is not None else prompts,
+        budget if type(budget) is int else None,
+    )
 
 
 def read_conversations(

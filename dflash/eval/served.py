@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash.log import Log, say
+from dflash.summary import ServedFigures
 from dflash.target.served import CompletionClient, ServerError
 
 _PREFIX = "vllm:spec_decode_"
@@ -161,31 +162,33 @@ class ServedResult:
     def block_size(self) -> int:
         return len(self.counters.accepted_per_position) + 1
 
-    def figures(self) -> dict[str, Any]:
-        """The eval JSON's fields, named as the in-process figures are."""
+    def figures(self, **context: Any) -> ServedFigures:
+        """The figures, named as the in-process ones are; `context`: ServedFigures' fields
+        saying where they were measured (server, server_model, prompts, ...)."""
         c = self.counters
         drafts = max(1, c.drafts)
         other_requests = max(0, c.requests - self.requests)
         other_tokens = max(0, c.generation_tokens - self.new_tokens)
-        return {
-            "tau": (
-                sum(self.per_prompt_tau) / len(self.per_prompt_tau) if self.per_prompt_tau else None
-            ),
-            "tau_pooled": 1.0 + c.accepted / drafts if c.drafts else 1.0,
-            "acceptance_per_position": [a / drafts for a in c.accepted_per_position],
-            "num_drafts": c.drafts,
-            "num_draft_tokens": c.draft_tokens,
-            "num_accepted_tokens": c.accepted,
-            "num_speculative_tokens": len(c.accepted_per_position),
-            "new_tokens": self.new_tokens,
-            "requests": self.requests,
-            "other_traffic": (
+        return ServedFigures(
+            tau=sum(self.per_prompt_tau) / len(self.per_prompt_tau)
+            if self.per_prompt_tau
+            else None,
+            tau_pooled=1.0 + c.accepted / drafts if c.drafts else 1.0,
+            acceptance_per_position=[a / drafts for a in c.accepted_per_position],
+            num_drafts=c.drafts,
+            num_draft_tokens=c.draft_tokens,
+            num_accepted_tokens=c.accepted,
+            num_speculative_tokens=len(c.accepted_per_position),
+            new_tokens=self.new_tokens,
+            requests=self.requests,
+            other_traffic=(
                 {"requests": other_requests, "generation_tokens": other_tokens}
                 if other_requests or other_tokens
                 else None
             ),
-            "eval_s": self.wall_s,
-        }
+            eval_s=self.wall_s,
+            **context,
+        )
 
 
 def _tau_of(delta: SpecCounters) -> float | None:
@@ -231,7 +234,7 @@ def evaluate_served(
     result = ServedResult(
         counters, per_prompt, new_tokens, len(prompts), time.perf_counter() - start_s
     )
-    other = result.figures()["other_traffic"]
+    other = result.figures().other_traffic
     if other:
         log(
             f"eval: the server served {other['requests']} requests and "
@@ -241,14 +244,14 @@ def evaluate_served(
     return result
 
 
-def format_served(figures: dict[str, Any], where: str) -> list[str]:
+def format_served(figures: ServedFigures, where: str) -> list[str]:
     """The log lines of the engine's figures."""
-    rates = " ".join(f"{r:.2f}" for r in figures["acceptance_per_position"])
-    tau = figures.get("tau")
+    rates = " ".join(f"{r:.2f}" for r in figures.acceptance_per_position)
+    tau = figures.tau
     mean = f"τ {tau:.3f} (mean of per-prompt means), pooled " if tau is not None else "τ pooled "
     return [
-        f"eval (server): {mean}{figures['tau_pooled']:.3f} measured by {where} over "
-        f"{figures['requests']} prompts ({figures['num_drafts']} drafts, "
-        f"{figures['new_tokens']} tokens) in {figures['eval_s']:.1f} s",
+        f"eval (server): {mean}{figures.tau_pooled:.3f} measured by {where} over "
+        f"{figures.requests} prompts ({figures.num_drafts} drafts, "
+        f"{figures.new_tokens} tokens) in {figures.eval_s:.1f} s",
         f"eval (server): acceptance per block position {rates}",
     ]

@@ -22,7 +22,8 @@ class EvalSettings(Section):
         None,
         "Chat JSONL of prompts ({'messages': [...]}, ShareGPT 'conversations' or "
         "{'turns': [...]}): each conversation up to its last user turn, through the chat "
-        "template with the generation prompt. Without it, held-out windows of --data.",
+        "template with the generation prompt; or a run's OUTPUT_DIR/eval_prompts.json, the "
+        "token ids its τ was measured on. Without it, held-out windows of --data.",
         check=checks.existing_file,
     )
     # The same figure as the one a training run ends with (--eval-new-tokens): one default,

@@ -22,11 +22,11 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from dflash.errors import DFlashError
 from dflash.eval.served import evaluate_served, format_served
 from dflash.log import Log, say
+from dflash.summary import ServedFigures
 from dflash.target.served import CompletionClient, ServerSettings, TokenizerTarget
 
 START_TIMEOUT_S = 900.0  # a large target loads for minutes
@@ -157,14 +157,14 @@ def measure_with_vllm(
     stop_token_ids: tuple[int, ...],
     log_dir: Path,
     log: Log = say,
-) -> dict[str, Any]:
+) -> ServedFigures:
     """τ of the saved drafter as vLLM serves it: the eval figures, measured by the engine."""
     log(f"eval: starting vLLM with {drafter_dir} ({command}; its output in {log_dir / LOG_NAME})")
     with served_drafter(command, target.spec, drafter_dir, block_size, log_dir) as url:
         client = CompletionClient(ServerSettings(url, retries=1))
         client.connect(target, log, command="eval")
         result = evaluate_served(client, prompts, max_new_tokens, stop_token_ids, log=log)
-    figures = {**result.figures(), "server": "vllm", "vllm_command": command}
+    figures = result.figures(server="vllm", vllm_command=command)
     for line in format_served(figures, f"vLLM ({command})"):
         log(line)
     return figures

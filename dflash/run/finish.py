@@ -225,8 +225,7 @@ def _measure_with_vllm(run: Run, log: Log) -> ServedFigures:
         "stop_token_ids": tuple(run.target.stop_token_ids),
         "log_dir": run.output_dir,
     }
-    served = measure_with_vllm(cfg.vllm_command, target, prompts=prompts, log=log, **engine)
-    return ServedFigures.from_dict(served)
+    return measure_with_vllm(cfg.vllm_command, target, prompts=prompts, log=log, **engine)
 
 
 def build_summary(

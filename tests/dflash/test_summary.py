@@ -6,7 +6,14 @@ import json
 
 import pytest
 
-from dflash.summary import SCHEMA_VERSION, Evaluation, HeldOutFigures, ServedFigures, Summary
+from dflash.summary import (
+    SCHEMA_VERSION,
+    EvalRecord,
+    Evaluation,
+    HeldOutFigures,
+    ServedFigures,
+    Summary,
+)
 
 # A summary.json as the pipeline wrote it before it was typed (no schema_version).
 OLD = {
@@ -67,22 +74,25 @@ def test_a_new_summary_carries_its_version_and_round_trips() -> None:
     assert Summary.from_dict(json.loads(json.dumps(written))) == summary
 
 
+SERVED = ServedFigures(
+    tau=2.5,
+    tau_pooled=2.4,
+    acceptance_per_position=[0.7, 0.5],
+    num_drafts=10,
+    num_draft_tokens=20,
+    num_accepted_tokens=14,
+    num_speculative_tokens=2,
+    new_tokens=40,
+    requests=4,
+    other_traffic=None,
+    eval_s=1.5,
+    server="vllm",
+    vllm_command="vllm",
+)
+
+
 def test_a_served_evaluation_writes_the_engine_block_and_no_speedup() -> None:
-    served = ServedFigures(
-        tau=2.5,
-        tau_pooled=2.4,
-        acceptance_per_position=[0.7, 0.5],
-        num_drafts=10,
-        num_draft_tokens=20,
-        num_accepted_tokens=14,
-        num_speculative_tokens=2,
-        new_tokens=40,
-        requests=4,
-        other_traffic=None,
-        eval_s=1.5,
-        server="vllm",
-        vllm_command="vllm",
-    )
+    served = SERVED
     written = Summary(evaluation=Evaluation(served=served)).to_dict()
     assert written["speedup"] is None and written["tau_pooled"] == 2.4
     assert written["served"]["vllm_command"] == "vllm" and "server_model" not in written["served"]
@@ -97,3 +107,40 @@ def test_unknown_keys_are_kept_and_a_non_object_is_refused() -> None:
     assert held.tau_pooled == 2.0 and held.repeated_share is None
     with pytest.raises(TypeError, match="holds list"):
         Summary.from_dict([1, 2])  # type: ignore[arg-type]  # a file of another shape
+
+
+# An eval JSON of `eval --drafter D --server URL` as it was written before it was typed.
+OLD_EVAL = {
+    **{key: OLD[key] for key in HeldOutFigures.__dataclass_fields__},
+    "prompts": 2,
+    "turns": 3,
+    "new_tokens": 24,
+    "max_new_tokens": 12,
+    "temperature": 0.0,
+    "draft_sampling": "greedy",
+    "block_size": 3,
+    "target": "builtin:tiny",
+    "dtype": "float32",
+    "eval_s": 4.5,
+    "served": SERVED.to_dict(),
+}
+
+
+def test_an_old_eval_json_reads_typed_and_writes_back_key_for_key() -> None:
+    record = EvalRecord.from_dict(json.loads(json.dumps(OLD_EVAL)))
+    assert record.schema_version == 0 and record.turns == 3
+    assert record.held_out is not None and record.held_out.speculative_s == 20.2
+    assert record.served == SERVED and record.tau_pooled == 1.43  # in process first
+    written = record.to_dict()
+    assert written.pop("schema_version") == 0
+    assert list(written.items()) == list(OLD_EVAL.items())
+
+
+def test_a_server_only_eval_json_has_the_engines_figures_on_top() -> None:
+    written = EvalRecord(served=SERVED).to_dict()
+    assert written["schema_version"] == SCHEMA_VERSION
+    assert written["tau_pooled"] == 2.4 and written["served"]["tau_pooled"] == 2.4
+    again = EvalRecord.from_dict(json.loads(json.dumps(written)))
+    assert again.held_out is None and again.served == SERVED and again.tau_pooled == 2.4
+    with pytest.raises(TypeError, match="holds list"):
+        EvalRecord.from_dict([1])  # type: ignore[arg-type]  # a file of another shape

@@ -18,6 +18,7 @@ from dflash.cli.results import EVAL
 from dflash.config.settings import RunConfig, TrainConfig, option_map
 from dflash.eval.settings import EvalSettings
 from dflash.offline.settings import RegenerateSettings
+from dflash.summary import EvalRecord, ServedFigures
 
 
 def invoke(args: list[Any], env: dict[str, str] | None = None):
@@ -30,6 +31,21 @@ def one_error(result) -> str:
     assert "Traceback" not in result.output, result.output
     (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
     return line
+
+
+SERVED = ServedFigures(
+    tau=None,
+    tau_pooled=1.0,
+    acceptance_per_position=[],
+    num_drafts=0,
+    num_draft_tokens=0,
+    num_accepted_tokens=0,
+    num_speculative_tokens=0,
+    new_tokens=0,
+    requests=0,
+    other_traffic=None,
+    eval_s=0.0,
+)
 
 
 @pytest.fixture
@@ -53,8 +69,8 @@ def calls(monkeypatch) -> list[tuple[str, tuple, dict]]:
         skipped=nothing_skipped, resumed_from_line=0, new_tokens=0, wall_s=0.0, lines=0, output="o"
     )
     monkeypatch.setattr("dflash.target.load.load_target", no_model)
-    monkeypatch.setattr("dflash.eval.evaluate.evaluate_drafter_dir", record("eval", {}))
-    monkeypatch.setattr("dflash.eval.evaluate.evaluate_server", record("server", {}))
+    monkeypatch.setattr("dflash.eval.evaluate.evaluate_drafter_dir", record("eval", EvalRecord()))
+    monkeypatch.setattr("dflash.eval.evaluate.evaluate_server", record("server", SERVED))
     monkeypatch.setattr("dflash.run.offline.regenerate_data", record("regenerate", report))
     return seen
 

@@ -338,7 +338,9 @@ def test_eval_of_a_saved_drafter_on_chat_prompts(target, tmp_path, monkeypatch) 
     chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines: list[str] = []
     settings = EvalSettings(eval_data=str(chats), num_prompts=None, max_new_tokens=12)
-    figures = evaluate_drafter_dir(saved, "builtin:tiny", settings, "cpu", log=lines.append)
+    figures = evaluate_drafter_dir(
+        saved, "builtin:tiny", settings, "cpu", log=lines.append
+    ).to_dict()
     assert figures["prompts"] == 2 and 0 < figures["new_tokens"] <= 24
     prompts = load_chat_prompts(chats, target.tokenizer)
     drafter = make_drafter(target)
@@ -388,7 +390,9 @@ def test_every_turn_of_a_turns_file_is_evaluated_after_the_targets_reply(
     turns = [["def f(x):", "and g?"], ["import os"]]
     chats.write_text("".join(json.dumps({"turns": t}) + "\n" for t in turns))
     settings = EvalSettings(eval_data=str(chats), num_prompts=None, max_new_tokens=8)
-    figures = evaluate_drafter_dir(saved, "builtin:tiny", settings, "cpu", log=lambda _: None)
+    figures = evaluate_drafter_dir(
+        saved, "builtin:tiny", settings, "cpu", log=lambda _: None
+    ).to_dict()
     assert (figures["prompts"], figures["turns"]) == (2, 3)
     # The second turn's prompt holds the target's greedy answer to the first.
     tok = target.tokenizer

@@ -179,12 +179,12 @@ def test_tau_per_prompt_and_pooled_come_from_the_counters(engine_server):
     result = evaluate_served(_client(engine_server(engine)), prompts, 12, (2,), log=print)
     figures = result.figures()
     # Prompt i accepts i % 3 per cycle: τ 1, 2, 3 in turn.
-    assert figures["tau"] == pytest.approx(2.0)
-    assert figures["tau_pooled"] == pytest.approx(1 + engine.accepted / engine.drafts)
-    assert figures["acceptance_per_position"][0] == pytest.approx(
+    assert figures.tau == pytest.approx(2.0)
+    assert figures.tau_pooled == pytest.approx(1 + engine.accepted / engine.drafts)
+    assert figures.acceptance_per_position[0] == pytest.approx(
         engine.per_position[0] / engine.drafts
     )
-    assert figures["other_traffic"] is None and figures["new_tokens"] == 72
+    assert figures.other_traffic is None and figures.new_tokens == 72
     assert result.block_size == 4
 
 
@@ -192,7 +192,7 @@ def test_traffic_that_is_not_ours_is_reported(engine_server):
     lines: list[str] = []
     engine = FakeEngine(other_requests=1)
     result = evaluate_served(_client(engine_server(engine)), [[1]] * 3, 6, (), log=lines.append)
-    assert result.figures()["other_traffic"] == {"requests": 3, "generation_tokens": 15}
+    assert result.figures().other_traffic == {"requests": 3, "generation_tokens": 15}
     assert any("not ours" in line for line in lines)
 
 

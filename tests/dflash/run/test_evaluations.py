@@ -3,6 +3,7 @@ on the last step's line, the budget of the default, the best drafter kept."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -186,3 +187,32 @@ def test_eval_dtype_decodes_a_copy_of_the_target_in_that_dtype(tmp_path, monkeyp
     record = json.loads((tmp_path / "eval_prompts.json").read_text())
     assert len(record["prompts"]) == EVAL["eval_prompts"]
     assert record["max_new_tokens"] == EVAL["eval_new_tokens"]
+
+
+@pytest.mark.usefixtures("tiny_target")
+def test_eval_on_the_runs_own_prompts_measures_the_summarys_tau(tmp_path) -> None:
+    """`eval --eval-data OUTPUT_DIR/eval_prompts.json` decodes the token ids the run
+    measured its τ on: the saved drafter's τ is summary.json's, figure for figure, and
+    the eval JSON reads back typed."""
+    from dflash.eval.evaluate import evaluate_drafter_dir
+    from dflash.eval.settings import EvalSettings
+    from dflash.summary import EvalRecord
+
+    (tmp_path / "run").mkdir()
+    cfg = small_cfg(tmp_path / "run", steps=4, **EVAL)
+    summary = pipelined.run_pipeline(cfg, log=lambda _: None)
+    lines: list[str] = []
+    settings = EvalSettings(
+        eval_data=str(tmp_path / "run" / "eval_prompts.json"),
+        max_new_tokens=EVAL["eval_new_tokens"] + 1,  # not the run's: said in one line
+        num_prompts=None,
+    )
+    record = evaluate_drafter_dir(tmp_path / "run" / "drafter", None, settings, "cpu", lines.append)
+    assert any("--max-new-tokens 8; this evaluation uses 9" in line for line in lines), lines
+    assert record.prompts == EVAL["eval_prompts"]
+    exact = dataclasses.replace(settings, max_new_tokens=EVAL["eval_new_tokens"])
+    record = evaluate_drafter_dir(tmp_path / "run" / "drafter", None, exact, "cpu", lines.append)
+    assert record.held_out is not None
+    assert (record.held_out.tau, record.tau_pooled) == (summary["tau"], summary["tau_pooled"])
+    assert record.held_out.acceptance_per_position == summary["acceptance_per_position"]
+    assert EvalRecord.from_dict(json.loads(json.dumps(record.to_dict()))) == record
