@@ -1,5 +1,5 @@
 """A saved drafter through speculators' own DFlash converter, with its target as the
-verifier: the route into speculators' format (README, "Serving a trained drafter").
+verifier: the route into speculators' format (docs/serving.md, "Serving a trained drafter").
 
 speculators pins older torch and transformers than this project, so it is not in the
 project's environment: scripts/speculators_check.sh runs this file in a venv that adds

@@ -324,7 +324,7 @@ def test_a_header_longer_than_its_file_or_not_json_is_named(tmp_path: Path) -> N
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 @pytest.mark.usefixtures("tiny_target")
 def test_two_gloo_ranks_train_from_speculators_files(tmp_path):
-    """The multi-node recipe of the README on one host: 2 torchrun ranks (gloo) read the
+    """The multi-node recipe of docs/serving.md on one host: 2 torchrun ranks (gloo) read the
     files `cache-hidden --format speculators` wrote and train one drafter."""
     cache = _write(tmp_path, tmp_path / "cache")
     out = tmp_path / "run"
