@@ -35,6 +35,7 @@ PHASES = (
     "batch",
     "batch_queue.wait",
     "target.forward",
+    "target.read",
     "hs_queue.wait",
     "drafter.step",
     "drafter.anchor_selection",
@@ -860,12 +861,71 @@ def test_dockerignore_keeps_the_context_to_what_the_image_copies() -> None:
     assert "*" in lines and copied <= allowed, (copied, allowed)
 
 
+def panel_targets(stack: Stack) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every dashboard panel's targets (not the variables or
+    the datasources' per-span links)."""
+    found = []
+    for dashboard in stack["dashboards"].values():
+        panels = list(dashboard.get("panels", []))
+        for panel in panels:
+            panels += panel.get("panels", [])  # collapsed rows nest their panels
+            found += [(panel["title"], t["expr"]) for t in panel.get("targets", []) if "expr" in t]
+    return found
+
+
 def test_dashboard_covers_required_views(stack: Stack) -> None:
-    queries = " ".join(q for _, q in prometheus_queries(stack))
-    assert "histogram_quantile(0.5" in queries and "histogram_quantile(0.95" in queries
-    assert 'span_name="batch"' in queries  # batches per second
-    assert 'span_name="hs_queue.wait"' in queries and 'span_name="batch_queue.wait"' in queries
-    assert 'dflash_phase="hs_queue.put"' in queries  # a full hs_queue is no span: only the metrics
+    queries = " ".join(q for _, q in panel_targets(stack))
+    quantiles = re.findall(r"histogram_quantile\((0\.\d+), .*?rate\((\w+)\{", queries)
+    assert set(quantiles) == {
+        ("0.5", "dflash_phase_duration_seconds_bucket"),
+        ("0.95", "dflash_phase_duration_seconds_bucket"),
+    }
+    assert re.search(r'dflash_steps_total\{[^}]*dflash_stage="target"', queries)  # batches/s
+    for phase in ("hs_queue.wait", "batch_queue.wait", "hs_queue.put"):
+        assert f'dflash_phase="{phase}"' in queries, phase
+    for counter in ("train_skipped_steps", "cache_skipped_samples", "telemetry_spans"):
+        assert f"dflash_{counter}_total{{" in queries, counter  # errors and skips
+
+
+def test_every_panel_reads_the_runs_own_metrics(stack: Stack) -> None:
+    """Span metrics count sampled spans only (a tenth at --trace-sample-ratio 0.1, none at
+    --trace-level off): every panel reads the trainer's metrics, selected by service and
+    run, so its figures hold whatever the sampling."""
+    targets = panel_targets(stack)
+    assert len(targets) >= 12
+    for title, expr in targets:
+        assert "traces_span_metrics" not in expr, title
+        for selector in re.findall(r"dflash_\w+\{([^}]*)\}", expr):
+            assert 'service_name="$service"' in selector, (title, selector)
+            assert 'dflash_run_id=~"$run"' in selector, (title, selector)
+    (dashboard,) = stack["dashboards"].values()
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert "traces_span_metrics" not in variables["service"]["definition"]
+
+
+def stage_time(expr: str) -> tuple[str, set[str]]:
+    """(wait phase, phases of the denominator) of one wait-share expression."""
+    phase = r'\(sum\(rate\(dflash_phase_duration_seconds_sum\{[^}]*dflash_phase="([^"]+)"\}'
+    phase += r"\[\$__rate_interval\]\)\) or vector\(0\)\)"
+    match = re.fullmatch(rf"\({phase} / \(((?:{phase}(?: \+ )?)+)\)\)", expr)
+    assert match, expr
+    return match[1], set(re.findall(phase, match[2]))
+
+
+def test_wait_shares_divide_by_the_verdicts_stage_phases(stack: Stack) -> None:
+    """A wait share is the wait over the time of the stage's phases, the phases by which
+    dflash.observe.bottleneck tells a stage's threads (a cache-reading target's time is
+    target.read, a streamed one's too)."""
+    from dflash.observe.bottleneck import DRAFTER_PHASES, TARGET_PHASES
+
+    stages = {"hs_queue.wait": set(DRAFTER_PHASES)}
+    stages |= {wait: set(TARGET_PHASES) for wait in ("hs_queue.put", "batch_queue.wait")}
+    panel = dashboard_panel(stack, "Wait shares")
+    shares = dict(stage_time(target["expr"]) for target in panel["targets"])
+    assert shares == stages
+    bottleneck = dashboard_panel(stack, "Bottleneck")["targets"][0]["expr"]
+    for target in panel["targets"]:  # the verdict's inputs are the panel's, verbatim
+        assert target["expr"] in bottleneck, target["legendFormat"]
 
 
 def test_pipeline_check_catches_undefined_components(stack: Stack) -> None:
@@ -1103,11 +1163,11 @@ def test_jaeger_test_config_check_catches_drift(stack: Stack) -> None:
     assert "reads JAEGER_GRPC" in problems[1]
 
 
-def test_dashboard_span_names_are_the_trainers() -> None:
-    """Every span the dashboard queries is one the trainer records (dflash.names)."""
+def test_dashboard_phase_names_are_the_trainers() -> None:
+    """Every phase the dashboard queries is one the trainer records (dflash.names)."""
     from dflash import names
 
     text = (DOCKER / "grafana" / "dashboards" / "dflash-train.json").read_text()
-    queried = set(re.findall(r'span_name=\\"([^\\"]+)\\"', text))
-    assert queried, "the dashboard queries no span by name"
+    queried = set(re.findall(r'(?:span_name|dflash_phase)=\\"([^\\"]+)\\"', text))
+    assert queried, "the dashboard queries no phase by name"
     assert queried <= set(names.SPANS), sorted(queried - set(names.SPANS))

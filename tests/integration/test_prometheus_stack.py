@@ -8,6 +8,7 @@ with DFLASH_REQUIRE_PROMETHEUS=1 a missing Prometheus fails them.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -135,6 +136,31 @@ def grafana_to_promql(expr: str, service: str, run: str) -> str:
     return expr.replace("$service", service).replace("$run", run)
 
 
+def panels_without_data(url: str, stack: Any, service: str, run: str) -> list[str]:
+    """Each panel target (title and refId) whose PromQL, as Grafana sends it for
+    `service` and `run`, returns no series with a number (NaN: no phase in the window)."""
+    empty = []
+    for dashboard in stack["dashboards"].values():
+        panels = list(dashboard["panels"])
+        for panel in panels:
+            panels += panel.get("panels", [])  # collapsed rows nest their panels
+            for target in panel.get("targets", []):
+                series = query(url, grafana_to_promql(target["expr"], service, run))
+                if not any(math.isfinite(float(s["value"][1])) for s in series):
+                    empty.append(f"{panel['title']!r} {target['refId']}")
+    return empty
+
+
+def run_ids(url: str, stack: Any, service: str) -> set[str]:
+    """The dashboard's $run choices for `service`, from its own variable query."""
+    (dashboard,) = stack["dashboards"].values()
+    (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "run"]
+    label = re.fullmatch(r"label_values\(.*,\s*(\w+)\)", variable["definition"])
+    assert label, variable["definition"]
+    series = query(url, grafana_to_promql(variable["definition"], service, ".*"))
+    return {s["metric"][label[1]] for s in series}
+
+
 HIGH = DEFAULT_THRESHOLD + 0.15
 SCENARIOS = {  # run id -> wait shares (target input, target output, drafter)
     "balanced": WaitShares(0.02, 0.02, 0.05),
@@ -200,9 +226,9 @@ def test_a_real_training_run_fills_every_dashboard_query(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`dflash-train train` itself (traces and metrics over OTLP gRPC to the stack's
-    collector): every PromQL query of the dashboards, span metrics included, returns
-    series labelled with the run's own id; the exemplars of the span metrics and of
-    the phase histograms name traces that Jaeger holds."""
+    collector): every PromQL query of the dashboards returns series labelled with the
+    run's own id; the exemplars of the span metrics (the traces' links to metrics) and
+    of the phase histograms name traces that Jaeger holds."""
     _, ports = collector
     service = unique_service("prom-train")
     checks = load_stack_checks()
@@ -263,3 +289,42 @@ def test_a_real_training_run_fills_every_dashboard_query(
         trace_id = sorted(trace_ids)[0]
         found = jaeger.wait_for(lambda t=trace_id: trace(t), bool, waiting_for=selector)
         assert found[0]["traceID"] == trace_id, (selector, trace_id)
+
+
+def test_every_panel_has_data_from_a_run_without_traces(
+    prometheus: str,
+    collector: tuple[Collector, dict[str, int]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """At `--trace-level off` no span reaches the collector, so span metrics have nothing
+    (and at `--trace-sample-ratio 0.1` a tenth): every panel of the dashboard, each of its
+    queries as Grafana sends it for this service and run, still shows the run, because it
+    reads the trainer's own metrics (every batch and phase)."""
+    _, ports = collector
+    service = unique_service("prom-untraced")
+    stack = load_stack_checks().load_stack()
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "500")  # train() copies the environment
+    otlp = ["--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}", "--otlp-protocol", "grpc"]
+    process = train(tmp_path, service, *otlp, "--trace-level", "off", steps=1_000_000)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            runs = run_ids(prometheus, stack, service)
+            # The run's id as Grafana puts a single $run choice into `=~`.
+            empty = [f"$run choices {runs}"] if len(runs) != 1 else []
+            empty = empty or panels_without_data(prometheus, stack, service, *runs)
+            if not empty or process.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        assert process.poll() is None, "training ended early"
+        spans = query(prometheus, f'traces_span_metrics_calls_total{{service_name="{service}"}}')
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        output = finish(process, tmp_path, returncode=143)
+    assert empty == [], f"panels without data from a run at --trace-level off: {empty}"
+    assert spans == [], "span metrics from a run at --trace-level off"
+    match = RUN_ID_RE.search(output)
+    assert match and runs == {match[1]}, (runs, output[-3000:])
+    assert re.fullmatch(r"[\w-]+", match[1])  # no regex characters for Grafana to escape
