@@ -3,6 +3,9 @@
 The pipeline has three places a thread can stall: target threads waiting for
 input on `batch_queue`, target threads blocked on a full `hs_queue` (drafters
 too slow), and drafter threads waiting on an empty `hs_queue` (targets too slow).
+In a streamed run (--target-engine vllm) the target stage is the spool's reader,
+whose `target.read` waits while the spool is empty: drafters waiting then means the
+engine is the limit (engine-bound); the engine itself waits while the spool is full.
 Shares are per thread (each thread's wait over its own wall time), averaged over
 the threads of a stage: with eight target threads each idle 95 % of the time the
 stage is idle 95 %, not 95 / 8.
@@ -35,10 +38,12 @@ class WaitShares:
     target_output_wait: float  # target threads blocked on hs_queue.put (queue full)
     drafter_wait: float  # drafter threads waiting on hs_queue.get
     reads_cache: bool = False  # the target stage reads a hidden-state cache (target.read)
+    streamed: bool = False  # what it reads, a vLLM engine writes meanwhile (the spool)
 
 
-def wait_shares(snap: StatsSnapshot) -> WaitShares:
-    """The mean over each stage's threads of the share of its wall time in each wait."""
+def wait_shares(snap: StatsSnapshot, streamed: bool = False) -> WaitShares:
+    """The mean over each stage's threads of the share of its wall time in each wait;
+    `streamed`: the target stage reads the spool a vLLM engine fills."""
     targets = snap.threads_of(*TARGET_PHASES)
     drafters = snap.threads_of(*DRAFTER_PHASES)
 
@@ -51,6 +56,7 @@ def wait_shares(snap: StatsSnapshot) -> WaitShares:
         target_output_wait=share(HS_PUT, targets),
         drafter_wait=share(HS_WAIT, drafters),
         reads_cache=names.TARGET_READ in snap.phases and names.TARGET_FORWARD not in snap.phases,
+        streamed=streamed,
     )
 
 
@@ -72,11 +78,13 @@ def snapshot_verdict(
     *,
     shared_device: str | None = None,
     threshold: float = DEFAULT_THRESHOLD,
+    streamed: bool = False,
 ) -> str | None:
-    """The verdict of one interval's snapshot; None when no stage ran in it."""
+    """The verdict of one interval's snapshot; None when no stage ran in it.
+    `streamed`: the target stage reads the spool of a vLLM engine (--target-engine vllm)."""
     if HS_WAIT not in snap.phases and BATCH_WAIT not in snap.phases:
         return None  # nothing trained in this interval (setup, evaluation)
-    return verdict(wait_shares(snap), threshold, shared_device=shared_device)
+    return verdict(wait_shares(snap, streamed), threshold, shared_device=shared_device)
 
 
 def _pct(share: float) -> str:
@@ -113,6 +121,12 @@ def verdict(
                 f"drafters waited {_pct(shares.drafter_wait)} on hs_queue and targets "
                 f"{_pct(shares.target_input_wait)} on batch_queue: {input_bound}"
             )
+        if shares.streamed:  # the reader waits on an empty spool: the engine writes it
+            return (
+                f"drafters waited {_pct(shares.drafter_wait)} on hs_queue: engine-bound; the "
+                "vLLM engine fills the spool slower than the drafters train (give vLLM more "
+                "or faster devices, --engine-args '--tensor-parallel-size N')"
+            )
         if shares.reads_cache:  # no device helps: the disk or its reader is the limit
             return (
                 f"drafters waited {_pct(shares.drafter_wait)} on hs_queue: reader-bound; the "
@@ -125,8 +139,10 @@ def verdict(
         )
     if shares.target_output_wait >= threshold:
         who = "the cache reader" if shares.reads_cache else "targets"
+        who = "the spool reader" if shares.streamed else who
+        engine = " (the vLLM engine waits on a full spool)" if shares.streamed else ""
         return (
-            f"{who} waited {_pct(shares.target_output_wait)} on a full hs_queue: "
+            f"{who} waited {_pct(shares.target_output_wait)} on a full hs_queue{engine}: "
             "drafter-bound; " + _more_devices("drafter", shared_device)
         )
     if shares.target_input_wait >= threshold:

@@ -76,6 +76,20 @@ METRICS: tuple[MetricSpec, ...] = (
         ("dflash.reason",),
     ),
     MetricSpec(
+        "spool.usage",
+        "updowncounter",
+        "By",
+        "Bytes the vLLM engine's spool holds now (--target-engine vllm): at its bound, the "
+        "engine waits for training.",
+    ),
+    MetricSpec(
+        "spool.samples",
+        "updowncounter",
+        "{sample}",
+        "Samples written whole into the spool and not yet read (--target-engine vllm): none "
+        "while training waits, the engine is the limit.",
+    ),
+    MetricSpec(
         "telemetry.spans",
         "counter",
         "{span}",
@@ -106,6 +120,8 @@ METRICS: tuple[MetricSpec, ...] = (
 )
 MEMORY_FIGURES = ("allocated", "reserved", "peak")
 """The device.memory.* gauges: `start_run_metrics(memory=)` gives a reader of each."""
+SPOOL_FIGURES = ("usage", "samples")
+"""The spool.* readings: `start_run_metrics(spool=)` gives a reader of each."""
 SPECS = {spec.name: spec for spec in METRICS}
 STEP_GAUGES = {
     "loss": "train.loss",
@@ -128,6 +144,7 @@ def start_run_metrics(
     skipped_steps: Reader | None = None,
     skipped_samples: Mapping[str, Reader] | None = None,
     spans: Mapping[str, Reader] | None = None,
+    spool: Mapping[str, Reader] | None = None,
     exporters: Sequence[MetricExporter] = (),
     resource: Resource | None = None,
     on_export_problem: Callable[[str], None] | None = None,
@@ -139,11 +156,12 @@ def start_run_metrics(
     the steps skipped as non-finite, `skipped_samples` a reason to the hidden-cache
     samples it left out, `spans` an outcome to the sampled spans it counts (the
     exporters' own delivery: a span that was handed and neither exported nor failed
-    waits in the queue or was dropped). Endpoint and protocol follow the traces' flags,
-    else the OTEL_* variables (the SDK reads them); the resource is the traces'
-    (`resource`, else built from `tracing_cfg`, whose attribute_namespace must be
-    NAMESPACE); `on_export_problem` gets the line that tells a failing export
-    (tracing.metrics.start_metrics)."""
+    waits in the queue or was dropped), `spool` a reader of each of SPOOL_FIGURES (a
+    streamed run's spool: bytes and whole samples it holds now). Endpoint and protocol
+    follow the traces' flags, else the OTEL_* variables (the SDK reads them); the
+    resource is the traces' (`resource`, else built from `tracing_cfg`, whose
+    attribute_namespace must be NAMESPACE); `on_export_problem` gets the line that
+    tells a failing export (tracing.metrics.start_metrics)."""
     if tracing_cfg.attribute_namespace != NAMESPACE:
         raise TracingConfigError(
             f"run metrics need attribute_namespace {NAMESPACE!r} (the dashboard selects runs "
@@ -170,6 +188,15 @@ def start_run_metrics(
         _observe(metrics, "cache.skipped_samples", fn, reason)
     for outcome, fn in (spans or {}).items():
         _observe(metrics, "telemetry.spans", fn, outcome)
+    for figure, fn in (spool or {}).items():
+        spec = SPECS[f"spool.{figure}"]
+        metrics.observe(
+            spec.kind,  # type: ignore[arg-type]  # SPECS' kinds are the Literal's strings
+            spec.name,
+            fn,
+            unit=spec.unit,
+            description=spec.description,
+        )
     if skipped_steps is not None:
         spec = SPECS["train.skipped_steps"]
         metrics.observe(

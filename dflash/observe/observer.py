@@ -290,18 +290,23 @@ class Observer:
         stream: IO[str] | None = None,
         read_bytes: Callable[[], int] | None = None,
         skipped_samples: Callable[[], Mapping[str, int]] | None = None,
+        spool: Mapping[str, Callable[[], float]] | None = None,
     ) -> None:
         """Starts the reporter (rank 0 prints to `stream`), the metrics and the timeline's
         counters on the pipeline's `snapshot`; `devices`: every stage's device;
         `read_bytes`: bytes a hidden-state cache reader has read (its rate is a column);
-        `skipped_samples`: the samples it left out so far, by reason (a metric)."""
+        `skipped_samples`: the samples it left out so far, by reason (a metric);
+        `spool`: a streamed run's spool depth, a reader of each of SPOOL_FIGURES."""
         # The start-up phases timed before this point (run.startup) stay in the stats:
         # the first table, printed when the first step ends, shows them. Shares are per
         # thread, so they do not dilute the stage threads' shares or the verdict.
         shared = bottleneck.shared_device(str(d) for d in devices) if devices else None
-        self.verdict = lambda s: bottleneck.snapshot_verdict(s, shared_device=shared)
+        streamed = spool is not None  # the target stage reads a vLLM engine's spool
+        self.verdict = lambda s: bottleneck.snapshot_verdict(
+            s, shared_device=shared, streamed=streamed
+        )
         memory = PeakMemory([torch.device(d) for d in devices])
-        self._start_metrics(snapshot, memory, skipped_samples)
+        self._start_metrics(snapshot, memory, skipped_samples, spool)
         self._watch_timeline(snapshot)
         if self.is_main:
             self._start_reporter(snapshot, memory, flops, stream, read_bytes)
@@ -342,6 +347,7 @@ class Observer:
         snapshot: Callable[[], CounterSnapshot],
         memory: PeakMemory,
         skipped_samples: Callable[[], Mapping[str, int]] | None = None,
+        spool: Mapping[str, Callable[[], float]] | None = None,
     ) -> None:
         delivery = self.telemetry.delivery_counts
         spans = {
@@ -362,6 +368,7 @@ class Observer:
             skipped_steps=lambda: self.bad_steps or 0,
             skipped_samples=by_reason,
             spans=spans,
+            spool=spool,
             on_export_problem=self.problems,
         )
 

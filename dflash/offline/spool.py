@@ -121,6 +121,16 @@ class Spool:
         self.peak_bytes = max(self.peak_bytes, spool_bytes(self.directory))
         return path
 
+    def depth(self) -> tuple[int, int]:
+        """(bytes, whole samples) the spool holds now: the samples are the files the
+        engine has renamed into place and the reader has not yet taken."""
+        try:
+            entries = list(os.scandir(self.directory / SAMPLES_DIR))
+        except FileNotFoundError:
+            entries = []
+        whole = sum(entry.name.endswith(".safetensors") for entry in entries)
+        return spool_bytes(self.directory), whole
+
     def remove(self, path: Path) -> None:
         path.unlink(missing_ok=True)
 

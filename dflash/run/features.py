@@ -131,6 +131,11 @@ class FeatureSource:
         """Bytes of features read from disk so far, as a counter; None: none are read."""
         return None
 
+    def spool_depth(self) -> dict[str, Callable[[], float]] | None:
+        """A streamed run's spool, a reader of each of metrics.SPOOL_FIGURES; None: the
+        source has no spool."""
+        return None
+
     def eval_skipped(self, target: TargetModel) -> str | None:
         """Why the final in-process evaluation cannot run, or None."""
         return None
@@ -389,6 +394,10 @@ class StreamedSamples(FeatureSource):
 
     def bytes_counter(self) -> Callable[[], int] | None:
         return lambda: 0 if self._reader is None else self._reader.bytes_read
+
+    def spool_depth(self) -> dict[str, Callable[[], float]] | None:
+        depth = self.spool.depth
+        return {"usage": lambda: depth()[0], "samples": lambda: depth()[1]}
 
     def eval_skipped(self, target: TargetModel) -> str | None:
         return "the target was loaded without its decoder" if target.head_only else None

@@ -42,6 +42,7 @@ def metrics_run(
         skipped_steps=lambda: 0,
         skipped_samples={"nonfinite": lambda: 1},
         spans={"handed": lambda: 3, "exported": lambda: 3, "failed": lambda: 0},
+        spool={"usage": lambda: 1 << 20, "samples": lambda: 2},
         exporter="otlp",
         export_interval_s=interval_s,
     )

@@ -41,6 +41,31 @@ def test_verdict_names_the_bottleneck(shares: WaitShares, expected: str) -> None
     assert expected in verdict(shares)
 
 
+def test_a_streamed_run_names_the_engine() -> None:
+    # The spool's reader waits in target.read while the engine has not written the next
+    # sample: the drafters' wait then points at the engine, not at a disk or a target.
+    stats = PhaseStats(10, 4.0, 0.1, 0.6, {0: 10}, {"d": 10}, {"d": 4.0})
+    step = PhaseStats(10, 6.0, 0.5, 0.7, {0: 10}, {"d": 10}, {"d": 6.0})
+    read = PhaseStats(10, 9.5, 0.9, 1.0, {0: 10}, {"t": 10}, {"t": 9.5})
+    snap = tracing.StatsSnapshot(
+        phases={"hs_queue.wait": stats, "drafter.step": step, "target.read": read},
+        wall_s=10.0,
+        thread_wall_s={"d": 10.0, "t": 10.0},
+    )
+    line = snapshot_verdict(snap, streamed=True)
+    assert line is not None and "drafters waited 40% on hs_queue: engine-bound" in line, line
+    # The same snapshot from a hidden cache on disk: the reader, not an engine.
+    line = snapshot_verdict(snap)
+    assert line is not None and "reader-bound" in line and "engine" not in line, line
+    # The engine ahead of training: the reader blocks on a full hs_queue, and the engine
+    # on a full spool.
+    full = WaitShares(0.02, 0.55, 0.03, reads_cache=True, streamed=True)
+    assert "the spool reader waited 55% on a full hs_queue (the vLLM engine waits on a " in (
+        verdict(full)
+    )
+    assert "drafter-bound" in verdict(full)
+
+
 def test_threshold_moves_the_line() -> None:
     shares = WaitShares(0.0, 0.0, 0.12)
     assert verdict(shares).startswith("balanced")

@@ -3,12 +3,14 @@ exporters' own span delivery, as integer counters with their labels."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
 import tracing
 from dflash.observe.metrics import NAMESPACE, start_run_metrics
+from dflash.offline.spool import Spool
 
 
 class Captured(MetricExporter):
@@ -71,3 +73,45 @@ def test_skipped_steps_samples_and_span_delivery_are_integer_counters() -> None:
     values = [v for name in points if "skipped" in name for v in points[name].values()]
     assert all(type(v) is int for v in values), values
     metrics.shutdown()
+
+
+def test_the_spool_depth_is_bytes_and_samples_now(tmp_path: Path) -> None:
+    # A real spool: two whole samples and one being written (not yet renamed).
+    spool = Spool(tmp_path / "spool")
+    held = tmp_path / "spool" / "hidden_states"
+    (held / "hs_0.safetensors").write_bytes(b"x" * 1000)
+    (held / "hs_1.safetensors").write_bytes(b"x" * 500)
+    (held / "hs_2.safetensors.tmp").write_bytes(b"x" * 200)
+    captured = Captured()
+    cfg = tracing.TracingConfig(run_id="r", attribute_namespace=NAMESPACE)
+    depth = spool.depth
+    metrics = start_run_metrics(
+        cfg,
+        tracing.ProfileStats(),
+        tokens={},
+        steps={},
+        queues={},
+        spool={"usage": lambda: depth()[0], "samples": lambda: depth()[1]},
+        exporters=[captured],
+        export_interval_s=3600,
+    )
+    assert metrics.force_flush()
+    points = captured.points()
+    assert points["dflash.spool.usage"] == {"": 1700}
+    assert points["dflash.spool.samples"] == {"": 2}
+    (held / "hs_0.safetensors").unlink()  # the reader took one
+    assert metrics.force_flush()
+    points = captured.points()
+    assert points["dflash.spool.usage"] == {"": 700}
+    assert points["dflash.spool.samples"] == {"": 1}
+    units = {m.name: m.unit for m in _metrics(captured)}
+    assert units["dflash.spool.usage"] == "By" and units["dflash.spool.samples"] == "{sample}"
+    metrics.shutdown()
+    spool.close()
+
+
+def _metrics(captured: Captured) -> list[Any]:
+    assert captured.last is not None
+    return [
+        m for rm in captured.last.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    ]
