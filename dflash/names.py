@@ -15,6 +15,9 @@ TARGET_READ = "target.read"  # in place of target.forward when training from a h
 HS_QUEUE_WAIT = "hs_queue.wait"
 HS_QUEUE_PUT = "hs_queue.put"  # a target thread blocked on a full hs_queue: drafter-bound
 DRAFTER_STEP = "drafter.step"
+# A streamed run's engine (--target-engine vllm): one sample from its vLLM call to its
+# file in the spool, times the engine recorded, under the target.read that took it.
+ENGINE_SAMPLE = "engine.sample"
 ANCHOR_SELECTION = "drafter.anchor_selection"
 BLOCK_PREDICTION = "drafter.block_prediction"
 LOSS = "drafter.loss"
@@ -46,6 +49,7 @@ _PER_BATCH = (
     BATCH_QUEUE_WAIT,
     TARGET_FORWARD,
     TARGET_READ,
+    ENGINE_SAMPLE,
     HS_QUEUE_PUT,
     HS_QUEUE_WAIT,
 )
@@ -59,6 +63,7 @@ DRAFTER_BOOKKEEPING = "drafter.bookkeeping"  # progress, logged figures, checkpo
 # --- attribute keys --------------------------------------------------------------------
 STEP = "dflash.step"
 BATCH_ID = "dflash.batch.id"
+SAMPLE_INDEX = "dflash.sample.index"  # engine.sample: the n-th sample the run reads
 TOKENS = "dflash.tokens"
 QUEUE_DEPTH = "dflash.queue.depth"
 DEVICE = "dflash.device"

@@ -84,9 +84,10 @@ def _entry(path: Path, name: str, raw: object, data_start: int) -> TensorEntry:
     return entry
 
 
-def _tensor_table(path: Path) -> dict[str, TensorEntry]:
-    """The tensors of a safetensors file from its header alone. A file that is not whole
-    (truncated, a corrupt header, offsets past its end) is an OSError naming it."""
+def _tensor_table(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
+    """The tensors of a safetensors file from its header alone, and its metadata. A file
+    that is not whole (truncated, a corrupt header, offsets past its end) is an OSError
+    naming it."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -101,14 +102,15 @@ def _tensor_table(path: Path) -> dict[str, TensorEntry]:
             raise OSError(f"{path.name}: header is not JSON ({err})") from None
     if not isinstance(header, dict):
         raise OSError(f"{path.name}: header is JSON but not a safetensors header")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None)
+    metadata = metadata if isinstance(metadata, dict) else {}
     table = {name: _entry(path, name, raw, 8 + n) for name, raw in header.items()}
     need = max((e.offset + e.nbytes for e in table.values()), default=0)
     if need > size:
         raise OSError(
             f"{path.name}: truncated, or its header is wrong: {size} bytes, its tensors need {need}"
         )
-    return table
+    return table, {str(k): str(v) for k, v in metadata.items()}
 
 
 class SampleFile:
@@ -123,7 +125,7 @@ class SampleFile:
     def __init__(self, path: Path, flat_width: int) -> None:
         """`flat_width`: D, to tell K of a flat [t, K*D] file."""
         self.path = path
-        self.tensors = _tensor_table(path)
+        self.tensors, self.metadata = _tensor_table(path)
         names = set(self.tensors)
         if HIDDEN not in names or not names & {"token_ids", "input_ids"}:
             raise SampleCacheError(

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+import tracing
+from dflash import names
 from dflash.config.settings import TrainConfig
 from dflash.data.datasets import Batch, PackedDataset
 from dflash.offline.sample_file import DTYPES, HIDDEN, SampleFile, dtype_name
@@ -153,6 +155,7 @@ class SpoolReader:
                         f"{dtype_name(sample.dtype)}, the run needs {list(want)} {self.dtype}"
                     )
                 (hs,) = sample.read(HIDDEN)
+                engine_span(sample, n)
                 self.spool.remove(path)
                 span = slice(start, start + length)
                 hidden[r, span].view(length, self.k, -1).copy_(hs[:, : self.k])
@@ -164,6 +167,33 @@ class SpoolReader:
             with torch.no_grad():
                 final = self.norm(final.to(next(self.norm.parameters()).device)).to(final.dtype)
         return TargetOutput(hidden=hidden, logits=None, final_hidden=final)
+
+
+def engine_span(sample: SampleFile, n: int) -> None:
+    """The engine's side of sample `n` in the reading batch's trace: a span from its
+    vLLM call (queued) to its file written (the file's mtime), an event when vLLM had
+    extracted it; a child of the reader's phase, so that the engine and the training
+    run share one timeline. Nothing without an open traced phase or the engine's times."""
+    parent = tracing.current_phase()
+    times = sample.metadata
+    try:
+        queued = int(times["dflash.engine.queued_ns"])
+        extracted = int(times["dflash.engine.extracted_ns"])
+        written = sample.path.stat().st_mtime_ns
+    except (KeyError, ValueError, OSError):
+        return
+    if parent is None:
+        return
+    span = tracing.start_span(
+        names.ENGINE_SAMPLE,
+        {names.SAMPLE_INDEX: n},
+        parent=parent,
+        start_time_ns=queued,
+        level="phase",
+    )
+    if span.span is not None:
+        span.span.add_event("extracted", timestamp=extracted)
+    span.end(max(written, queued))
 
 
 Order = dict[int, list[list[tuple[int, int, int]]]]

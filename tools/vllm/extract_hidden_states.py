@@ -217,8 +217,11 @@ def convert(
     order: list[int],
     dtype: torch.dtype,
     width: int,
+    times: dict[str, int] | None = None,
 ) -> None:
-    """vLLM's file (its layers ascending) -> ours: our layer order, then the last layer."""
+    """vLLM's file (its layers ascending) -> ours: our layer order, then the last layer.
+    `times`: the engine's wall-clock ns of the sample (queued_ns, extracted_ns), kept in
+    the file's metadata for the trace (its write ends at the file's mtime)."""
     index, ids, mask = sample
     data = load_file(str(raw))
     if data["token_ids"].tolist() != ids:
@@ -236,7 +239,8 @@ def convert(
         "loss_mask": torch.tensor(mask, dtype=torch.bool),
     }
     tmp = out_path.with_name(out_path.name + ".tmp")
-    save_file(tensors, str(tmp))
+    metadata = {f"dflash.engine.{k}": str(v) for k, v in (times or {}).items()}
+    save_file(tensors, str(tmp), metadata=metadata or None)
     os.replace(tmp, out_path)
 
 
@@ -388,7 +392,9 @@ def extract(args: argparse.Namespace, rest: list[str]) -> str:
             if args.spool_size is not None:
                 spool_wait(out, need, args.spool_size)
             prompts = [{"prompt_token_ids": ids} for _, ids, _ in part]
+            queued_ns = time.time_ns()  # the wall clock: the training run's trace joins it
             outputs = llm.generate(prompts, params, use_tqdm=False)
+            times = {"queued_ns": queued_ns, "extracted_ns": time.time_ns()}
             for (index, ids, mask), output in zip(part, outputs, strict=True):
                 where = (output.kv_transfer_params or {}).get("hidden_states_path")
                 if where is None:
@@ -397,7 +403,8 @@ def extract(args: argparse.Namespace, rest: list[str]) -> str:
                 lock = raw.with_name(raw.name + ".lock")
                 wait_unlocked(lock, args.timeout_s)
                 sample = (index, ids, mask)
-                convert(raw, sample_path(out, index), sample, order, DTYPES[dtype_name], width)
+                where_to = sample_path(out, index)
+                convert(raw, where_to, sample, order, DTYPES[dtype_name], width, times)
                 raw.unlink(missing_ok=True)
                 lock.unlink(missing_ok=True)
                 tokens += len(ids)

@@ -14,8 +14,12 @@ from types import ModuleType
 
 import pytest
 import torch
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from safetensors.torch import save_file
 
+import tracing
+from dflash import names
 from dflash.offline.sample_file import SampleFile
 from dflash.offline.spool import (
     RAW_DIR,
@@ -27,6 +31,7 @@ from dflash.offline.spool import (
     sample_path,
     spool_bytes,
 )
+from dflash.run.streamed import engine_span
 
 REPO = Path(__file__).resolve().parents[3]
 WIDTH, ITEMSIZE = 16, 4
@@ -136,3 +141,53 @@ def test_a_sample_too_big_for_the_bound_is_refused_by_the_writer() -> None:
     writer = _writer()
     with pytest.raises(writer.UsageError, match="--spool-size 100 bytes"):
         list(writer.spool_parts(_samples(2), 100, 3, 3, WIDTH, ITEMSIZE, 256))
+
+
+def test_the_engines_times_become_a_span_under_the_reading_phase(tmp_path: Path) -> None:
+    # The writer records the sample's vLLM call in the file; the reader's phase gets the
+    # engine's span, from the call to the file's write, with an event when vLLM was done.
+    writer = _writer()
+    (n, ids, mask) = _samples(4)[3]
+    raw = tmp_path / "raw.safetensors"
+    save_file(
+        {"hidden_states": torch.randn(len(ids), 3, WIDTH), "token_ids": torch.tensor(ids)}, raw
+    )
+    out = sample_path(tmp_path, n)
+    out.parent.mkdir()
+    queued = time.time_ns() - 2_000_000_000
+    times = {"queued_ns": queued, "extracted_ns": queued + 1_500_000_000}
+    writer.convert(raw, out, (n, ids, mask), [1, 0, 2], torch.float32, WIDTH, times)
+    assert out.stat().st_size <= sample_bytes(len(ids), 3, WIDTH, ITEMSIZE)  # with its times
+    exporter = InMemorySpanExporter()
+    tracing.setup(tracing.TracingConfig(), span_processors=[SimpleSpanProcessor(exporter)])
+    try:
+        with tracing.phase(names.TARGET_READ, level="step"):
+            engine_span(SampleFile(out, WIDTH), n)
+        engine_span(SampleFile(out, WIDTH), n)  # no phase open: no span, no stray trace
+    finally:
+        tracing.shutdown(timeout_s=1.0)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert sorted(spans) == [names.ENGINE_SAMPLE, names.TARGET_READ], sorted(spans)
+    engine, reading = spans[names.ENGINE_SAMPLE], spans[names.TARGET_READ]
+    assert engine.parent is not None and engine.parent.span_id == reading.context.span_id
+    assert engine.context.trace_id == reading.context.trace_id
+    assert engine.start_time == queued and engine.end_time == out.stat().st_mtime_ns
+    assert [(e.name, e.timestamp) for e in engine.events] == [("extracted", queued + 1_500_000_000)]
+    assert engine.attributes[names.SAMPLE_INDEX] == n
+
+
+def test_a_sample_without_the_engines_times_has_no_span(tmp_path: Path) -> None:
+    (n, ids, _) = _samples(1)[0]
+    out = sample_path(tmp_path, n)
+    out.parent.mkdir()
+    tensors = {"hidden_states": torch.randn(len(ids), 3, WIDTH), "token_ids": torch.tensor(ids)}
+    save_file(tensors, out)  # a file of another writer: no metadata
+    exporter = InMemorySpanExporter()
+    tracing.setup(tracing.TracingConfig(), span_processors=[SimpleSpanProcessor(exporter)])
+    try:
+        with tracing.phase(names.TARGET_READ, level="step"):
+            engine_span(SampleFile(out, WIDTH), n)
+    finally:
+        tracing.shutdown(timeout_s=1.0)
+    assert [s.name for s in exporter.get_finished_spans()] == [names.TARGET_READ]
+
