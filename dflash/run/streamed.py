@@ -201,18 +201,25 @@ Order = dict[int, list[list[tuple[int, int, int]]]]
 
 def stream_plan(dataset: PackedDataset, first: int, last: int) -> tuple[Order, list[str]]:
     """Per batch in [first, last], per row, its samples (n, start, length), n counting
-    the samples in the order training reads them; and samples.jsonl's lines for them."""
+    the samples in the order training reads them; and samples.jsonl's lines for them.
+
+    Each line names its batch, its place in it and its row (the engine ignores them;
+    a row may come twice in one batch where epochs meet): a resumed run's plan starts at
+    the batch its checkpoint needs next, and the two plans side by side show which rows
+    each run read."""
     order: Order = {}
     lines: list[str] = []
     for index in range(first, last + 1):
         order[index] = []
-        for row in dataset.row_indices(index):
+        for slot, row in enumerate(dataset.row_indices(index)):
             segments = []
             for start, length in document_segments(dataset, int(row)):
                 ids = dataset.ids[row, start : start + length].astype("int64").tolist()
                 mask = dataset.mask[row, start : start + length].astype(int).tolist()
                 n = len(lines)
-                lines.append(json.dumps({"index": n, "token_ids": ids, "loss_mask": mask}))
+                line = {"index": n, "batch": index, "slot": slot, "row": int(row)}
+                line["start"] = start
+                lines.append(json.dumps({**line, "token_ids": ids, "loss_mask": mask}))
                 segments.append((n, start, length))
             order[index].append(segments)
     return order, lines

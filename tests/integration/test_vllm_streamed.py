@@ -201,3 +201,106 @@ def test_sigterm_and_a_dead_engine_leave_no_vllm_process(
     assert kept and kept[-1].startswith("step-"), kept  # the last one, kept
     print(f"dead engine: {errors[0]}; checkpoints {kept}")
     assert not left, f"processes {left} of vLLM outlived the dead engine's run"
+
+
+RESUME_STEPS = 12
+
+
+def _plan(run: Path) -> list[dict[str, int]]:
+    """The run's plan, one (batch, slot, row, start, tokens) per sample, in reading order
+    (a row may fill two slots of a batch where epochs meet)."""
+    lines = (run / "vllm-samples.jsonl").read_text().splitlines()
+    return [
+        {k: json.loads(line)[k] for k in ("batch", "slot", "row", "start")}
+        | {"tokens": len(json.loads(line)["token_ids"])}
+        for line in lines
+    ]
+
+
+def test_a_killed_engine_resumes_at_the_next_batch_and_trains_each_row_once(
+    vllm_python: Path, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    data = ["--target", str(smollm2_dir), "--data", str(_chats(tmp_path / "chats.jsonl"))]
+    run, spool = tmp_path / "run", tmp_path / "spool"
+    base = [*data, *DATA_OPTIONS, "--block-size", "4", "--num-anchors", "8", "--eval-prompts", "0"]
+    base += ["--target-engine", "vllm", "--vllm-python", str(vllm_python)]
+    base += ["--spool-size", str(SPOOL_SIZE), "--spool-dir", str(spool)]
+    base += ["--steps", str(RESUME_STEPS), "--save-every", "1", "--log-every", "1"]
+    base += ["--output-dir", str(run)]
+    # The first run: its engine's whole group killed once two steps are saved.
+    marker = new_marker()
+    proc = _train(base, marker)
+    try:
+        deadline = time.monotonic() + 400
+        # Earlier checkpoints are rotated out: any of step 2 or later.
+        while not any(int(p.name[5:]) >= 2 for p in run.glob("checkpoints/step-*")):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no second checkpoint in 400 s"
+            time.sleep(0.1)
+        engine = next(
+            int(p.name)
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit()
+            and str(SCRIPT).encode() in (p / "cmdline").read_bytes()
+            and f"{run}".encode() in (p / "cmdline").read_bytes()
+        )
+        os.killpg(engine, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        left = end_leftovers(marker)
+    assert not left, f"processes {left} of vLLM outlived the killed engine's run"
+    assert proc.returncode not in (0, None), err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    saved = sorted(int(p.name.removeprefix("step-")) for p in run.glob("checkpoints/step-*"))
+    stopped = saved[-1]
+    assert 2 <= stopped < RESUME_STEPS, saved
+    first_plan = _plan(run)
+    # The second run resumes from the last checkpoint: its engine starts at the batch
+    # that checkpoint needs next.
+    marker = new_marker()
+    traces = tmp_path / "traces.jsonl"
+    proc = _train([*base, "--resume", "latest", "--trace-file", str(traces)], marker)
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        left = end_leftovers(marker)
+    assert proc.returncode == 0, err[-3000:] + (run / "vllm-extract.log").read_text()[-3000:]
+    assert not left, f"processes {left} of vLLM outlived the resumed run"
+    second_plan = _plan(run)
+    summary = json.loads((run / "summary.json").read_text())
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # Every step once; batch i is step i + 1's (one drafter).
+    assert steps == list(range(1, RESUME_STEPS + 1)), steps
+    assert {s["batch"] for s in first_plan} == set(range(RESUME_STEPS)), first_plan
+    assert second_plan and min(s["batch"] for s in second_plan) == stopped, second_plan
+    # The samples trained: the first run's batches up to its checkpoint, the second
+    # run's, every one it read (its summary counts the files it took from the spool).
+    trained = [s for s in first_plan if s["batch"] < stopped] + second_plan
+    assert summary["spool_samples_read"] == len(second_plan), (summary, len(second_plan))
+    keys = [(s["batch"], s["slot"], s["start"]) for s in trained]
+    repeated = {k for k in keys if keys.count(k) > 1}
+    assert not repeated, f"samples trained twice: {sorted(repeated)}"
+    assert sorted(trained, key=str) == sorted(first_plan, key=str), "a sample skipped or altered"
+    # The engine in the trace: one engine.sample per sample read, each under the
+    # target.read that took it; and a wait on the engine is never called a disk's.
+    spans = [
+        span
+        for line in traces.read_text().splitlines()
+        for resource in json.loads(line)["resourceSpans"]
+        for scope in resource["scopeSpans"]
+        for span in scope["spans"]
+    ]
+    reads = {span["spanId"] for span in spans if span["name"] == "target.read"}
+    engine = [span for span in spans if span["name"] == "engine.sample"]
+    assert len(engine) == len(second_plan), (len(engine), len(second_plan))
+    assert all(span["parentSpanId"] in reads for span in engine)
+    assert "reader-bound" not in err, err[-3000:]
+    verdicts = [line for line in err.splitlines() if line.startswith("verdict:")]
+    print(
+        f"killed after step {stopped} (checkpoints {saved}); trained {len(trained)} samples "
+        f"of {RESUME_STEPS} batches once each: {len(trained) - len(second_plan)} before the "
+        f"kill, {len(second_plan)} after the resume; {len(engine)} engine.sample spans; "
+        f"{verdicts[-1:]}"
+    )
+
