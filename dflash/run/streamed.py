@@ -38,6 +38,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "vllm" / "extract_hidde
 LOG_NAME = "vllm-extract.log"
 SAMPLES_NAME = "vllm-samples.jsonl"
 STOP_GRACE_S = 10.0
+LOG_TAIL_BYTES = 64 * 1024  # where the script's last line is, past vLLM's own output
 
 
 def check_vllm_python(python: str | None) -> None:
@@ -81,11 +82,26 @@ class Engine:
         atexit.register(self.stop)
 
     def error(self) -> str | None:
-        """Why the engine will write nothing more, or None while it runs (or ended well)."""
+        """Why the engine will write nothing more, or None while it runs (or ended well):
+        the script's own `Error:` line when it wrote one (a target vLLM cannot load, a
+        full disk), which the log's thousands of lines would otherwise bury."""
         code = self.process.poll()
         if code is None or code == 0:
             return None
-        return f"the vLLM engine exited with code {code}: see {self.log_path}"
+        said = self.last_error()
+        why = f" ({said})" if said else ""
+        return f"the vLLM engine exited with code {code}{why}: see {self.log_path}"
+
+    def last_error(self) -> str | None:
+        """The last `Error: ...` line of the engine's log, without its prefix."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+                tail = log.read().decode("utf-8", "replace")
+        except OSError:
+            return None
+        said = [line for line in tail.splitlines() if line.startswith("Error: ")]
+        return said[-1].removeprefix("Error: ").strip() if said else None
 
     def ended(self) -> bool:
         return self.process.poll() is not None

@@ -304,3 +304,36 @@ def test_a_killed_engine_resumes_at_the_next_batch_and_trains_each_row_once(
         f"{verdicts[-1:]}"
     )
 
+
+def test_a_target_the_engine_cannot_load_is_one_line_naming_why(
+    vllm_python: Path, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    # The trainer loads the target's embedding and head from this folder; vLLM picks its
+    # model class by `architectures`, and knows none of this name.
+    target = tmp_path / "target"
+    target.mkdir()
+    for part in smollm2_dir.iterdir():
+        (target / part.name).symlink_to(part)
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    (target / "config.json").unlink()
+    (target / "config.json").write_text(json.dumps(config | {"architectures": ["NoSuchLM"]}))
+    data = ["--target", str(target), "--data", str(_chats(tmp_path / "chats.jsonl"))]
+    run = tmp_path / "run"
+    marker = new_marker()
+    proc = _train(
+        [*data, *DATA_OPTIONS, *TRAIN_OPTIONS, "--output-dir", str(run)]
+        + ["--target-engine", "vllm", "--vllm-python", str(vllm_python)],
+        marker,
+    )
+    try:
+        _, err = proc.communicate(timeout=600)
+    finally:
+        left = end_leftovers(marker)
+    assert not left, f"processes {left} of vLLM outlived the run"
+    assert proc.returncode not in (0, None), err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    # The engine's own reason, not only its exit code and a log to search.
+    assert "the vLLM engine exited with code 1 (" in errors[0], errors[0]
+    assert "NoSuchLM" in errors[0] and "vllm-extract.log" in errors[0], errors[0]
+    print(f"a target vLLM cannot load: {errors[0]}")

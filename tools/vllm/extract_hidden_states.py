@@ -438,6 +438,19 @@ def shutdown(llm: Any) -> None:
         child.kill()
 
 
+def one_line(err: BaseException, most: int = 300) -> str:
+    """The error's first line, and its second where the first only counts (pydantic's
+    "1 validation error for ModelConfig" names the reason below it: a target vLLM cannot
+    load), at most `most` characters (vLLM's list of its architectures follows)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if not lines:
+        return ""
+    text = lines[0]
+    if len(lines) > 1 and "validation error" in text:  # the reason: the line of its type
+        text += ": " + next((line for line in lines[1:] if "[type=" in line), lines[1])
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest: list[str] = []
@@ -486,8 +499,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Error: {err}", file=sys.stderr)
         return 2
     except Exception as err:  # noqa: BLE001 - one line; vLLM's own log above has the trace
-        first = (str(err).strip().splitlines() or [""])[0]
-        print(f"Error: {type(err).__name__}: {first} (vLLM's log is above)", file=sys.stderr)
+        print(
+            f"Error: {type(err).__name__}: {one_line(err)} (vLLM's log is above)", file=sys.stderr
+        )
         return 1
     return 0
 

@@ -191,3 +191,30 @@ def test_a_sample_without_the_engines_times_has_no_span(tmp_path: Path) -> None:
         tracing.shutdown(timeout_s=1.0)
     assert [s.name for s in exporter.get_finished_spans()] == [names.TARGET_READ]
 
+
+def test_the_writers_error_line_keeps_the_reason_of_a_validation_error() -> None:
+    # vLLM refuses a target it cannot load with pydantic's error, whose first line only
+    # counts the errors; the reason is below, before a list of every architecture.
+    from pydantic import BaseModel, field_validator
+
+    class ModelConfig(BaseModel):
+        model: str
+
+        @field_validator("model")
+        @classmethod
+        def known(cls, value: str) -> str:
+            supported = ", ".join(f"'Arch{i}ForCausalLM'" for i in range(300))
+            raise ValueError(
+                f"Model architectures ['NoSuchLM'] are not supported for now. "
+                f"Supported architectures: dict_keys([{supported}])"
+            )
+
+    writer = _writer()
+    with pytest.raises(ValueError) as refused:
+        ModelConfig(model="t")
+    line = writer.one_line(refused.value)
+    assert line.startswith("1 validation error for ModelConfig: Value error, Model "), line
+    assert "['NoSuchLM'] are not supported" in line and len(line) <= 300, line
+    assert writer.one_line(OSError(28, "No space left on device")) == (
+        "[Errno 28] No space left on device"
+    )

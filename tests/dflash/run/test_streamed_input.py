@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from dflash.cli import cli
 from dflash.offline.spool import Spool
+from dflash.run.streamed import Engine
 
 
 def _train_error(tmp_path: Path, *args: str) -> str:
@@ -54,3 +55,27 @@ def test_bad_streaming_input_is_one_line_before_any_model_loads(tmp_path: Path) 
     finally:
         held.close()
     assert "--packing must be docs" in _train_error(tmp_path, "--packing", "concat")
+
+
+def test_the_engines_own_error_line_names_why_it_ended(tmp_path: Path) -> None:
+    # The extraction script's last words on a full disk (its `except` prints the OSError
+    # as one line), after pages of vLLM's own log: the run's line carries them.
+    said = "Error: OSError: [Errno 28] No space left on device (vLLM's log is above)"
+    script = (
+        "import sys\n"
+        "for _ in range(500): print('INFO vllm ' + 'x' * 200)\n"
+        f"print({said!r}, file=sys.stderr)\n"
+        "sys.exit(1)\n"
+    )
+    log = tmp_path / "vllm-extract.log"
+    engine = Engine([sys.executable, "-c", script], log)
+    engine.process.wait(60)
+    why = engine.error()
+    assert why is not None and why.startswith("the vLLM engine exited with code 1 "), why
+    assert "(OSError: [Errno 28] No space left on device (vLLM's log is above))" in why, why
+    assert why.endswith(f"see {log}"), why
+    engine.stop()  # ended already: nothing to do, and no error
+    # An engine killed outright writes no line: the code and the log alone.
+    killed = Engine([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"], log)
+    killed.process.wait(60)
+    assert killed.error() == f"the vLLM engine exited with code -9: see {log}"
