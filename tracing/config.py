@@ -129,18 +129,21 @@ class MetricsConfig:
     temporality: str | None = None
     """cumulative, delta or lowmemory; None: OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE,
     read here: the reader takes it from the stats wrapper in front of each exporter."""
-    phase_histogram: str = "explicit"
-    """How the ProfileStats histograms are exported: `explicit`, octave bounds (what a
-    Prometheus exporter takes: the Collector's drops exponential histograms), or
-    `exponential`, an OTLP exponential histogram of scale 3 whose buckets are the
-    stats' own, 8 per octave (a backend that takes it, e.g. Prometheus' OTLP receiver
-    as a native histogram, answers quantiles within one bucket, about 9 %)."""
+    phase_histogram: str | None = None
+    """How the ProfileStats histograms are exported: `explicit`, octave bounds (what any
+    Prometheus path takes, the Collector's `prometheus` exporter included: it drops
+    exponential histograms), or `exponential`, an OTLP exponential histogram of scale 3
+    whose buckets are the stats' own, 8 per octave (Prometheus' OTLP receiver stores it
+    as a native histogram: quantiles within one bucket, 2**(1/8) - 1, about 9 %, where
+    octave bounds are up to 2x off). None: OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_
+    AGGREGATION (`base2_exponential_bucket_histogram` is exponential), else explicit."""
 
     def __post_init__(self) -> None:
         if self.exporter is not None:
             exporters = parse_exporters(self.exporter, ("none", "otlp", "console"))
             object.__setattr__(self, "exporter", exporters)  # frozen: normalized once
-        check_choice("metrics phase_histogram", self.phase_histogram, PHASE_HISTOGRAMS)
+        if self.phase_histogram is not None:
+            check_choice("metrics phase_histogram", self.phase_histogram, PHASE_HISTOGRAMS)
         if self.temporality is not None:
             check_choice("metrics temporality", self.temporality, TEMPORALITIES)
         for name in ("export_interval_s", "shutdown_timeout_s"):

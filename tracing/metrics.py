@@ -86,6 +86,12 @@ STATS_SCOPE = InstrumentationScope("tracing.metrics.stats", TRACES_SCOPE.version
 # one of them, so the histogram counts are exact, and ms phases get several buckets.
 FIRST_OCTAVE = -14
 PHASE_BOUNDS_S = tuple(2.0**k for k in range(FIRST_OCTAVE, 4))
+HISTOGRAM_VARIABLE = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
+HISTOGRAM_AGGREGATIONS = {
+    "explicit_bucket_histogram": "explicit",
+    "base2_exponential_bucket_histogram": "exponential",
+}
+"""The variable's values (the OTLP exporter specification's) and the phase histogram each picks."""
 EXPONENTIAL_SCALE = 3  # base 2**(2**-3): one OTLP bucket per ProfileStats bucket
 
 
@@ -110,6 +116,18 @@ class MetricsReport:
         if self.exports_in_flight:
             text += f", still in flight at the bound {self.exports_in_flight}"
         return text + f" ({self.points_lost} points lost)"
+
+
+def phase_histogram_kind(name: str | None) -> str:
+    """`MetricsConfig.phase_histogram`; None reads the specification's variable for the
+    default histogram aggregation (unknown values: explicit, warned once)."""
+    if name is not None:
+        return name
+    value = os.environ.get(HISTOGRAM_VARIABLE, "").strip().lower()
+    kinds = {"": "explicit", **HISTOGRAM_AGGREGATIONS}
+    if value not in kinds:
+        warn_once(HISTOGRAM_VARIABLE, f"ignoring {HISTOGRAM_VARIABLE}={value!r}")
+    return kinds.get(value, "explicit")
 
 
 def preferred_temporality(name: str | None) -> dict[type, AggregationTemporality]:
@@ -461,12 +479,13 @@ class Metrics:
         spans: RecentSpans | None = None,
     ) -> None:
         """Exports `stats` as a histogram in seconds with attribute `<namespace>.phase`
-        (`MetricsConfig.phase_histogram`: octave bounds or exponential), each bucket's
+        (`MetricsConfig.phase_histogram`, else the variable: octave bounds or exponential,
+        chosen here, when the histogram is registered), each bucket's
         exemplar the latest span of `spans(phase)` in it; `spans` None: the sampled
         spans of the active Telemetry, when `stats` is its stats."""
         desc = description or "Duration of each phase, from every phase (sampled or not)."
         key = self.full_name("phase")
-        kind = self.cfg.phase_histogram
+        kind = phase_histogram_kind(self.cfg.phase_histogram)
         self._histograms.append(
             _StatsHistogram(stats, self.full_name(name), desc, key, kind, spans)
         )

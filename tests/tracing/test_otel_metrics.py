@@ -226,6 +226,55 @@ def test_exponential_phase_histogram_is_the_stats_own_buckets() -> None:
         MetricsConfig(phase_histogram="octaves")
 
 
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [
+        (None, "histogram"),
+        ("explicit_bucket_histogram", "histogram"),
+        ("base2_exponential_bucket_histogram", "exponential_histogram"),
+        ("sometimes", "histogram"),
+    ],
+)
+def test_the_default_histogram_aggregation_variable_picks_the_phase_histogram(
+    clean_env: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, value: str | None, kind: str
+) -> None:
+    """phase_histogram None follows the specification's variable (what the stack's
+    documented command sets); explicit stays the default, which every Prometheus path
+    takes; a bad value is warned about, never an error."""
+    from opentelemetry.exporter.otlp.proto.common._internal.metrics_encoder import encode_metrics
+
+    if value is not None:
+        clean_env.setenv("OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION", value)
+    memory = MemoryMetricExporter()
+    metrics = start_metrics(
+        MetricsConfig(export_interval_s=3600), tracing.TracingConfig(), exporters=[memory]
+    )
+    stats = tracing.ProfileStats()
+    with caplog.at_level("WARNING"):
+        metrics.observe_stats(stats)
+    metrics.observe("gauge", "depth", lambda: 1, unit="{item}")  # the SDK exports none without
+    stats.add("fwd", 0.01)
+    metrics.force_flush()
+    metrics.shutdown()
+    request = encode_metrics(memory.exports[-1])
+    (found,) = [
+        m.WhichOneof("data")
+        for rm in request.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "phase.duration"
+    ]
+    assert found == kind
+    warned = [r.getMessage() for r in caplog.records if "HISTOGRAM_AGGREGATION" in r.getMessage()]
+    assert len(warned) == (value == "sometimes"), warned
+    # An explicit setting wins over the variable.
+    clean_env.setenv(
+        "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION",
+        "base2_exponential_bucket_histogram",
+    )
+    assert tracing.metrics.phase_histogram_kind("explicit") == "explicit"
+
+
 @pytest.mark.parametrize("kind", ["explicit", "exponential"])
 def test_phase_buckets_carry_the_trace_of_a_recent_span(kind: str) -> None:
     """Each bucket's exemplar is the latest sampled span of that phase in it: a metric
