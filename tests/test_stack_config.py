@@ -471,7 +471,15 @@ def prometheus_name(exporter: dict[str, Any], name: str, unit: str, kind: str) -
 
 
 def emitted_metrics(stack: Stack) -> tuple[set[str], set[str]]:
-    """(metric names, label names) Prometheus gets from the collector.
+    """(metric names, label names) Prometheus holds: what it scrapes from the collector
+    and the trainer's metrics the collector pushes into its OTLP receiver."""
+    scraped_names, scraped_labels = scraped_metrics(stack)
+    app_names, app_labels = app_metrics(stack)
+    return scraped_names | app_names, scraped_labels | app_labels
+
+
+def scraped_metrics(stack: Stack) -> tuple[set[str], set[str]]:
+    """(metric names, label names) the collector's prometheus exporter serves.
 
     Mirrors the spanmetrics connector (contrib v0.140): `<namespace>.calls` (monotonic
     sum) and `<namespace>.duration` (histogram in `histogram.unit`); the trainer's own
@@ -495,36 +503,65 @@ def emitted_metrics(stack: Stack) -> tuple[set[str], set[str]]:
     dimensions += [d["name"] for d in connector.get("dimensions") or []]
     excluded = set(connector.get("exclude_dimensions") or [])
     labels = {re.sub(r"[^a-zA-Z0-9_]", "_", d) for d in dimensions if d not in excluded}
-    app_names, app_labels = app_metrics(stack)
+    app_names, app_labels = app_metrics(stack, "prometheus")
     return names | app_names, labels | app_labels | {"le", "job", "instance"}
 
 
 # Resource attributes of the trainer's metrics that the dashboard may select on.
 APP_RESOURCE_LABELS = {"service_name", "service_instance_id", "dflash_run_id", "dflash_rank"}
+OTLP_PATH = "/api/v1/otlp"
 
 
-def app_metrics(stack: Stack) -> tuple[set[str], set[str]]:
-    """Prometheus names and labels of dflash.observe.metrics.METRICS, when the collector has
-    a pipeline from the OTLP receiver into the prometheus exporter."""
+def app_metrics_path(stack: Stack) -> str | None:
+    """How the trainer's metrics reach Prometheus: "prometheus" (a collector pipeline from
+    the OTLP receiver into the prometheus exporter, scraped), "otlp" (into an otlphttp
+    exporter that posts to Prometheus' OTLP receiver), or None."""
+    exporters = stack["collector"]["exporters"]
+    prometheus_host = service_with_image(stack, "prom/prometheus")
+    for pipeline in stack["collector"]["service"]["pipelines"].values():
+        if "otlp" not in (pipeline.get("receivers") or []):
+            continue
+        for name in pipeline.get("exporters") or []:
+            if name.split("/")[0] == "prometheus":
+                return "prometheus"
+            endpoint = str((exporters.get(name) or {}).get("endpoint", ""))
+            if name.split("/")[0] == "otlphttp" and urlsplit(endpoint).hostname == prometheus_host:
+                return "otlp" if urlsplit(endpoint).path.rstrip("/") == OTLP_PATH else None
+    return None
+
+
+def app_metrics(stack: Stack, path: str | None = None) -> tuple[set[str], set[str]]:
+    """Prometheus names and labels of dflash.observe.metrics.METRICS as they reach
+    Prometheus (`path`, else the stack's: app_metrics_path). Scraped from the prometheus
+    exporter, a histogram is classic (_bucket, _sum, _count); pushed over OTLP with
+    native histograms enabled and explicit ones converted (convert_histograms_to_nhcb),
+    it is one native histogram series whatever the trainer's phase_histogram."""
     from dflash.observe.metrics import METRICS, NAMESPACE
 
-    pipelines = stack["collector"]["service"]["pipelines"].values()
-    if not any(
-        "otlp" in (p.get("receivers") or [])
-        and any(e.split("/")[0] == "prometheus" for e in p.get("exporters") or [])
-        for p in pipelines
-    ):
+    found = app_metrics_path(stack)
+    if found is None or (path is not None and path != found):
         return set(), set()
-    exporter = prometheus_exporter(stack)
-    names: set[str] = set()
     labels = {re.sub(r"[^a-zA-Z0-9_]", "_", label) for spec in METRICS for label in spec.labels}
+    if found == "prometheus":
+        exporter = prometheus_exporter(stack)
+        resource = (exporter.get("resource_to_telemetry_conversion") or {}).get("enabled")
+    else:
+        otlp = stack["prometheus"].get("otlp") or {}
+        exporter = {"translation_strategy": otlp.get("translation_strategy")}
+        resource = otlp.get("promote_all_resource_attributes") or APP_RESOURCE_LABELS <= {
+            re.sub(r"[^a-zA-Z0-9_]", "_", a) for a in otlp.get("promote_resource_attributes", [])
+        }
+        native = "native-histograms" in prometheus_feature_flags(stack)
+        labels |= {"job", "instance"}  # service.name and service.instance.id, mapped
+    names: set[str] = set()
     for spec in METRICS:
         base = prometheus_name(exporter, f"{NAMESPACE}.{spec.name}", spec.unit, spec.kind)
-        if spec.kind == "histogram":
-            names |= {f"{base}_bucket", f"{base}_sum", f"{base}_count"}
-        else:
+        if spec.kind != "histogram":
             names.add(base)
-    resource = (exporter.get("resource_to_telemetry_conversion") or {}).get("enabled")
+        elif found == "otlp" and native and otlp.get("convert_histograms_to_nhcb"):
+            names.add(base)
+        else:  # classic, or nothing at all for an exponential one without native ones
+            names |= {f"{base}_bucket", f"{base}_sum", f"{base}_count"}
     return names, labels | (APP_RESOURCE_LABELS if resource else set())
 
 
@@ -654,8 +691,9 @@ def prometheus_feature_flags(stack: Stack) -> list[str]:
 
 def exemplar_problems(stack: Stack) -> list[str]:
     """From a latency point to its trace: the connector keeps exemplars, the collector
-    exposes them (OpenMetrics), Prometheus stores them, Grafana links them to the trace
-    datasources, and a trace links back to the metrics of its own run."""
+    exposes them (OpenMetrics; the phase histogram's travel over OTLP), Prometheus
+    stores them, Grafana links them to the trace datasources, and a trace links back
+    to the metrics of its own run."""
     problems = []
     if not spanmetrics_config(stack).get("exemplars", {}).get("enabled"):
         problems.append("spanmetrics: exemplars not enabled")
@@ -677,6 +715,37 @@ def exemplar_problems(stack: Stack) -> list[str]:
         tags = sources[uid].get("jsonData", {}).get("tracesToMetrics", {}).get("tags", [])
         if {"key": "dflash.run.id", "value": "dflash_run_id"} not in tags:
             problems.append(f"{uid} datasource: traces-to-metrics not keyed by dflash.run.id")
+    return problems
+
+
+HISTOGRAM_VARIABLE = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
+QUANTILE = re.compile(r"histogram_quantile\(\s*[\d.]+\s*,\s*sum by \(([^)]*)\) \(rate\((\w+)\{")
+
+
+def quantile_problems(stack: Stack) -> list[str]:
+    """p50/p95 within one bucket (9 %), not octave bounds (up to 2x off): the trainer of
+    the stack exports the phase histogram exponential (OTel's variable, tracing's
+    `phase_histogram`), the collector pushes it into Prometheus' OTLP receiver (the
+    prometheus exporter drops exponential histograms), Prometheus keeps it as a native
+    histogram (explicit ones converted too, so the one series name reads both), and the
+    dashboard's quantiles read that native histogram, not `_bucket` series."""
+    problems = []
+    trainer = services(stack).get("trainer", {})
+    if env_of(trainer).get(HISTOGRAM_VARIABLE) != "base2_exponential_bucket_histogram":
+        problems.append(f"trainer: {HISTOGRAM_VARIABLE} is not base2_exponential_bucket_histogram")
+    if app_metrics_path(stack) != "otlp":
+        problems.append(f"collector: the trainer's metrics do not reach Prometheus' {OTLP_PATH}")
+    command = [str(arg) for arg in services(stack)["prometheus"].get("command") or []]
+    if "--web.enable-otlp-receiver" not in command:
+        problems.append("prometheus: --web.enable-otlp-receiver missing")
+    if "native-histograms" not in prometheus_feature_flags(stack):
+        problems.append("prometheus: --enable-feature=native-histograms missing")
+    if not (stack["prometheus"].get("otlp") or {}).get("convert_histograms_to_nhcb"):
+        problems.append("prometheus: otlp.convert_histograms_to_nhcb is not true")
+    for where, query in prometheus_queries(stack):
+        for by, metric in QUANTILE.findall(query):
+            if metric.startswith("dflash_") and (metric.endswith("_bucket") or "le" in by):
+                problems.append(f"{where}: quantile of {metric} by ({by}) is not native")
     return problems
 
 
@@ -792,6 +861,7 @@ def test_real_stack_has_no_problems(stack: Stack) -> None:
         + dashboard_problems(stack)
         + jaeger_test_config_problems(stack)
         + expiration_problems(stack)
+        + quantile_problems(stack)
         + trainer_user_problems(stack)
         + exemplar_problems(stack)
         + logs_problems(stack)
@@ -821,7 +891,10 @@ def test_logs_check_catches_a_broken_path_to_loki(stack: Stack) -> None:
 def test_exemplar_check_catches_a_broken_link(stack: Stack) -> None:
     broken = copy.deepcopy(stack)
     broken["collector"]["exporters"]["prometheus"]["enable_open_metrics"] = False
-    services(broken)["prometheus"]["command"].remove("--enable-feature=exemplar-storage")
+    command = services(broken)["prometheus"]["command"]
+    command[command.index("--enable-feature=exemplar-storage,native-histograms")] = (
+        "--enable-feature=native-histograms"
+    )
     sources = {source["uid"]: source for source in broken["datasources"]["datasources"]}
     sources["prometheus"]["jsonData"]["exemplarTraceIdDestinations"].pop()
     sources["jaeger"]["jsonData"]["tracesToMetrics"]["tags"].pop()
@@ -830,6 +903,29 @@ def test_exemplar_check_catches_a_broken_link(stack: Stack) -> None:
         "prometheus: --enable-feature=exemplar-storage missing",
         "prometheus datasource: exemplars do not link to Jaeger and Tempo",
         "jaeger datasource: traces-to-metrics not keyed by dflash.run.id",
+    ]
+
+
+def test_quantile_check_catches_octave_quantiles(stack: Stack) -> None:
+    broken = copy.deepcopy(stack)
+    del services(broken)["trainer"]["environment"][HISTOGRAM_VARIABLE]
+    broken["collector"]["service"]["pipelines"]["metrics"]["exporters"] = ["prometheus"]
+    command = services(broken)["prometheus"]["command"]
+    command.remove("--web.enable-otlp-receiver")
+    command[command.index("--enable-feature=exemplar-storage,native-histograms")] = (
+        "--enable-feature=exemplar-storage"
+    )
+    del broken["prometheus"]["otlp"]["convert_histograms_to_nhcb"]
+    p50 = dashboard_panel(broken, "p50")["targets"][0]
+    p50["expr"] = p50["expr"].replace("(dflash_phase)", "(le, dflash_phase)")
+    assert quantile_problems(broken) == [
+        f"trainer: {HISTOGRAM_VARIABLE} is not base2_exponential_bucket_histogram",
+        f"collector: the trainer's metrics do not reach Prometheus' {OTLP_PATH}",
+        "prometheus: --web.enable-otlp-receiver missing",
+        "prometheus: --enable-feature=native-histograms missing",
+        "prometheus: otlp.convert_histograms_to_nhcb is not true",
+        "dflash-train.json panel 'p50 per phase': quantile of"
+        " dflash_phase_duration_seconds by (le, dflash_phase) is not native",
     ]
 
 
@@ -877,8 +973,8 @@ def test_dashboard_covers_required_views(stack: Stack) -> None:
     queries = " ".join(q for _, q in panel_targets(stack))
     quantiles = re.findall(r"histogram_quantile\((0\.\d+), .*?rate\((\w+)\{", queries)
     assert set(quantiles) == {
-        ("0.5", "dflash_phase_duration_seconds_bucket"),
-        ("0.95", "dflash_phase_duration_seconds_bucket"),
+        ("0.5", "dflash_phase_duration_seconds"),
+        ("0.95", "dflash_phase_duration_seconds"),
     }
     assert re.search(r'dflash_steps_total\{[^}]*dflash_stage="target"', queries)  # batches/s
     for phase in ("hs_queue.wait", "batch_queue.wait", "hs_queue.put"):
@@ -905,8 +1001,10 @@ def test_every_panel_reads_the_runs_own_metrics(stack: Stack) -> None:
 
 def stage_time(expr: str) -> tuple[str, set[str]]:
     """(wait phase, phases of the denominator) of one wait-share expression."""
-    phase = r'\(sum\(rate\(dflash_phase_duration_seconds_sum\{[^}]*dflash_phase="([^"]+)"\}'
-    phase += r"\[\$__rate_interval\]\)\) or vector\(0\)\)"
+    phase = (
+        r'\(histogram_sum\(sum\(rate\(dflash_phase_duration_seconds\{[^}]*dflash_phase="([^"]+)"\}'
+    )
+    phase += r"\[\$__rate_interval\]\)\)\) or vector\(0\)\)"
     match = re.fullmatch(rf"\({phase} / \(((?:{phase}(?: \+ )?)+)\)\)", expr)
     assert match, expr
     return match[1], set(re.findall(phase, match[2]))
@@ -1085,12 +1183,13 @@ def test_emitted_names_follow_connector_and_exporter(stack: Stack) -> None:
         "dflash_tokens_total",
         "dflash_steps_total",
         "dflash_queue_size",
-        "dflash_phase_duration_seconds_bucket",
+        "dflash_phase_duration_seconds",  # one native histogram (OTLP receiver)
         "dflash_train_loss",
         "dflash_train_acceptance_length",
         "dflash_train_mfu_ratio",
         "dflash_device_memory_peak_bytes",
     } <= names
+    assert "dflash_phase_duration_seconds_bucket" not in names
     assert {"service_name", "span_name", "status_code", "le", "dflash_stage"} <= labels
     assert {"dflash_queue", "dflash_phase", "dflash_device"} <= labels
     assert "dflash_run_id" in labels
@@ -1101,8 +1200,16 @@ def test_app_metrics_need_the_metrics_pipeline_and_resource_labels(stack: Stack)
     del broken["collector"]["service"]["pipelines"]["metrics"]
     assert any("dflash_tokens_total is not emitted" in p for p in dashboard_problems(broken))
     broken = copy.deepcopy(stack)
-    del prometheus_exporter(broken)["resource_to_telemetry_conversion"]
+    del broken["prometheus"]["otlp"]["promote_all_resource_attributes"]
     assert any("label dflash_run_id is not emitted" in p for p in dashboard_problems(broken))
+    broken = copy.deepcopy(stack)  # posted elsewhere than Prometheus' OTLP path
+    broken["collector"]["exporters"]["otlphttp/prometheus"]["endpoint"] = "http://prometheus:9090"
+    assert any("dflash_tokens_total is not emitted" in p for p in dashboard_problems(broken))
+    broken = copy.deepcopy(stack)  # scraped again: classic series, not the native one
+    broken["collector"]["service"]["pipelines"]["metrics"]["exporters"] = ["prometheus"]
+    assert any(
+        "dflash_phase_duration_seconds is not emitted" in p for p in dashboard_problems(broken)
+    )
     broken = copy.deepcopy(stack)
     panel = next(iter(broken["dashboards"].values()))["panels"][-1]
     panel["targets"][0]["expr"] = 'max(dflash_train_loss{dflash_phase="drafter.lose"})'
@@ -1121,7 +1228,7 @@ def test_dashboard_shows_the_run_metrics_with_a_run_selector(stack: Stack) -> No
         "dflash_queue_size",
         "dflash_train_loss",
         "dflash_train_acceptance_length",
-        "dflash_phase_duration_seconds_sum",
+        "dflash_phase_duration_seconds",
     ):
         assert re.search(rf"{metric}\{{[^}}]*dflash_run_id=~\"\$run\"", queries), metric
     (dashboard,) = stack["dashboards"].values()

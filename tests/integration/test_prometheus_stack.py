@@ -1,13 +1,15 @@
 """The real Prometheus scrapes the stack's collector; the dashboard's PromQL returns series.
 
 Prometheus is built from tools/prometheus/go.mod (or taken from DFLASH_PROMETHEUS_BIN)
-and runs docker/prometheus/prometheus.yml with its targets moved to the loopback ports
-of the collector started with the stack's own config. Without Go the tests skip;
+and runs docker/prometheus/prometheus.yml, with the compose file's flags, its targets
+moved to the loopback ports of the collector started with the stack's own config and its
+OTLP receiver on the port that collector pushes the trainer's metrics to. Without Go the tests skip;
 with DFLASH_REQUIRE_PROMETHEUS=1 a missing Prometheus fails them.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -22,7 +24,7 @@ from typing import Any
 import pytest
 import requests
 import yaml
-from conftest import REPO_ROOT, JaegerProcess, die_with_parent, free_port
+from conftest import REPO_ROOT, JaegerProcess, die_with_parent
 from run_metrics_sender import metrics_run
 from test_collector_pipeline import Collector, load_stack_checks
 from test_collector_pipeline import collector as collector  # the fixture, re-exported
@@ -30,6 +32,7 @@ from test_e2e_dflash import finish, train
 from test_jaeger_otlp import unique_service
 
 from dflash.observe.bottleneck import DEFAULT_THRESHOLD, WaitShares, verdict
+from tracing.snapshot import BUCKETS_PER_OCTAVE, PhaseStats, StatsSnapshot
 
 PROMETHEUS_CONFIG = REPO_ROOT / "docker" / "prometheus" / "prometheus.yml"
 BUILD_SCRIPT = REPO_ROOT / "tools" / "prometheus" / "build.sh"
@@ -77,14 +80,18 @@ def prometheus(
     _, ports = collector
     config = tmp_path / "prometheus.yml"
     config.write_text(yaml.safe_dump(loopback_prometheus_config(ports)))
-    port = free_port()
+    port = ports["prometheus_server"]  # where the collector's otlphttp exporter posts
     log = (tmp_path / "prometheus.log").open("wb")
     flags = {"config.file": config, "storage.tsdb.path": tmp_path / "tsdb"}
     flags["web.listen-address"] = f"127.0.0.1:{port}"
     command = [str(prometheus_binary), *(f"--{k}={v}" for k, v in flags.items())]
-    # The compose file's features (exemplar storage), as the stack runs it.
-    features = load_stack_checks().prometheus_feature_flags(load_stack_checks().load_stack())
-    command += [f"--enable-feature={feature}" for feature in features]
+    # The compose file's other flags (OTLP receiver, exemplar storage, native
+    # histograms), as the stack runs it.
+    stack = load_stack_checks().load_stack()
+    ours = tuple(f"--{k}=" for k in flags)
+    command += [
+        f for f in stack["compose"]["services"]["prometheus"]["command"] if not f.startswith(ours)
+    ]
     pipes = dict(stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     process = subprocess.Popen(command, **pipes, preexec_fn=die_with_parent)
     url = f"http://127.0.0.1:{port}"
@@ -107,6 +114,11 @@ def prometheus(
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+HISTOGRAM_VARIABLE = "OTEL_EXPORTER_OTLP_METRICS_DEFAULT_HISTOGRAM_AGGREGATION"
+# The trainer's environment in the compose file: the stack's documented setting.
+STACK_ENV = load_stack_checks().load_stack()["compose"]["services"]["trainer"]["environment"]
 
 
 def query(url: str, promql: str) -> list[dict[str, Any]]:
@@ -243,12 +255,13 @@ def test_a_real_training_run_fills_every_dashboard_query(
         return bool(query(prometheus, grafana_to_promql(expr, service, ".*")))
 
     monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "500")  # train() copies the environment
+    monkeypatch.setenv(HISTOGRAM_VARIABLE, STACK_ENV[HISTOGRAM_VARIABLE])  # as the stack's
     otlp = ["--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}", "--otlp-protocol", "grpc"]
     process = train(tmp_path, service, *otlp, "--profile-interval", "5", steps=1_000_000)
     try:
         selectors = [
             f'traces_span_metrics_duration_milliseconds_bucket{{service_name="{service}"}}',
-            f'dflash_phase_duration_seconds_bucket{{service_name="{service}"}}',
+            f'dflash_phase_duration_seconds{{service_name="{service}"}}',
         ]
         deadline = time.monotonic() + 90
         while True:
@@ -305,6 +318,7 @@ def test_every_panel_has_data_from_a_run_without_traces(
     service = unique_service("prom-untraced")
     stack = load_stack_checks().load_stack()
     monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "500")  # train() copies the environment
+    monkeypatch.setenv(HISTOGRAM_VARIABLE, STACK_ENV[HISTOGRAM_VARIABLE])  # as the stack's
     otlp = ["--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}", "--otlp-protocol", "grpc"]
     process = train(tmp_path, service, *otlp, "--trace-level", "off", steps=1_000_000)
     try:
@@ -328,3 +342,78 @@ def test_every_panel_has_data_from_a_run_without_traces(
     match = RUN_ID_RE.search(output)
     assert match and runs == {match[1]}, (runs, output[-3000:])
     assert re.fullmatch(r"[\w-]+", match[1])  # no regex characters for Grafana to escape
+
+
+def octave_bound_quantile(stats: PhaseStats, q: float) -> float:
+    """What Prometheus' histogram_quantile answered from the old octave bounds
+    (tracing.metrics.PHASE_BOUNDS_S, the explicit histogram): the rank's bucket found
+    among the octave counts, then linear interpolation between its bounds."""
+    octaves: dict[int, int] = {}
+    for bucket, n in stats.buckets.items():
+        octave = bucket // BUCKETS_PER_OCTAVE
+        octaves[octave] = octaves.get(octave, 0) + n
+    rank, seen = q * stats.count, 0
+    for octave in sorted(octaves):
+        if seen + octaves[octave] >= rank:
+            low, high = 2.0**octave, 2.0 ** (octave + 1)
+            return low + (high - low) * (rank - seen) / octaves[octave]
+        seen += octaves[octave]
+    raise AssertionError(f"rank {rank} beyond the counts {octaves}")
+
+
+ONE_BUCKET = 1 / BUCKETS_PER_OCTAVE  # in octaves: 2**(1/8), about 9 %
+
+
+def test_phase_p50_in_prometheus_is_the_runs_own_within_one_bucket(
+    prometheus: str,
+    collector: tuple[Collector, dict[str, int]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A finished run at the stack's setting (the phase histogram exponential): for
+    every phase, the p50 Prometheus computes from the native histogram it stored is
+    within one bucket (1/8 octave, about 9 %) of the run's own median in stats.json
+    (ProfileStats' bucket midpoint; of either middle duration when the count is
+    even), where the old octave bounds were not (at least one phase further off)."""
+    _, ports = collector
+    service = unique_service("prom-p50")
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "500")  # train() copies the environment
+    monkeypatch.setenv(HISTOGRAM_VARIABLE, STACK_ENV[HISTOGRAM_VARIABLE])
+    otlp = ["--otlp-endpoint", f"http://127.0.0.1:{ports['grpc']}", "--otlp-protocol", "grpc"]
+    output = finish(train(tmp_path, service, *otlp, "--trace-level", "off", steps=40), tmp_path)
+    (stats_file,) = (tmp_path / "run").rglob("stats.json")
+    phases = {
+        name: stats
+        for name, stats in StatsSnapshot.from_dict(
+            json.loads(stats_file.read_text())
+        ).phases.items()
+        if stats.count >= 20  # a median of a few durations says little either way
+    }
+    assert phases, output[-3000:]
+    histogram = f'dflash_phase_duration_seconds{{service_name="{service}"}}'
+
+    def counts() -> dict[str, float]:
+        found = query(prometheus, f"histogram_count({histogram})")
+        return {s["metric"]["dflash_phase"]: float(s["value"][1]) for s in found}
+
+    # The final export (at the run's end) holds what stats.json holds.
+    deadline = time.monotonic() + 30
+    while any(counts().get(name) != s.count for name, s in phases.items()):
+        assert time.monotonic() < deadline, (counts(), {n: s.count for n, s in phases.items()})
+        time.sleep(0.5)
+    errors, octave_errors = {}, {}
+    for name, stats in phases.items():
+        # The whole run's cumulative histogram, as stats.json: no rate() window.
+        promql = f'histogram_quantile(0.5, {histogram[:-1]}, dflash_phase="{name}"}})'
+        (series,) = query(prometheus, promql)
+        p50 = float(series["value"][1])
+        # An even count has two middle durations, and any value between is a median:
+        # ProfileStats answers the lower one's bucket, Prometheus (counting down from
+        # the top for q >= 0.5) the upper one's; across empty buckets they differ.
+        middle = (stats.quantile_s(0.5), stats.quantile_s((stats.count // 2 + 0.5) / stats.count))
+        errors[name] = min(abs(math.log2(p50 / m)) for m in middle)
+        octave = octave_bound_quantile(stats, 0.5)
+        octave_errors[name] = min(abs(math.log2(octave / m)) for m in middle)
+    print(f"\np50 error in octaves, native: {errors}\noctave bounds: {octave_errors}")
+    assert max(errors.values()) <= ONE_BUCKET, errors
+    assert max(octave_errors.values()) > ONE_BUCKET, octave_errors
