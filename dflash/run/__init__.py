@@ -1,12 +1,24 @@
 """The life of a training run, built from the parts below it.
 
+One entry point, read top to bottom: `dflash-train train` calls
+`pipelined.run_training(cfg)`: `start_run` (rank, devices, the folder's lock), the
+telemetry, then `run_pipeline`: `wiring.wire_run` (`build_run`, the drafter replicas, the
+stages), `Pipeline.run`, where every step ends in `bookkeeping.StepBookkeeping.after_step`,
+and `outcome.end_training` (`finish`: the final checkpoint, evaluation and summary).
+`run_pipeline` alone is the same run without telemetry (tests, benches);
+`reference.train_reference` is the single-threaded loop the pipeline is tested against,
+with the same start, build, `after_step` and finish.
+
 start      where a process stands in a run (placement, output folder, process group)
 build      target, data, drafter and trainer of a run (`open_target`, shared by cache-hidden)
 rows       the training rows (`training_rows`), refused before step 1 when they cannot train
 resume     --resume from a checkpoint and --init-from a drafter, checked before the target
 finish     checkpoints, the final evaluation and the summary
 reference  the single-threaded reference loop
-pipelined  training with the pipeline: replicas, checkpoints, failures, signals
+pipelined  training with the pipeline: `run_training` and `run_pipeline`
+wiring     a built run wired into the pipeline's stages
+bookkeeping what each step leaves behind: step count, metrics, progress, checkpoints
+outcome    how a pipelined run ends: a failed stage, a stop signal, or the finish
 replicas   the model objects of each device
 checkpoint atomic checkpoints and exact resume
 offline    the offline jobs of a run's config (`cache-hidden`)

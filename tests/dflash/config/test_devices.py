@@ -115,6 +115,7 @@ def test_placement_is_decided_once_per_rank_and_used_by_the_run(
     from dflash.pipeline.distributed import dist_info_from_env
     from dflash.run import pipelined as pipeline
     from dflash.run import start as run_start
+    from dflash.run import wiring
 
     _simulate_torchrun_node(monkeypatch, rank, gpus)
     cfg = config_from_options({"output_dir": str(tmp_path), **opts})
@@ -133,7 +134,7 @@ def test_placement_is_decided_once_per_rank_and_used_by_the_run(
         raise Built
 
     monkeypatch.setattr(run_start, "init_distributed", lambda info, device: None)
-    monkeypatch.setattr(pipeline, "build_run", build_run)
+    monkeypatch.setattr(wiring, "build_run", build_run)
     with pytest.raises(Built):
         pipeline.run_pipeline(cfg, log=lambda _: None)
     assert seen == [placement]

@@ -21,6 +21,7 @@ import torch
 from dflash.config.devices import DeviceError
 from dflash.pipeline.queues import PipelineError
 from dflash.run import pipelined as pipeline
+from dflash.run import wiring
 from dflash.run.checkpoint import load_checkpoint, resolve_checkpoint
 from dflash.run.reference import train_reference
 from dflash.train.step import DrafterTrainer
@@ -37,13 +38,13 @@ from tests.dflash.app_fixtures import (  # noqa: F401 - fixture
 
 def capture_replicas(monkeypatch: pytest.MonkeyPatch) -> list:
     built: list = []
-    real = pipeline.build_replicas
+    real = wiring.build_replicas
 
     def build(run):
         built.extend(real(run))
         return built
 
-    monkeypatch.setattr(pipeline, "build_replicas", build)
+    monkeypatch.setattr(wiring, "build_replicas", build)
     return built
 
 
@@ -195,8 +196,8 @@ def _script(mode: str, out_dir: Path) -> None:
 
     DrafterTrainer.step = step
     replicas: list = []
-    real_build = pipeline.build_replicas
-    pipeline.build_replicas = lambda run: replicas.extend(real_build(run)) or replicas
+    real_build = wiring.build_replicas
+    wiring.build_replicas = lambda run: replicas.extend(real_build(run)) or replicas
     # Through the command's path: tracing, cross-rank interval tables, the final gather.
     out = out_dir / f"out{info.rank}"
     cfg = small_cfg(data_dir, out, steps=4, profile_interval=0.2, log_every=1)

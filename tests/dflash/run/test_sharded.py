@@ -147,7 +147,7 @@ def test_a_signal_between_gathers_keeps_the_newest_checkpoint(tmp_path):
 
     from dflash.pipeline.distributed import DistInfo
     from dflash.run.checkpoint import CheckpointError
-    from dflash.run.pipelined import _checkpoint_after_signal
+    from dflash.run.outcome import _checkpoint_after_signal
 
     def not_gathered() -> dict:
         raise CheckpointError("step 7: the sharded drafter's state was last gathered at step 6")
