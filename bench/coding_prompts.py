@@ -2,7 +2,7 @@
 training prompts made from the Python standard library's own functions, and HumanEval's
 164 problems as held-out evaluation prompts, both as chat JSONL in the same wording.
 
-    python bench/coding_prompts.py train OUT.jsonl [--count N] [--seed S]
+    python bench/coding_prompts.py train OUT.jsonl [--count N] [--seed S] [--packages]
     python bench/coding_prompts.py humaneval OUT.jsonl
 
 A training prompt is a stdlib function's (or public method's) signature and docstring,
@@ -56,10 +56,22 @@ def _stub(node: ast.FunctionDef, source: str) -> str | None:
 
 
 def stdlib_functions() -> list[str]:
-    root = Path(sysconfig.get_paths()["stdlib"])
+    return _functions(Path(sysconfig.get_paths()["stdlib"]), ("idlelib", "site-packages"))
+
+
+def package_functions() -> list[str]:
+    """The same stubs from the packages installed beside this python (the project's
+    pinned environment: torch, numpy, transformers, ...), for more prompts than the
+    standard library's ~3,500."""
+    # The project's environment chains venvs (bootstrap.sh): every site-packages on the path.
+    roots = dict.fromkeys(Path(p) for p in sys.path if Path(p).name == "site-packages")
+    return [stub for root in roots if root.is_dir() for stub in _functions(root, ())]
+
+
+def _functions(root: Path, skip: tuple[str, ...]) -> list[str]:
     stubs = []
     for path in sorted(root.rglob("*.py")):
-        if any(part in ("test", "tests", "idlelib", "site-packages") for part in path.parts):
+        if any(part in ("test", "tests", *skip) for part in path.relative_to(root).parts):
             continue
         try:
             source = path.read_text(encoding="utf-8")
@@ -98,12 +110,23 @@ def main() -> None:
     parser.add_argument("output", type=Path)
     parser.add_argument("--count", type=int, default=600)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--packages",
+        action="store_true",
+        help="after the standard library's stubs, the installed packages' (the first "
+        "--count prompts stay those of a run without it, so a larger set extends a smaller)",
+    )
     args = parser.parse_args()
     if args.which == "humaneval":
         codes = humaneval_problems()
     else:
         codes = stdlib_functions()
         random.Random(args.seed).shuffle(codes)
+        if args.packages:
+            seen = set(codes)
+            more = [c for c in dict.fromkeys(package_functions()) if c not in seen]
+            random.Random(args.seed).shuffle(more)
+            codes += more
         codes = codes[: args.count]
     args.output.write_text("".join(_message(code) + "\n" for code in codes))
     print(f"{len(codes)} prompts in {args.output}")
