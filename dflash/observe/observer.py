@@ -226,7 +226,7 @@ class ExportProblems:
     that fails)."""
 
     def __init__(self, log: Log, rank: int = 0) -> None:
-        self.log = getattr(log, "live", log)  # a HeldLog would hold it until the run starts
+        self.log = getattr(log, "live", log)  # a BufferedLog would hold it until the run starts
         self.prefix = "telemetry: " if rank == 0 else f"telemetry (rank {rank}): "
         self.stream: IO[str] | None = None
 

@@ -218,20 +218,20 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Log = say) -> Run:
     start_s = time.perf_counter()
     output_dir = Path(cfg.run.output_dir)
     resume = checkpoint_to_resume(cfg, output_dir)  # before minutes on the target
-    warm = warm_start(cfg, resuming=resume is not None)
+    init_from = warm_start(cfg, resuming=resume is not None)
     check_sizes_before_work(cfg, placement.drafter)
     if cfg.run.eval_engine == "vllm" and cfg.run.eval_prompts:
         check_vllm_command(cfg.run.vllm_command)  # not after hours of training
     features = feature_source(cfg)
     with tracing.phase(names.DATA_PREPARE):
-        early = rows_before_target(cfg, features, log)
+        before_target = rows_before_target(cfg, features, log)
 
     def checks(target: TargetModel) -> None:
         check_draft_vocab(cfg, target)
         # A bad explicit id fails here, before the data; none at all is chosen from the data.
         target.needs_mask_from_data(cfg.drafter.mask_token_id)
-        if warm is not None:
-            check_fits_target(warm[1], target, f"--init-from {warm[0]}")
+        if init_from is not None:
+            check_fits_target(init_from[1], target, f"--init-from {init_from[0]}")
 
     # A target that never runs while training keeps its weights in host memory (the
     # drafter copies the embedding and LM head it shares) until the final evaluation.
@@ -250,11 +250,11 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Log = say) -> Run:
     if warning is not None:
         log(warning)
     with tracing.phase(names.DATA_PREPARE):
-        train, heldout = training_rows(cfg, target, log, features, early)
+        train, heldout = training_rows(cfg, target, log, features, before_target)
     with tracing.phase(names.DRAFTER_BUILD):
         vocab = choose_draft_vocab(cfg, target, train, log)
         drafter = build_drafter(cfg, target, layer_ids, placement.drafter, vocab)
-        if cfg.drafter.init == "target" and warm is None and resume is None:
+        if cfg.drafter.init == "target" and init_from is None and resume is None:
             copied = start_from_target(drafter, target)
             which = f"layers {copied[0]}-{copied[-1]}" if len(copied) > 1 else f"layer {copied[0]}"
             log(
@@ -272,10 +272,10 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Log = say) -> Run:
     evaluated = run.decoding_target
     run.evals = TrainingEvals.for_run(cfg.run, evaluated, drafter, heldout, skipped, layer_ids)
     log(run.mask_token.describe())
-    if warm is not None:
-        init_drafter_from(drafter, warm[0])
-        run.initialized_from = warm[0]
-        log(f"drafter initialized from {warm[0]}")
+    if init_from is not None:
+        init_drafter_from(drafter, init_from[0])
+        run.initialized_from = init_from[0]
+        log(f"drafter initialized from {init_from[0]}")
     if resume is not None:
         check_same_data(cfg, lambda: run.data_fingerprint, resume.path)
         run.step, run.next_batch_index = resume.step, resume.next_batch_index

@@ -38,7 +38,7 @@ from dflash.offline.sample_reader import SampleCacheReader
 from dflash.offline.spool import Spool, SpoolError, parse_size
 from dflash.run import streamed
 from dflash.run.estimate import EstimateError, device_memory_bytes, geometry_for_spec
-from dflash.run.progress import HeldLog
+from dflash.run.progress import BufferedLog
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.model import TargetModel, TargetOutput, choose_target_layers
 
@@ -100,7 +100,7 @@ class FeatureSource:
         return resolve_layer_ids(self.cfg, target.num_layers)
 
     def rows(
-        self, target: TargetModel, rows_per_batch: int, held: HeldLog
+        self, target: TargetModel, rows_per_batch: int, held: BufferedLog
     ) -> tuple[PackedDataset, PackedDataset]:
         raise NotImplementedError(f"{type(self).__name__} has no rows of its own")
 
@@ -156,7 +156,7 @@ def _quiet(_: str) -> None:
     pass
 
 
-class _FromDisk(FeatureSource):
+class _HiddenCacheSource(FeatureSource):
     """Features read from --hidden-cache by one reader thread: the target's decoder
     never runs while training, and its weights stay on the host."""
 
@@ -175,7 +175,7 @@ class _FromDisk(FeatureSource):
         return lambda: 0 if self._reader is None else self._reader.bytes_read
 
 
-class BatchCache(_FromDisk):
+class BatchCache(_HiddenCacheSource):
     """--hidden-cache of `cache-hidden`: each batch's features as cached, refused before
     any thread starts for a cache of another run, or one too short."""
 
@@ -200,7 +200,7 @@ class BatchCache(_FromDisk):
         return [(torch.device("cpu"), reader.read)]
 
 
-class SampleFiles(_FromDisk):
+class SampleFiles(_HiddenCacheSource):
     """--hidden-cache of per-sample files (speculators' layout, or `cache-hidden
     --format speculators`): the samples are the rows and the target's decoder never runs
     while training. Only its embedding, LM head and final norm load, unless the run
@@ -256,7 +256,7 @@ class SampleFiles(_FromDisk):
         return self.cache.layer_ids
 
     def rows(
-        self, target: TargetModel, rows_per_batch: int, held: HeldLog
+        self, target: TargetModel, rows_per_batch: int, held: BufferedLog
     ) -> tuple[PackedDataset, PackedDataset]:
         d = self.cfg.data
         train, heldout, self._rows = sample_datasets(
@@ -341,8 +341,11 @@ class StreamedSamples(FeatureSource):
                 "vLLM's file is converted"
             )
         self.output_dir = Path(cfg.run.output_dir)
-        given = cfg.target.spool_dir
-        self.spool = Spool(Path(given) if given else self.output_dir / "spool")
+        # Under torchrun: this rank's rows, engine, spool folder, plan and log.
+        self.rank, self.world_size = streamed.rank_and_world()
+        self.plan, self.log = streamed.rank_files(self.output_dir, self.rank, self.world_size)
+        given = Path(cfg.target.spool_dir) if cfg.target.spool_dir else self.output_dir / "spool"
+        self.spool = Spool(given, rank=self.rank if self.world_size > 1 else None)
         try:  # last: it starts a python (seconds)
             streamed.check_vllm_python(cfg.target.vllm_python)
         except SpoolError:
@@ -359,7 +362,8 @@ class StreamedSamples(FeatureSource):
         log(
             f"target engine: vLLM ({self.cfg.target.vllm_python}) writes the hidden states "
             f"into {self.spool.directory}, at most {self.bound:,} bytes; its output in "
-            f"{self.output_dir / streamed.LOG_NAME}; the target's decoder layers never run here"
+            f"{self.log}; the target's decoder layers never run here"
+            + (f" (rank {self.rank}'s, one engine per rank)" if self.world_size > 1 else "")
         )
 
     def forwards(
@@ -372,13 +376,15 @@ class StreamedSamples(FeatureSource):
         all_devices: bool = True,
     ) -> list[tuple[torch.device, Forward]]:
         first, last = batches
-        order, lines = streamed.stream_plan(dataset, first, first if last is None else last)
-        plan = self.output_dir / streamed.SAMPLES_NAME
+        last = first if last is None else last
+        order, lines = streamed.stream_plan(dataset, first, last, self.rank, self.world_size)
+        plan = self.plan
         plan.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(plan, "".join(line + "\n" for line in lines))
         where = self.spool.directory
         command = streamed.engine_command(self.cfg, target, layer_ids, plan, where, self.bound)
-        self._engine = streamed.Engine(command, self.output_dir / streamed.LOG_NAME)
+        env = streamed.engine_env(placement.targets)
+        self._engine = streamed.Engine(command, self.log, env)
         norm = target.final_norm() if self.cfg.loss.use_soft_labels else None
         dtype, width = target.embed_tokens.weight.dtype, target.hidden_size
         self._reader = streamed.SpoolReader(

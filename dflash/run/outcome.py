@@ -88,7 +88,7 @@ def end_training(
     if signum is not None:
         name = signal.Signals(signum).name
         saved = _checkpoint_after_signal(run, info, name, stuck, log)
-        extra = _extra(figures, close())
+        extra = _summary_sections(figures, close())
         summary = build_summary(run, stats, started_s, interrupted=name, extra=extra)
         if saved:
             write_summary(run, summary, log)
@@ -103,19 +103,19 @@ def end_training(
         evaluation = complete_run(run, lambda n: tracing.phase(n, level="step", links=links), log)
     except Interrupted as exc:  # during the final save or evaluation: record what is known
         stopped_in = exc.describe()
-        extra = _extra(figures, close())
+        extra = _summary_sections(figures, close())
         summary = build_summary(run, stats, started_s, interrupted=stopped_in, extra=extra)
         write_summary(run, summary, log)
         _write_report(run.output_dir, log)
         raise
-    extra = _extra(figures, close())
+    extra = _summary_sections(figures, close())
     summary = build_summary(run, stats, started_s, evaluation=evaluation, extra=extra)
     write_summary(run, summary, log)
     _write_report(run.output_dir, log)
     return summary
 
 
-def _extra(figures: dict[str, Any], telemetry: dict[str, Any] | None) -> dict[str, Any]:
+def _summary_sections(figures: dict[str, Any], telemetry: dict[str, Any] | None) -> dict[str, Any]:
     if telemetry is None:
         return {"pipeline": figures}
     telemetry = dict(telemetry)

@@ -24,7 +24,7 @@ from dflash.pipeline.distributed import destroy_distributed
 from dflash.pipeline.queues import PipelineError
 from dflash.run.folder import earlier_run
 from dflash.run.outcome import end_training, log_failure
-from dflash.run.start import Start, start_run
+from dflash.run.start import RankSetup, start_run
 from dflash.run.wiring import share_cpu_cores, wire_run
 from dflash.signals import Interrupted, SignalStop, TrainingInterrupted
 
@@ -87,7 +87,7 @@ def run_pipeline(
     cfg: TrainConfig,
     log: Log = say,
     *,
-    start: Start | None = None,
+    start: RankSetup | None = None,
     observer: Observer | None = None,
     progress_stream: IO[str] | None = None,
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,

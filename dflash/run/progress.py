@@ -20,7 +20,7 @@ from dflash.objective.noise import NoiseSchedule
 from dflash.observe.report import tau_notes
 
 
-class HeldLog:
+class BufferedLog:
     """A log whose lines wait for `release`: what a run's start-up says about its target
     and data is printed once every check has passed, so that a refused run prints its
     one `Error:` line alone (a run that fails drops them with it). `live` is the log
@@ -46,7 +46,7 @@ class HeldLog:
 
 
 def live_log(log: Log) -> Callable[[str], None]:
-    """The log that prints at once: `log` itself unless it holds its lines (HeldLog)."""
+    """The log that prints at once: `log` itself unless it holds its lines (BufferedLog)."""
     return getattr(log, "live", log)
 
 

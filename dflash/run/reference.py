@@ -18,7 +18,7 @@ from dflash.run.build import build_run
 from dflash.run.finish import finish_run
 from dflash.run.progress import Progress
 from dflash.run.replicas import move_target_out, target_forwards
-from dflash.run.start import Start, log_startup, start_run
+from dflash.run.start import RankSetup, log_startup, start_run
 from dflash.train.step import null_phase
 
 
@@ -36,7 +36,7 @@ def train_reference(
 
 def _train(
     cfg: TrainConfig,
-    start: Start,
+    start: RankSetup,
     log: Log,
     progress_stream: IO[str] | None,
     started_s: float,

@@ -169,7 +169,9 @@ def move_target_out(target_out: TargetOutput, device: torch.device) -> TargetOut
     )
 
 
-def mover(device: torch.device) -> Callable[[Any, TargetOutput], tuple[Any, TargetOutput]]:
+def move_features_to(
+    device: torch.device,
+) -> Callable[[Any, TargetOutput], tuple[Any, TargetOutput]]:
     """The drafter loop's move: the batch stays on the host (the step moves it after
     drawing its anchors there), the features go to `device`."""
     return lambda batch, target_out: (batch, move_target_out(target_out, device))

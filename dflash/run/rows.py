@@ -23,25 +23,25 @@ from dflash.data.tokenizer import Tokenizer
 from dflash.log import Log, say
 from dflash.offline.regenerate import embedded_regeneration, regenerated_corpus
 from dflash.run.features import FeatureSource
-from dflash.run.progress import HeldLog, live_log
+from dflash.run.progress import BufferedLog, live_log
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.geometry import TargetError
 from dflash.target.model import TargetModel, check_mask_token_unused
 
 
 @dataclass
-class EarlyRows:
+class RowsBeforeTarget:
     """A data file's rows, read and checked from the target's tokenizer before its
     weights load."""
 
     train: PackedDataset
     heldout: PackedDataset
-    held: HeldLog  # the data's report, printed once the mask token is chosen too
+    held: BufferedLog  # the data's report, printed once the mask token is chosen too
 
 
 def rows_before_target(
     cfg: TrainConfig, features: FeatureSource, log: Log = say
-) -> EarlyRows | None:
+) -> RowsBeforeTarget | None:
     """Data that cannot train (no learnable tokens, most conversations dropped, an
     explicit mask id it uses) is refused before the target's weights load, minutes for a
     large one: a data file's rows need only the tokenizer. None where the rows need the
@@ -54,10 +54,10 @@ def rows_before_target(
     except TargetError:
         return None
     use_chat_kwargs(tokenizer, cfg.target.template_kwargs)
-    held = HeldLog(log)
+    held = BufferedLog(log)
     train, heldout = _read_rows(cfg, tokenizer, held, log)
     _check_rows(cfg, train, heldout, None)
-    return EarlyRows(train, heldout, held)
+    return RowsBeforeTarget(train, heldout, held)
 
 
 def training_rows(
@@ -65,19 +65,19 @@ def training_rows(
     target: TargetModel,
     log: Log = say,
     features: FeatureSource | None = None,
-    early: EarlyRows | None = None,
+    before_target: RowsBeforeTarget | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
     """Train and held-out rows of a run (`cache-hidden` cuts its batches here too); an
     explicit mask token the data uses is refused, none at all is chosen from the data.
     `--data embedded` trains on the target's own continuations of the corpus
     (regenerated once, cached); `features` that hold rows (per-sample hidden-state
-    files) give them; `early` rows were read and checked before the target loaded
+    files) give them; `before_target` rows were read and checked before the target loaded
     (`rows_before_target`): only the mask token is left to choose."""
-    if early is not None:
-        train, heldout, held = early.train, early.heldout, early.held
+    if before_target is not None:
+        train, heldout, held = before_target.train, before_target.heldout, before_target.held
         _mask_from_data(cfg, target, train, heldout)
     else:
-        held = HeldLog(log)  # the data's report, once the data can train: else the Error alone
+        held = BufferedLog(log)  # the data's report, once the data can train: else the Error alone
         source = features if features is not None and features.has_rows else None
         train, heldout = _read_rows(cfg, target.tokenizer, held, log, target, source)
         _check_rows(cfg, train, heldout, target)
@@ -88,7 +88,7 @@ def training_rows(
 def _read_rows(
     cfg: TrainConfig,
     tokenizer: Tokenizer,
-    held: HeldLog,
+    held: BufferedLog,
     log: Log,
     target: TargetModel | None = None,
     features: FeatureSource | None = None,

@@ -1,7 +1,7 @@
 """Starting a run: where this process stands in it, decided once, and its start-up lines.
 
 `start_run` is the one place a process decides its rank and devices, locks the output
-folder and joins the process group; config.json is written by `Start.begin_training`,
+folder and joins the process group; config.json is written by `RankSetup.begin_training`,
 once every check has passed.
 """
 
@@ -21,7 +21,7 @@ from dflash.run.progress import format_loss_config, format_run_config
 
 
 @dataclass(frozen=True)
-class Start:
+class RankSetup:
     """Where this process stands in a run, decided once: its rank, its devices and (rank
     0) the lock on the output folder, held until `end`."""
 
@@ -39,7 +39,7 @@ class Start:
             self.lock.release()
 
 
-def start_run(cfg: TrainConfig, info: DistInfo | None = None) -> Start:
+def start_run(cfg: TrainConfig, info: DistInfo | None = None) -> RankSetup:
     """Once per run and process: the rank (torchrun's variables unless `info` is given),
     the rank's devices, the output folder's lock (rank 0: a folder that cannot be written,
     is in use or holds another run is named before anything else; nothing is written into
@@ -55,7 +55,7 @@ def start_run(cfg: TrainConfig, info: DistInfo | None = None) -> Start:
         if lock is not None:
             lock.release()
         raise
-    return Start(info, placement, lock)
+    return RankSetup(info, placement, lock)
 
 
 def log_startup(run: Run, log: Log, devices: str, telemetry_line: str | None = None) -> None:

@@ -29,9 +29,9 @@ from dflash.pipeline.queues import StageGroup
 from dflash.pipeline.stages import Pipeline
 from dflash.run.bookkeeping import StepBookkeeping, step_metrics, trainer_step
 from dflash.run.build import Run, build_run
-from dflash.run.progress import HeldLog, Progress
-from dflash.run.replicas import build_replicas, mover, target_forwards
-from dflash.run.start import Start, log_startup
+from dflash.run.progress import BufferedLog, Progress
+from dflash.run.replicas import build_replicas, move_features_to, target_forwards
+from dflash.run.start import RankSetup, log_startup
 from dflash.train.step_metrics import StageRates
 
 
@@ -50,7 +50,7 @@ class WiredRun:
 def wire_run(
     cfg: TrainConfig,
     log: Log,
-    start: Start,
+    start: RankSetup,
     observer: Observer | None,
     progress_stream: IO[str] | None,
     reporting: Reporting | None = None,
@@ -59,7 +59,7 @@ def wire_run(
     its start-up lines said and config.json written (rank 0)."""
     info, placement = start.info, start.placement
     quiet = log if info.is_main else (lambda _: None)
-    held = HeldLog(quiet)  # what start-up says, once every check below has passed
+    held = BufferedLog(quiet)  # what start-up says, once every check below has passed
     run = build_run(cfg, placement, held)
     num_drafters = len(placement.drafters)
     check_same_across_ranks(num_drafters, "the number of drafter devices", placement.drafter)
@@ -94,7 +94,7 @@ def wire_run(
     for i, r in enumerate(replicas):  # replica 0 reads the figures and profiles its steps
         first = i == 0
         step = trainer_step(r.trainer, metrics if first else None, window if first else None)
-        steps.append((r.device, step, mover(r.device)))
+        steps.append((r.device, step, move_features_to(r.device)))
     pipe = Pipeline.build(
         make_batch=run.train_data.batch,
         indices=indices,
