@@ -31,7 +31,7 @@ from dflash.config.settings import config_from_options
 from dflash.data.datasets import Batch
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.run.estimate import estimate_for_config
-from dflash.run.features import capture_fn
+from dflash.run.target_features import capture_fn
 from dflash.target.geometry import TargetGeometry
 from dflash.target.load import target_dtype
 from dflash.target.synthetic import (

@@ -30,8 +30,8 @@ from dflash.config.settings import config_from_options  # noqa: E402
 from dflash.offline.sample_cache import open_sample_cache, sample_datasets  # noqa: E402
 from dflash.offline.sample_reader import SampleCacheReader  # noqa: E402
 from dflash.offline.sample_writer import write_sample_cache  # noqa: E402
-from dflash.run.features import resolve_layer_ids  # noqa: E402
 from dflash.run.rows import training_rows  # noqa: E402
+from dflash.run.target_features import resolve_layer_ids  # noqa: E402
 from dflash.target import load as target_load  # noqa: E402
 
 

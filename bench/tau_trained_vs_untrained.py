@@ -20,8 +20,8 @@ from dflash.data.datasets import build_datasets, heldout_prompts
 from dflash.drafter.io import load_drafter
 from dflash.eval.evaluate import evaluate_tau
 from dflash.run.build import build_drafter
-from dflash.run.features import resolve_layer_ids
 from dflash.run.reference import train_reference
+from dflash.run.target_features import resolve_layer_ids
 
 BAR = 1.5
 

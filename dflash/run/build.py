@@ -28,12 +28,13 @@ from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.drafter.vocab import DraftVocab, check_draft_vocab_size, select_draft_vocab
 from dflash.log import Log, say
 from dflash.run.engine import check_vllm_command
-from dflash.run.estimate import check_seq_len, check_sizes_before_work
 from dflash.run.evaluations import TrainingEvals
-from dflash.run.features import FeatureSource, feature_source
+from dflash.run.features import feature_source
 from dflash.run.progress import live_log
 from dflash.run.resume import check_same_data, checkpoint_to_resume, restore, warm_start
 from dflash.run.rows import rows_before_target, training_rows
+from dflash.run.size_checks import check_seq_len, check_sizes_before_work
+from dflash.run.target_features import FeatureSource
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.model import MaskToken, TargetModel, frozen_parts, last_layer_warning
 from dflash.train.step import DrafterTrainer, PhaseFn, null_phase

@@ -39,8 +39,8 @@ from dflash.offline.sample_cache import SAMPLES_DIR, sample_files
 from dflash.offline.sample_writer import write_sample_cache, write_sample_plan
 from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateError, RegenerateSettings
 from dflash.run.build import open_target, use_template_kwargs
-from dflash.run.features import FeatureSource
 from dflash.run.rows import training_rows
+from dflash.run.target_features import FeatureSource
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.served import CompletionClient, ServerSettings, TokenizerTarget
 

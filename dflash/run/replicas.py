@@ -1,6 +1,6 @@
-"""The model objects of each device: the target stage's forwards (dflash.run.features),
-one drafter replica (with its trainer) per drafter thread, and the copy of target
-features between them.
+"""The model objects of each device: the target stage's forwards
+(dflash.run.target_features), one drafter replica (with its trainer) per drafter
+thread, and the copy of target features between them.
 
 Replica 0 and target 0 are the run's own objects; the others are built here on the
 devices of the run's `Placement`.
@@ -33,7 +33,7 @@ from dflash.run.checkpoint import (
     gather_full_state,
     load_full_optimizer_state,
 )
-from dflash.run.features import Forward
+from dflash.run.target_features import Forward
 from dflash.target.model import TargetOutput, frozen_parts
 from dflash.train.step import DrafterTrainer
 

@@ -22,8 +22,8 @@ from dflash.data.sources import DataError
 from dflash.data.tokenizer import Tokenizer
 from dflash.log import Log, say
 from dflash.offline.regenerate import embedded_regeneration, regenerated_corpus
-from dflash.run.features import FeatureSource
 from dflash.run.progress import BufferedLog, live_log
+from dflash.run.target_features import FeatureSource
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.geometry import TargetError
 from dflash.target.model import TargetModel, check_mask_token_unused

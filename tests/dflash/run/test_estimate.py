@@ -13,13 +13,13 @@ from dflash.run.estimate import (
     GIB,
     EstimateError,
     StepShape,
-    check_sizes_before_work,
     estimate_for_config,
     estimate_step,
     geometry_for_spec,
     shape_for_config,
     tokens_per_step,
 )
+from dflash.run.size_checks import check_sizes_before_work
 from dflash.target.geometry import TargetError, TargetGeometry
 from dflash.target.synthetic import QWEN3_8B
 from tests.dflash.app_fixtures import tiny_target  # noqa: F401 - fixture

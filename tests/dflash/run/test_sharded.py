@@ -18,7 +18,8 @@ import torch
 
 from dflash.run import pipelined as pipeline
 from dflash.run.checkpoint import load_checkpoint, resolve_checkpoint
-from dflash.run.estimate import EstimateError, check_sharding, dry_run_lines
+from dflash.run.estimate import EstimateError, dry_run_lines
+from dflash.run.size_checks import check_sharding
 from dflash.train.step import DrafterTrainer
 from tests.dflash.app_fixtures import (  # noqa: F401 - fixture
     script_env,

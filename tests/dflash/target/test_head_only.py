@@ -62,9 +62,9 @@ def test_training_from_files_loads_the_whole_target_only_to_evaluate(tmp_path, m
     assert summary["tau"] is not None
     # One that does not fit (here: no share of the host's memory may hold it), or a run
     # that does not evaluate, loads the head alone and trains to the same losses.
-    from dflash.run import features
+    from dflash.run import cached_features
 
-    monkeypatch.setattr(features, "HOST_SHARE", 0.0)
+    monkeypatch.setattr(cached_features, "HOST_SHARE", 0.0)
     head_losses, said, summary = train("head", "--eval-prompts", "2")
     assert "only its embedding, LM head and final norm are loaded" in said
     assert summary["tau"] is None and "without its decoder" in summary["eval_skipped"]

@@ -18,8 +18,8 @@ from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.objective.blocks import block_labels, build_blocks, select_anchors
 from dflash.objective.noise import NoiseSchedule
 from dflash.objective.reference import dflash_loss
-from dflash.run.features import capture_fn
 from dflash.run.finish import save_run_checkpoint
+from dflash.run.target_features import capture_fn
 from dflash.target import load as target_mod
 from dflash.target.tiny import TinyLM
 from dflash.train.step import DrafterTrainer, anchor_seed

@@ -1,0 +1,195 @@
+"""Features read from --hidden-cache: a batch cache written by `cache-hidden`, or
+per-sample hidden-state files (speculators' layout). The target's decoder never runs while
+training; a run from sample files loads the whole target only to evaluate where it fits
+(`evaluates_whole_target`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash import names
+from dflash.config.devices import Placement
+from dflash.config.settings import DataConfig, TrainConfig
+from dflash.data.datasets import PackedDataset, pad_id
+from dflash.offline.hidden_cache import HiddenCacheReader, open_hidden_cache
+from dflash.offline.sample_cache import (
+    SampleCache,
+    SampleCacheError,
+    SampleRows,
+    SkipCounts,
+    open_sample_cache,
+    sample_datasets,
+)
+from dflash.offline.sample_reader import SampleCacheReader
+from dflash.run.estimate import EstimateError, device_memory_bytes, geometry_for_spec
+from dflash.run.progress import BufferedLog
+from dflash.run.target_features import FeatureSource, Forward, Log
+from dflash.target.model import TargetModel
+
+
+class _HiddenCacheSource(FeatureSource):
+    """Features read from --hidden-cache by one reader thread: the target's decoder
+    never runs while training, and its weights stay on the host."""
+
+    runs_target = False
+    target_phase = names.TARGET_READ
+
+    def __init__(self, cfg: TrainConfig, directory: Path) -> None:
+        super().__init__(cfg)
+        self.directory = directory
+        self._reader: HiddenCacheReader | SampleCacheReader | None = None
+
+    def load_device(self, placement: Placement) -> torch.device:
+        return torch.device("cpu")
+
+    def bytes_counter(self) -> Callable[[], int] | None:
+        return lambda: 0 if self._reader is None else self._reader.bytes_read
+
+
+class BatchCache(_HiddenCacheSource):
+    """--hidden-cache of `cache-hidden`: each batch's features as cached, refused before
+    any thread starts for a cache of another run, or one too short."""
+
+    def forwards(
+        self,
+        target: TargetModel,
+        layer_ids: list[int],
+        dataset: PackedDataset,
+        placement: Placement,
+        batches: tuple[int, int | None],
+        all_devices: bool = True,
+    ) -> list[tuple[torch.device, Forward]]:
+        # Soft labels come from the cached final-norm states, as online: never logits.
+        soft = self.cfg.loss.use_soft_labels
+        args = {"target": target, "dataset": dataset, "layer_ids": layer_ids}
+        reader = open_hidden_cache(self.directory, **args, with_final_norm=soft)
+        first, last = batches
+        if last is not None:
+            reader.covers(last)
+            reader.verify(first, last)
+        self._reader = reader
+        return [(torch.device("cpu"), reader.read)]
+
+
+class SampleFiles(_HiddenCacheSource):
+    """--hidden-cache of per-sample files (speculators' layout, or `cache-hidden
+    --format speculators`): the samples are the rows and the target's decoder never runs
+    while training. Only its embedding, LM head and final norm load, unless the run
+    evaluates in process and the whole target fits in half the host's memory: then it
+    loads whole, for the evaluations alone (τ while training, and the final one)."""
+
+    has_rows = True
+
+    def __init__(self, cfg: TrainConfig, directory: Path) -> None:
+        super().__init__(cfg, directory)
+        self.head_only = not evaluates_whole_target(cfg)
+        if cfg.data.packing != "docs":
+            raise SampleCacheError(
+                f"--hidden-cache {directory} holds one file per sample: each is a document "
+                "of its own, so --packing must be docs"
+            )
+        self._cache: SampleCache | None = None
+        self._rows: SampleRows | None = None
+
+    @property
+    def cache(self) -> SampleCache:
+        if self._cache is None:
+            raise RuntimeError("SampleFiles.open must run before the samples are read")
+        return self._cache
+
+    def open(self, target: TargetModel, log: Log) -> None:
+        d = self.cfg.data
+        self._cache = open_sample_cache(
+            self.directory,
+            target=target,
+            layer_ids=self.cfg.target.layer_ids,
+            soft_labels=self.cfg.loss.use_soft_labels,
+            strict=d.strict_cache,
+        )
+        log(self._cache.describe())
+        if target.head_only:
+            log(
+                f"target {target.spec}: only its embedding, LM head and final norm are loaded "
+                "(the decoder stays unallocated); evaluation needs the whole target: run "
+                "`dflash-train eval` where it fits"
+            )
+        elif self.cfg.run.eval_prompts:
+            log(
+                f"target {target.spec}: loaded whole for the evaluations alone (it fits in "
+                "half the host's memory); its decoder never runs for training rows "
+                "(--eval-prompts 0 loads only its embedding, LM head and final norm)"
+            )
+        if d.source != DataConfig.source:
+            unread = f"--data {d.source} is not read"
+            log(f"data: the rows are the samples of {self.directory}; {unread}")
+
+    def layer_ids(self, target: TargetModel) -> list[int]:
+        return self.cache.layer_ids
+
+    def rows(
+        self, target: TargetModel, rows_per_batch: int, held: BufferedLog
+    ) -> tuple[PackedDataset, PackedDataset]:
+        d = self.cfg.data
+        train, heldout, self._rows = sample_datasets(
+            self.cache,
+            seq_len=d.seq_len,
+            batch_size=rows_per_batch,
+            seed=self.cfg.run.seed,
+            heldout_fraction=d.heldout_fraction,
+            pad_id=pad_id(target.tokenizer),
+            log=held,
+        )
+        return train, heldout
+
+    def forwards(
+        self,
+        target: TargetModel,
+        layer_ids: list[int],
+        dataset: PackedDataset,
+        placement: Placement,
+        batches: tuple[int, int | None],
+        all_devices: bool = True,
+    ) -> list[tuple[torch.device, Forward]]:
+        if self._rows is None:
+            raise RuntimeError("SampleFiles.rows must run before the target stage is built")
+        norm = target.final_norm() if self.cfg.loss.use_soft_labels else None
+        self._reader = SampleCacheReader(self.cache, dataset, self._rows, norm)
+        return [(torch.device("cpu"), self._reader.read)]
+
+    def eval_skipped(self, target: TargetModel) -> str | None:
+        return "the target was loaded without its decoder" if target.head_only else None
+
+    def summary(self) -> dict[str, Any]:
+        if self._cache is None:
+            return {}
+        return {"hidden_cache_skipped": dataclasses.asdict(self._cache.skipped)}  # by why
+
+    def skipped_counter(self) -> Callable[[], dict[str, int]] | None:
+        def counts() -> dict[str, int]:  # every reason, zero before the cache opens
+            return dataclasses.asdict(SkipCounts() if self._cache is None else self._cache.skipped)
+
+        return counts
+
+
+HOST_SHARE = 0.5  # of the host's memory a whole target may take beside the training
+
+
+def evaluates_whole_target(cfg: TrainConfig) -> bool:
+    """Whether a run from sample files loads its whole target: it evaluates in process
+    and the target's weights (from its config) fit in HOST_SHARE of the host's memory.
+    Without the whole target there is no τ while training and no final evaluation."""
+    if not cfg.run.eval_prompts or cfg.run.eval_engine != "in-process":
+        return False
+    try:
+        geometry, _ = geometry_for_spec(cfg.target.spec)
+    except EstimateError:
+        return False
+    host = device_memory_bytes("cpu")
+    width = 2 if cfg.pipeline.precision == "bf16" else 4
+    return host is not None and geometry.params() * width <= HOST_SHARE * host
