@@ -16,6 +16,11 @@ are tested against each other in tests/dflash/offline/test_spool.py):
                                       final name is whole
   SPOOL/.vllm-states/                 the engine's own files before they are converted
 
+  Under torchrun each rank is a run of its own over its own rows, in SPOOL/rank-{r:05d}/
+  (the layout above, its .lock held by rank r), and every rank holds SPOOL/.lock shared:
+  the ranks of one run share SPOOL, while a second run is refused by the rank folder it
+  would take, or by SPOOL/.lock when one of the two runs is a single process.
+
   The spool's bytes are the sizes of every file under SPOOL/hidden_states and
   SPOOL/.vllm-states. The writer starts an engine call only when the bytes already there
   plus what the call writes (its raw files, and one converted file at a time) stay within
@@ -42,6 +47,7 @@ __all__ = ["EngineDied", "Spool", "SpoolError", "parse_size", "sample_bytes", "s
 SAMPLES_DIR = "hidden_states"
 RAW_DIR = ".vllm-states"
 LOCK = ".lock"
+RANK_DIR = "rank-{:05d}"
 # safetensors' JSON header of three tensors, with room to spare: the bound counts it.
 HEADER_BYTES = 512
 
@@ -84,30 +90,44 @@ class Spool:
     """The reader's side: the spool directory, locked for this run, emptied of what an
     earlier run left; `wait` for the n-th sample's file, `remove` it once read."""
 
-    def __init__(self, directory: Path, flag: str = "--spool-dir") -> None:
-        self.directory = directory
+    def __init__(self, directory: Path, flag: str = "--spool-dir", rank: int | None = None) -> None:
+        """`rank`: this torchrun rank's folder of `directory` (None: one process, the
+        whole of it)."""
+        self._lock_fds: list[int] = []
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:
-            raise SpoolError(f"{flag} {directory} is not writable ({err.strerror})") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise SpoolError(
-                f"{flag} {directory} is in use by another run (it holds {directory / LOCK})"
-            ) from None
-        self._lock_fd: int | None = fd
-        if not os.access(directory, os.W_OK):
+            if rank is not None:
+                self._lock(directory, fcntl.LOCK_SH, flag)
+                directory = directory / RANK_DIR.format(rank)
+            self._lock(directory, fcntl.LOCK_EX, flag)
+        except SpoolError:
             self.close()
-            raise SpoolError(f"{flag} {directory} is not writable")
+            raise
+        self.directory = directory
         # Files of an earlier run that ended: they are not this run's samples.
         for sub in (SAMPLES_DIR, RAW_DIR):
             for path in (directory / sub).glob("*"):
                 path.unlink(missing_ok=True)
         (directory / SAMPLES_DIR).mkdir(exist_ok=True)
         self.peak_bytes = 0  # the most the reader saw there, at each sample it took
+
+    def _lock(self, directory: Path, kind: int, flag: str) -> None:
+        """`directory`'s lock, held until `close`; refused (SpoolError) while another
+        run holds it in a kind that excludes `kind`."""
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise SpoolError(f"{flag} {directory} is not writable ({err.strerror})") from None
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SpoolError(
+                f"{flag} {directory} is in use by another run (it holds {directory / LOCK})"
+            ) from None
+        self._lock_fds.append(fd)
+        if not os.access(directory, os.W_OK):
+            raise SpoolError(f"{flag} {directory} is not writable")
 
     def wait(self, n: int, engine_error: Callable[[], str | None], poll_s: float = 0.01) -> Path:
         """The n-th sample's file, once whole; EngineDied when `engine_error` says why
@@ -135,6 +155,5 @@ class Spool:
         path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        while self._lock_fds:
+            os.close(self._lock_fds.pop())  # releases the flock

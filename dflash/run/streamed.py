@@ -9,6 +9,10 @@ tools/vllm/extract_hidden_states.py --spool-size runs over them in a process gro
 own (its output in OUTPUT_DIR/vllm-extract.log). The reader takes each sample's file from
 the spool, places it in its row, and deletes it. Whatever ends the run ends the group
 (SIGTERM, then SIGKILL), at the latest when the interpreter exits.
+
+Under torchrun every rank does all of this over its own batches (every world_size-th,
+dflash.pipeline.distributed's rule), with an engine of its own, on its target devices,
+in SPOOL/rank-{r:05d}, its plan and log named after its rank (`rank_files`).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import shlex
 import signal
 import subprocess
 import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import tracing
 from dflash import names
@@ -39,6 +45,59 @@ LOG_NAME = "vllm-extract.log"
 SAMPLES_NAME = "vllm-samples.jsonl"
 STOP_GRACE_S = 10.0
 LOG_TAIL_BYTES = 64 * 1024  # where the script's last line is, past vLLM's own output
+# What torchrun tells its workers (and TORCHELASTIC_*); the engine is no worker of the
+# run's process group, and vLLM reads some of these (LOCAL_RANK picks a worker's device
+# in its own visible ones; RANK and WORLD_SIZE its external launcher's).
+TORCHRUN_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(this rank, the number of ranks) of the run's process group; (0, 1) without one
+    (one process, or the reference loop, which never joins one)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def rank_files(output_dir: Path, rank: int, world_size: int) -> tuple[Path, Path]:
+    """(plan, engine log) of this rank in OUTPUT_DIR: every rank writes its own beside
+    the others' (ranks share --output-dir); one process keeps the plain names."""
+    if world_size == 1:
+        return output_dir / SAMPLES_NAME, output_dir / LOG_NAME
+    tag = f".rank-{rank:05d}"
+    plan = SAMPLES_NAME.removesuffix(".jsonl") + tag + ".jsonl"
+    return output_dir / plan, output_dir / (LOG_NAME.removesuffix(".log") + tag + ".log")
+
+
+def engine_env(
+    targets: Sequence[torch.device], env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The engine's environment: the run's without torchrun's variables, and with CUDA
+    targets, CUDA_VISIBLE_DEVICES naming them (through the run's own
+    CUDA_VISIBLE_DEVICES): the engine runs where the target would have run, this rank's
+    slice of the node's GPUs (--target-devices picks them)."""
+    out = {k: v for k, v in (os.environ if env is None else env).items()}
+    for name in [*TORCHRUN_ENV, *(k for k in out if k.startswith("TORCHELASTIC_"))]:
+        out.pop(name, None)
+    cuda = [d.index or 0 for d in targets if d.type == "cuda"]
+    if cuda:
+        seen = out.get("CUDA_VISIBLE_DEVICES")
+        visible = [v.strip() for v in seen.split(",")] if seen else None
+        names = [visible[i] if visible and i < len(visible) else str(i) for i in cuda]
+        out["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(names))
+    return out
 
 
 def check_vllm_python(python: str | None) -> None:
@@ -71,12 +130,18 @@ def smallest_sample_bytes(cfg: TrainConfig) -> int | None:
 class Engine:
     """The extraction script's process group; `stop` ends it, once."""
 
-    def __init__(self, command: list[str], log_path: Path) -> None:
+    def __init__(
+        self, command: list[str], log_path: Path, env: Mapping[str, str] | None = None
+    ) -> None:
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=None if env is None else dict(env),
             )
         self._lock = threading.Lock()
         atexit.register(self.stop)
@@ -215,9 +280,19 @@ def engine_span(sample: SampleFile, n: int) -> None:
 Order = dict[int, list[list[tuple[int, int, int]]]]
 
 
-def stream_plan(dataset: PackedDataset, first: int, last: int) -> tuple[Order, list[str]]:
-    """Per batch in [first, last], per row, its samples (n, start, length), n counting
-    the samples in the order training reads them; and samples.jsonl's lines for them.
+def rank_batches(first: int, last: int, rank: int, world_size: int) -> range:
+    """The batches `rank` reads, in order, of a run whose next batch is `first` and
+    whose rank's last is `last`: every world_size-th from first + rank, as
+    dflash.pipeline.distributed.rank_batch_indices hands them out."""
+    return range(first + rank, last + 1, world_size)
+
+
+def stream_plan(
+    dataset: PackedDataset, first: int, last: int, rank: int = 0, world_size: int = 1
+) -> tuple[Order, list[str]]:
+    """Per batch `rank` reads (`rank_batches`), per row, its samples (n, start, length),
+    n counting the samples in the order training reads them; and samples.jsonl's lines
+    for them.
 
     Each line names its batch, its place in it and its row (the engine ignores them;
     a row may come twice in one batch where epochs meet): a resumed run's plan starts at
@@ -225,7 +300,7 @@ def stream_plan(dataset: PackedDataset, first: int, last: int) -> tuple[Order, l
     each run read."""
     order: Order = {}
     lines: list[str] = []
-    for index in range(first, last + 1):
+    for index in rank_batches(first, last, rank, world_size):
         order[index] = []
         for slot, row in enumerate(dataset.row_indices(index)):
             segments = []

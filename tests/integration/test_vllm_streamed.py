@@ -2,13 +2,14 @@
 CPU build through a bounded spool give the losses of the same steps trained from the
 files the same extraction script writes; the spool stays within its bound while the
 run's states are more than 10x it; no process of vLLM outlives the run, whether it ends
-well, by SIGTERM, or by the engine dying.
+well, by SIGTERM, or by the engine dying; under torchrun each rank streams its own rows.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,11 @@ from vllm_fixtures import (  # noqa: F401 - fixtures
     vllm_python_fixture,
 )
 
+from dflash.config.settings import config_from_options
 from dflash.offline.spool import spool_bytes
+from dflash.run.features import FeatureSource
+from dflash.run.rows import rows_before_target
+from dflash.run.streamed import stream_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.vllm]
 
@@ -206,15 +211,16 @@ def test_sigterm_and_a_dead_engine_leave_no_vllm_process(
 RESUME_STEPS = 12
 
 
-def _plan(run: Path) -> list[dict[str, int]]:
+def _sample(line: dict) -> dict[str, int]:
+    return {k: line[k] for k in ("batch", "slot", "row", "start")} | {
+        "tokens": len(line["token_ids"])
+    }
+
+
+def _plan(run: Path, name: str = "vllm-samples.jsonl") -> list[dict[str, int]]:
     """The run's plan, one (batch, slot, row, start, tokens) per sample, in reading order
     (a row may fill two slots of a batch where epochs meet)."""
-    lines = (run / "vllm-samples.jsonl").read_text().splitlines()
-    return [
-        {k: json.loads(line)[k] for k in ("batch", "slot", "row", "start")}
-        | {"tokens": len(json.loads(line)["token_ids"])}
-        for line in lines
-    ]
+    return [_sample(json.loads(line)) for line in (run / name).read_text().splitlines()]
 
 
 def test_a_killed_engine_resumes_at_the_next_batch_and_trains_each_row_once(
@@ -337,3 +343,77 @@ def test_a_target_the_engine_cannot_load_is_one_line_naming_why(
     assert "the vLLM engine exited with code 1 (" in errors[0], errors[0]
     assert "NoSuchLM" in errors[0] and "vllm-extract.log" in errors[0], errors[0]
     print(f"a target vLLM cannot load: {errors[0]}")
+
+
+TORCHRUN_STEPS = 3
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_torchrun_ranks_stream_disjoint_rows_that_together_are_the_plan(
+    vllm_python: Path, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    # Two gloo ranks, an engine each over its own batches, each in its folder of one
+    # --spool-dir; as small as two CPU engines on this machine allow.
+    data = ["--target", str(smollm2_dir), "--data", str(_chats(tmp_path / "chats.jsonl"))]
+    options = DATA_OPTIONS[:]
+    options[options.index("--seq-len") + 1] = "64"
+    run, spool = tmp_path / "run", tmp_path / "spool"
+    args = [*data, *options, "--block-size", "4", "--num-anchors", "8", "--eval-prompts", "0"]
+    args += ["--target-engine", "vllm", "--vllm-python", str(vllm_python)]
+    args += ["--spool-size", str(SPOOL_SIZE), "--spool-dir", str(spool)]
+    args += ["--steps", str(TORCHRUN_STEPS), "--log-every", "1", "--output-dir", str(run)]
+    marker = new_marker()
+    env = vllm_env(marker) | {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        ["torchrun", "--standalone", "--nproc-per-node", "2"]
+        + ["-m", "dflash.cli", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        preexec_fn=die_with_parent,
+    )
+    try:
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        left = end_leftovers(marker)
+    logs = "".join(p.read_text()[-2000:] for p in sorted(run.glob("vllm-extract.rank-*.log")))
+    assert proc.returncode == 0, out[-4000:] + logs
+    assert not left, f"processes {left} of vLLM outlived the torchrun run"
+    plans = [_plan(run, f"vllm-samples.rank-{r:05d}.jsonl") for r in range(2)]
+    # Rank r reads batches r, r+2, ...: its plan holds those alone.
+    batches = [sorted({s["batch"] for s in plan}) for plan in plans]
+    assert batches == [[0, 2, 4], [1, 3, 5]], batches
+    keys = [{(s["batch"], s["slot"], s["start"]) for s in plan} for plan in plans]
+    assert not keys[0] & keys[1], "a sample in both ranks' plans"
+    # Together they are the plan of one process over batches 0..5, sample for sample.
+    cfg = config_from_options(
+        {
+            "target": str(smollm2_dir),
+            "data": str(tmp_path / "chats.jsonl"),
+            "seq_len": 64,
+            "batch_size": 2,
+            "drafter_layers": 2,
+            "seed": 0,
+            "packing": "docs",
+            "precision": "fp32",
+            "output_dir": str(tmp_path / "plan"),
+        }
+    )
+    rows = rows_before_target(cfg, FeatureSource(cfg), log=lambda _: None)
+    assert rows is not None
+    _, lines = stream_plan(rows.train, 0, 2 * TORCHRUN_STEPS - 1)
+    whole = [_sample(json.loads(line)) for line in lines]
+    together = plans[0] + plans[1]
+    assert sorted(together, key=str) == sorted(whole, key=str), "a sample skipped or altered"
+    # Each rank read its every sample: what it read is deleted, and nothing is left.
+    assert [spool_bytes(spool / f"rank-{r:05d}") for r in range(2)] == [0, 0]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["pipeline"]["world_size"] == 2 and summary["steps"] == TORCHRUN_STEPS
+    assert summary["spool_samples_read"] == len(plans[0]), (summary, len(plans[0]))
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, TORCHRUN_STEPS + 1)), steps
+    print(
+        f"torchrun x2: rank 0 read {len(plans[0])} samples of batches {batches[0]}, rank 1 "
+        f"{len(plans[1])} of {batches[1]}; together the {len(whole)} of one process's plan"
+    )

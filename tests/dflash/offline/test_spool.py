@@ -137,6 +137,34 @@ def test_one_run_per_spool_and_a_dead_engine_is_one_error(tmp_path: Path) -> Non
         Spool(blocker / "spool")
 
 
+def test_the_ranks_of_one_run_share_a_spool_and_a_second_run_is_refused(
+    tmp_path: Path,
+) -> None:
+    # torchrun's ranks each take a folder of their own under the spool, and the spool
+    # itself shared: a second run is refused whether it runs on ranks or alone.
+    where = tmp_path / "spool"
+    ranks = [Spool(where, rank=r) for r in range(2)]
+    assert [s.directory for s in ranks] == [where / "rank-00000", where / "rank-00001"]
+    with pytest.raises(SpoolError, match=r"rank-00001 is in use by another run"):
+        Spool(where, rank=1)
+    with pytest.raises(SpoolError, match=r"spool is in use by another run"):
+        Spool(where)
+    for spool in ranks:
+        spool.close()
+    alone = Spool(where)
+    with pytest.raises(SpoolError, match=r"spool is in use by another run"):
+        Spool(where, rank=0)
+    alone.close()
+    # A rank's folder is emptied of an earlier run's samples, the others' left alone.
+    stale = sample_path(where / "rank-00001", 0)
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(b"x")
+    Spool(where, rank=0).close()
+    assert stale.exists()
+    Spool(where, rank=1).close()
+    assert not stale.exists()
+
+
 def test_a_sample_too_big_for_the_bound_is_refused_by_the_writer() -> None:
     writer = _writer()
     with pytest.raises(writer.UsageError, match="--spool-size 100 bytes"):

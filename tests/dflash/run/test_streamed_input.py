@@ -7,11 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from click.testing import CliRunner
 
 from dflash.cli import cli
 from dflash.offline.spool import Spool
-from dflash.run.streamed import Engine
+from dflash.run.streamed import Engine, engine_env, rank_batches, rank_files
 
 
 def _train_error(tmp_path: Path, *args: str) -> str:
@@ -79,3 +80,30 @@ def test_the_engines_own_error_line_names_why_it_ended(tmp_path: Path) -> None:
     killed = Engine([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"], log)
     killed.process.wait(60)
     assert killed.error() == f"the vLLM engine exited with code -9: see {log}"
+
+
+def test_each_rank_streams_its_own_batches_files_and_devices(tmp_path: Path) -> None:
+    # The batches of a rank are the pipeline's (every world_size-th from the next one):
+    # disjoint across ranks, together every batch.
+    mine = [list(rank_batches(5, last, r, 2)) for r, last in ((0, 9), (1, 10))]
+    assert mine == [[5, 7, 9], [6, 8, 10]]
+    assert list(rank_batches(5, 8, 0, 1)) == [5, 6, 7, 8]
+    assert rank_files(tmp_path, 0, 1) == (
+        tmp_path / "vllm-samples.jsonl",
+        tmp_path / "vllm-extract.log",
+    )
+    assert rank_files(tmp_path, 1, 2) == (
+        tmp_path / "vllm-samples.rank-00001.jsonl",
+        tmp_path / "vllm-extract.rank-00001.log",
+    )
+    # The engine is no torchrun worker; it runs on its rank's target GPUs, counted in
+    # the run's own CUDA_VISIBLE_DEVICES.
+    run = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_PORT": "29500"}
+    run |= {"TORCHELASTIC_RUN_ID": "x", "CUDA_VISIBLE_DEVICES": "4,5,6,7", "HF_HOME": "/hf"}
+    gpus = [torch.device("cuda", 1), torch.device("cuda", 3)]
+    assert engine_env(gpus, run) == {"CUDA_VISIBLE_DEVICES": "5,7", "HF_HOME": "/hf"}
+    assert engine_env([torch.device("cuda", 2)], {})["CUDA_VISIBLE_DEVICES"] == "2"
+    assert engine_env([torch.device("cpu")], run) == {
+        "CUDA_VISIBLE_DEVICES": "4,5,6,7",
+        "HF_HOME": "/hf",
+    }
