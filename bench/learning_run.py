@@ -47,11 +47,11 @@ def _settings(run_dir: Path, path: Path, max_new_tokens: int) -> Any:
     """What `eval` takes for one --judge: a chat file with the bench's token budget, or
     (`heldout`) the run's own OUTPUT_DIR/eval_prompts.json with the run's budget, so that
     vLLM's τ stands beside summary.json's on the very same prompts."""
+    from dflash.eval.config import EvalConfig
     from dflash.eval.prompts import read_token_prompts
-    from dflash.eval.settings import EvalSettings
 
     if str(path) != "heldout":
-        return EvalSettings(eval_data=str(path), max_new_tokens=max_new_tokens, num_prompts=None)
+        return EvalConfig(eval_data=str(path), max_new_tokens=max_new_tokens, num_prompts=None)
     record = run_dir / "eval_prompts.json"
     tokens = read_token_prompts(record) if record.is_file() else None
     if tokens is None:
@@ -61,7 +61,7 @@ def _settings(run_dir: Path, path: Path, max_new_tokens: int) -> Any:
             f"--output-dir {run_dir} --resume latest`"
         )
     budget = tokens.max_new_tokens or max_new_tokens
-    return EvalSettings(eval_data=str(record), max_new_tokens=budget, num_prompts=None)
+    return EvalConfig(eval_data=str(record), max_new_tokens=budget, num_prompts=None)
 
 
 def judge(run_dir: Path, vllm: str, files: list[Path], max_new_tokens: int) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from dflash.data.datasets import build_datasets, heldout_prompts
 from dflash.data.tokenizer import encode_texts
 from dflash.drafter.io import load_drafter
 from dflash.eval.evaluate import evaluate_tau
-from dflash.offline.regenerate import EMBEDDED_RECIPE, RegenerateSettings, window_starts
+from dflash.offline.regenerate import EMBEDDED_RECIPE, RegenerateConfig, window_starts
 from dflash.run.reference import train_reference
 from dflash.target.load import load_target
 
@@ -43,7 +43,7 @@ def train_drafter(options: dict[str, Any]) -> tuple[Path, float]:
     return Path(cfg.run.output_dir) / "drafter", time.perf_counter() - start_s
 
 
-def write_corpus_windows(tokenizer: Any, settings: RegenerateSettings, path: Path) -> int:
+def write_corpus_windows(tokenizer: Any, settings: RegenerateConfig, path: Path) -> int:
     """The same windows regeneration uses, with the corpus' own continuation."""
     width = settings.prefix_tokens + settings.max_new_tokens
     lines = []

@@ -21,12 +21,12 @@ from dflash.cli.options import (
     server_settings,
 )
 from dflash.cli.startup import exiting_at_once
-from dflash.config.commands import DeviceConfig, InspectSettings, ServerConfig
+from dflash.config.commands import DeviceConfig, InspectDataConfig, ServerConfig
 from dflash.log import say
-from dflash.offline.settings import (
-    CacheHiddenSettings,
-    RegenerateJob,
-    RegenerateSettings,
+from dflash.offline.config import (
+    CacheHiddenConfig,
+    RegenerateConfig,
+    RegenerateJobConfig,
 )
 
 
@@ -83,8 +83,8 @@ TARGET_PRECISION_HELP = (
 
 REGENERATE = Command(
     {
-        "regenerate": RegenerateSettings,
-        "regenerate_job": RegenerateJob,
+        "regenerate": RegenerateConfig,
+        "regenerate_job": RegenerateJobConfig,
         "server": ServerConfig,
         "device": DeviceConfig,
     },
@@ -115,11 +115,11 @@ def regenerate_command(config_file: str | None, **given: Any) -> None:
     """Regenerate training data with the target's own replies (the recommended recipe)."""
     debug = bool(given["debug"])
     settings = report_errors(debug, lambda: REGENERATE.resolve(config_file, given))
-    cfg, job, server = settings.run, settings.get(RegenerateJob), settings.get(ServerConfig)
+    cfg, job, server = settings.run, settings.get(RegenerateJobConfig), settings.get(ServerConfig)
     decoding = report_errors(
         debug,
         lambda: dataclasses.replace(
-            settings.get(RegenerateSettings),
+            settings.get(RegenerateConfig),
             seed=cfg.run.seed,
             heldout_fraction=cfg.data.heldout_fraction,
         ),
@@ -171,7 +171,7 @@ def regenerate_command(config_file: str | None, **given: Any) -> None:
 
 
 CACHE_HIDDEN = Command(
-    {"cache_hidden": CacheHiddenSettings},
+    {"cache_hidden": CacheHiddenConfig},
     # After its own, the train options that decide what the target computes for batch i.
     """output num_batches batches_per_shard format samples_only target target_layers
     drafter_layers data packing seq_len batch_size seed heldout_fraction use_soft_labels steps
@@ -193,7 +193,7 @@ def cache_hidden_command(config_file: str | None, **given: Any) -> None:
     `train --hidden-cache DIR` with the same target, layer and data options."""
     debug = bool(given["debug"])
     settings = report_errors(debug, lambda: CACHE_HIDDEN.resolve(config_file, given))
-    cfg, job = settings.run, settings.get(CacheHiddenSettings)
+    cfg, job = settings.run, settings.get(CacheHiddenConfig)
     if job.samples_only and job.format != "speculators":
         raise click.BadParameter("needs --format speculators", param_hint="--samples-only")
     inputs = [("--config", config_file), ("--data", cfg.data.source), ("--target", cfg.target.spec)]
@@ -219,7 +219,7 @@ def cache_hidden_command(config_file: str | None, **given: Any) -> None:
 
 
 INSPECT_DATA = Command(
-    {"inspect_data": InspectSettings},
+    {"inspect_data": InspectDataConfig},
     """rows json overwrite target chat_template_kwargs chat_rendering data seq_len batch_size
     heldout_fraction packing seed debug""".split(),
     help={"overwrite": OVERWRITE_JSON},
@@ -236,7 +236,7 @@ def inspect_data_command(config_file: str | None, **given: Any) -> None:
     tokenizer loads, so a chat template is checked in seconds before a long run."""
     debug = bool(given["debug"])
     settings = report_errors(debug, lambda: INSPECT_DATA.resolve(config_file, given))
-    job = settings.get(InspectSettings)
+    job = settings.get(InspectDataConfig)
     inputs = [("--config", config_file), ("--data", settings.given.get("data"))]
     overwrite = settings.run.run.overwrite
     check_output(job.json, "--json", inputs=inputs, command="inspect-data", overwrite=overwrite)

@@ -126,7 +126,7 @@ S = TypeVar("S", bound=Section)
 
 
 @dataclass(frozen=True)
-class Settings:
+class ResolvedOptions:
     """What one command was given: the training run's options it shares (`run`, built
     whole as `train` would build it), its own sections, and every value that a flag, a
     variable or the config file set (`given`: absent where the default applies)."""
@@ -173,7 +173,7 @@ class Command:
         )
         return config(func)
 
-    def resolve(self, config_file: str | None, given: Mapping[str, Any]) -> Settings:
+    def resolve(self, config_file: str | None, given: Mapping[str, Any]) -> ResolvedOptions:
         """The command's settings: the config file's values, then the flags and variables
         that were set, each checked where it came from (one line naming the flag, the
         variable or the file's key), before any model loads."""
@@ -193,7 +193,7 @@ class Command:
                 raise click.UsageError(f"Missing option '{opt.flag}'.")
         own_values = {name: value for name, (value, _) in own.items()}
         run_values = {name: value for name, (value, _) in run.items()}
-        return Settings(
+        return ResolvedOptions(
             config_from_options(run_values),
             self.own.build(own_values),
             {**run_values, **own_values},

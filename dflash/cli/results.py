@@ -12,7 +12,7 @@ import click
 from dflash.cli.options import (
     OVERWRITE_JSON,
     Command,
-    Settings,
+    ResolvedOptions,
     check_cache_dir,
     check_output,
     debug_option,
@@ -23,15 +23,15 @@ from dflash.cli.options import (
     write_json,
 )
 from dflash.cli.startup import exiting_at_once
-from dflash.config.commands import DeviceConfig, ExportSettings, ServerConfig
-from dflash.eval.settings import EvalJob, EvalSettings
+from dflash.config.commands import DeviceConfig, ExportConfig, ServerConfig
+from dflash.eval.config import EvalConfig, EvalJobConfig
 from dflash.log import say
 from dflash.observe.report import write_report
 from dflash.summary import EvalRecord, ServedFigures
 from dflash.target.served import CompletionClient
 
 EVAL = Command(
-    {"eval": EvalSettings, "eval_job": EvalJob, "server": ServerConfig, "device": DeviceConfig},
+    {"eval": EvalConfig, "eval_job": EvalJobConfig, "server": ServerConfig, "device": DeviceConfig},
     """drafter server concurrency request_timeout retries server_model target eval_data data
     eval_prompts eval_prompt_tokens chat_template_kwargs max_new_tokens temperature seed
     timing_repeats draft_sampling device dtype json overwrite otlp_endpoint otlp_protocol
@@ -57,10 +57,10 @@ EVAL = Command(
 )
 
 
-def _decoding(settings: Settings) -> EvalSettings:
-    """EvalSettings with the prompts the run's options give: with --eval-data, the first
+def _decoding(settings: ResolvedOptions) -> EvalConfig:
+    """EvalConfig with the prompts the run's options give: with --eval-data, the first
     --eval-prompts conversations (unset: all), else --eval-prompts held-out windows."""
-    cfg, decoding = settings.run, settings.get(EvalSettings)
+    cfg, decoding = settings.run, settings.get(EvalConfig)
     first = settings.given.get("eval_prompts") if decoding.eval_data else cfg.run.eval_prompts
     return dataclasses.replace(
         decoding,
@@ -80,7 +80,7 @@ def eval_command(config_file: str | None, **given: Any) -> None:
     debug = bool(given["debug"])
     settings = report_errors(debug, lambda: EVAL.resolve(config_file, given))
     decoding = report_errors(debug, lambda: _decoding(settings))
-    job, server = settings.get(EvalJob), settings.get(ServerConfig)
+    job, server = settings.get(EvalJobConfig), settings.get(ServerConfig)
     if job.drafter is None and server.server is None:
         raise click.UsageError("give --drafter DIR (in this process), --server URL, or both")
     target = settings.given.get("target")  # unset: the drafter's own
@@ -161,7 +161,7 @@ def report_command(run_dir: str, debug: bool | None) -> None:
     click.echo(str(report_errors(bool(debug), lambda: write_report(Path(run_dir)))))
 
 
-EXPORT = Command({"export": ExportSettings}, "drafter output num_target_layers debug".split())
+EXPORT = Command({"export": ExportConfig}, "drafter output num_target_layers debug".split())
 
 
 @click.command("export")
@@ -169,7 +169,7 @@ EXPORT = Command({"export": ExportSettings}, "drafter output num_target_layers d
 def export_command(config_file: str | None, **given: Any) -> None:
     """Convert an older run's drafter into the standard DFlash format serving engines load."""
     debug = bool(given["debug"])
-    export = report_errors(debug, lambda: EXPORT.resolve(config_file, given)).get(ExportSettings)
+    export = report_errors(debug, lambda: EXPORT.resolve(config_file, given)).get(ExportConfig)
     output = export.output
     inputs = [("--config", config_file), ("--drafter", export.drafter)]
     check_output(output, "--output", folder=True, inputs=inputs)

@@ -3,7 +3,7 @@
 Declared as the training run's are (`setting`), so each option has its flag, its
 `DFLASH_<OPTION>` variable, its config-file key and its range from one line. The
 sections of `eval` and `regenerate` that their components read live with them
-(dflash.eval.settings, dflash.offline.settings); a command's options are the sections it
+(dflash.eval.config, dflash.offline.config); a command's options are the sections it
 names plus the run's options it shares (dflash.cli).
 """
 
@@ -49,7 +49,7 @@ class DeviceConfig(Section):
 
 
 @dataclass(frozen=True)
-class InspectSettings(Section):
+class InspectDataConfig(Section):
     """What `dflash-train inspect-data` shows of the training rows."""
 
     rows: int = setting(3, "Training rows to print.", min=0)
@@ -61,7 +61,7 @@ class InspectSettings(Section):
 
 
 @dataclass(frozen=True)
-class ExportSettings(Section):
+class ExportConfig(Section):
     """`dflash-train export`: an older run's drafter into the standard DFlash format."""
 
     drafter: str = setting(

@@ -174,8 +174,9 @@ class TargetConfig(Section):
 
 
 @dataclass(frozen=True)
-class DrafterSettings(Section):
-    """Shape of the drafter that is trained."""
+class DrafterShapeConfig(Section):
+    """Shape of the drafter that is trained, and where its weights start (not
+    dflash.drafter.DrafterConfig: the model's own, with the target's sizes)."""
 
     num_layers: int = setting(
         1, "Number of drafter decoder layers.", option="drafter_layers", min=1
@@ -592,7 +593,7 @@ class TrainConfig:
 
     data: DataConfig = field(default_factory=DataConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
-    drafter: DrafterSettings = field(default_factory=DrafterSettings)
+    drafter: DrafterShapeConfig = field(default_factory=DrafterShapeConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)

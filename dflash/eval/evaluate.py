@@ -24,6 +24,7 @@ from dflash.data.sources import DataReport
 from dflash.data.tokenizer import Tokenizer, decode_text
 from dflash.drafter.io import load_drafter, read_drafter_config, saved_chat_template_kwargs
 from dflash.drafter.model import DFlashDrafter
+from dflash.eval.config import EvalConfig
 from dflash.eval.prompts import (
     PromptError,
     TokenPrompts,
@@ -32,7 +33,6 @@ from dflash.eval.prompts import (
     render_prompt,
 )
 from dflash.eval.served import evaluate_served, format_served
-from dflash.eval.settings import EvalSettings
 from dflash.eval.speculative import SpecStats, speculative_generate
 from dflash.log import Log, say
 from dflash.summary import EvalRecord, HeldOutFigures, ServedFigures
@@ -233,7 +233,7 @@ class _PromptSource:
     """Where `dflash-train eval` takes its prompts; chat files are read (and refused)
     before the models load, rendered once the tokenizer is known."""
 
-    def __init__(self, settings: EvalSettings, log: Log) -> None:
+    def __init__(self, settings: EvalConfig, log: Log) -> None:
         self.settings = settings
         self.conversations: list[list[dict[str, str]]] | None = None
         self.followups: list[list[str]] = []
@@ -291,14 +291,14 @@ class _PromptSource:
         return prompts, f"{len(prompts)} held-out prompts"
 
 
-# The EvalSettings fields evaluate_tau takes as keywords of the same names.
+# The EvalConfig fields evaluate_tau takes as keywords of the same names.
 _DECODING = ("max_new_tokens", "temperature", "seed", "timing_repeats", "draft_sampling")
 
 
 def evaluate_drafter_dir(
     drafter_dir: Path,
     target_spec: str | None,
-    settings: EvalSettings,
+    settings: EvalConfig,
     device: str = "auto",
     log: Log = say,
     chat_template_kwargs: dict[str, Any] | None = None,
@@ -358,7 +358,7 @@ def evaluate_server(
     server: ServerSettings,
     drafter_dir: Path | None,
     target_spec: str | None,
-    settings: EvalSettings,
+    settings: EvalConfig,
     log: Log = say,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> ServedFigures:

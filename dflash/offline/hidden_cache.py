@@ -35,7 +35,7 @@ from dflash.data.sources import DataError
 from dflash.data.tokenizer import tokenizer_fingerprint
 from dflash.files import replacing, sha256_file, write_failure, write_json_atomic
 from dflash.log import Log
-from dflash.offline.settings import BATCHES_PER_SHARD
+from dflash.offline.config import BATCHES_PER_SHARD
 from dflash.target.model import TargetModel, TargetOutput, target_fingerprint
 
 FORMAT_VERSION = 1

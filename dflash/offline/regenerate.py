@@ -45,7 +45,7 @@ from dflash.data.packing import content_key, frame
 from dflash.data.sources import CUT_KEY, DataReport, read_jsonl, read_source
 from dflash.data.tokenizer import Tokenizer, decode_text, encode_texts, special_ids
 from dflash.files import cache_dir, free_space_note, write_json_atomic
-from dflash.offline.settings import RegenerateError, RegenerateSettings
+from dflash.offline.config import RegenerateConfig, RegenerateError
 from dflash.target.generation import generate_batch, generate_padded
 from dflash.target.model import TargetModel, target_fingerprint
 from dflash.target.served import CompletionClient, TokenizerTarget
@@ -76,7 +76,7 @@ class RegenReport:
 # --------------------------------------------------------------------------- items
 
 
-def window_starts(num_tokens: int, settings: RegenerateSettings) -> list[int]:
+def window_starts(num_tokens: int, settings: RegenerateConfig) -> list[int]:
     """Starts of the prefix_tokens + max_new_tokens windows of a text of num_tokens."""
     window = settings.prefix_tokens + settings.max_new_tokens
     starts = list(range(0, max(num_tokens - settings.prefix_tokens + 1, 0), window))
@@ -86,7 +86,7 @@ def window_starts(num_tokens: int, settings: RegenerateSettings) -> list[int]:
     return starts
 
 
-def _text_windows(tokenizer: Tokenizer, text: str, settings: RegenerateSettings) -> list[list[int]]:
+def _text_windows(tokenizer: Tokenizer, text: str, settings: RegenerateConfig) -> list[list[int]]:
     """Prefixes (token ids) of the windows of one document."""
     (ids,) = encode_texts(tokenizer, [text])
     return [ids[s : s + settings.prefix_tokens].tolist() for s in window_starts(len(ids), settings)]
@@ -106,9 +106,7 @@ def read_items(source: str, report: DataReport, heldout_fraction: float) -> list
     return items
 
 
-def expand_items(
-    tokenizer: Tokenizer, items: list[dict], settings: RegenerateSettings
-) -> list[dict]:
+def expand_items(tokenizer: Tokenizer, items: list[dict], settings: RegenerateConfig) -> list[dict]:
     """Conversations stay one item each; a text becomes one item per window."""
     out: list[dict] = []
     for obj in items:
@@ -145,7 +143,7 @@ class _Decoder:
     def __init__(
         self,
         target: TargetModel,
-        settings: RegenerateSettings,
+        settings: RegenerateConfig,
         chunk: int,
         on_batch: Callable[[int], None] | None = None,
     ) -> None:
@@ -218,7 +216,7 @@ class _ServerDecoder:
         self,
         target: TokenizerTarget,
         client: CompletionClient,
-        settings: RegenerateSettings,
+        settings: RegenerateConfig,
         chunk: int,
         on_batch: Callable[[int], None] | None = None,
         on_queued: Callable[[], None] | None = None,
@@ -289,7 +287,7 @@ def regenerate_chunk(decoder: _Decoder | _ServerDecoder, items: list[dict]) -> l
 def run_record(
     target: TargetModel | TokenizerTarget,
     items: list[dict],
-    settings: RegenerateSettings,
+    settings: RegenerateConfig,
     server: CompletionClient | None = None,
 ) -> dict:
     """What identifies a regeneration run: target (or the model a server serves),
@@ -354,7 +352,7 @@ def regenerate(
     source: str,
     output: Path | str,
     *,
-    settings: RegenerateSettings,
+    settings: RegenerateConfig,
     progress: Callable[[RegenProgress], None] | None = None,
     server: CompletionClient | None = None,
 ) -> RegenReport:
@@ -490,7 +488,7 @@ def write_failure(exc: OSError, path: Path, lines: int) -> RegenerateError:
 
 # The recipe of `--data embedded`: two windows per held-in document, 64 tokens of
 # corpus text continued by 64 of the target's greedy tokens.
-EMBEDDED_RECIPE = RegenerateSettings(
+EMBEDDED_RECIPE = RegenerateConfig(
     max_new_tokens=64, prefix_tokens=64, windows_per_document=2, batch_size=64, chunk_lines=128
 )
 
@@ -563,7 +561,7 @@ def cache_damage(path: Path) -> str | None:
 
 
 def _regenerate_embedded(
-    target: TargetModel, settings: RegenerateSettings, path: Path, log: Callable[[str], None]
+    target: TargetModel, settings: RegenerateConfig, path: Path, log: Callable[[str], None]
 ) -> None:
     partial = path.with_name(f".{path.stem}.partial.jsonl")
     what = "the target's own continuations of the embedded corpus"

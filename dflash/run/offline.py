@@ -28,6 +28,7 @@ from dflash.data.chat import use_template_kwargs as use_chat_kwargs
 from dflash.data.corpus import EMBEDDED
 from dflash.files import write_failure
 from dflash.log import Log, say
+from dflash.offline.config import BATCHES_PER_SHARD, RegenerateConfig, RegenerateError
 from dflash.offline.hidden_cache import (
     WRITE_FAILURES,
     HiddenCacheError,
@@ -37,7 +38,6 @@ from dflash.offline.hidden_cache import (
 from dflash.offline.regenerate import RegenProgress, RegenReport, regenerate
 from dflash.offline.sample_cache import SAMPLES_DIR, sample_files
 from dflash.offline.sample_writer import write_sample_cache, write_sample_plan
-from dflash.offline.settings import BATCHES_PER_SHARD, RegenerateError, RegenerateSettings
 from dflash.run.build import open_target, use_template_kwargs
 from dflash.run.rows import training_rows
 from dflash.run.target_features import FeatureSource
@@ -139,7 +139,7 @@ def regenerate_data(
     device: str,
     source: str,
     output: Path | str,
-    settings: RegenerateSettings,
+    settings: RegenerateConfig,
     *,
     progress: Callable[[RegenProgress], None] | None = None,
     log: Log = say,

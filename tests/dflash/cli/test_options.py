@@ -16,8 +16,8 @@ from dflash import cli as cli_mod
 from dflash.cli.data import REGENERATE
 from dflash.cli.results import EVAL
 from dflash.config.settings import RunConfig, TrainConfig, option_map
-from dflash.eval.settings import EvalSettings
-from dflash.offline.settings import RegenerateSettings
+from dflash.eval.config import EvalConfig
+from dflash.offline.config import RegenerateConfig
 from dflash.summary import EvalRecord, ServedFigures
 
 
@@ -172,7 +172,7 @@ def test_a_bad_variable_of_another_type_is_clicks_one_line(tmp_path, calls) -> N
     assert calls == []
 
 
-def _decoding(calls: list) -> EvalSettings:
+def _decoding(calls: list) -> EvalConfig:
     ((_, args, _),) = calls
     return args[2]
 
@@ -187,7 +187,7 @@ def test_eval_precedence_flag_over_variable_over_file_over_default(tmp_path, cal
     assert decoding.max_new_tokens == 33  # flag
     assert decoding.temperature == 0.25  # variable over file
     assert decoding.timing_repeats == 3 and decoding.seed == 4  # file over default
-    assert decoding.draft_sampling == EvalSettings().draft_sampling
+    assert decoding.draft_sampling == EvalConfig().draft_sampling
 
 
 def test_eval_measures_as_many_tokens_as_a_run_ends_with_by_default(tmp_path, calls) -> None:
@@ -228,10 +228,10 @@ def test_regenerate_settings_from_flags_variables_and_file(tmp_path, calls) -> N
     result = invoke(args, env=env)
     assert result.exit_code == 0, result.output
     ((_, args_, kwargs),) = calls
-    settings: RegenerateSettings = args_[4]
+    settings: RegenerateConfig = args_[4]
     assert (settings.batch_size, settings.stop_token_ids, settings.chunk_lines) == (3, (1, 2), 8)
     assert (settings.prefix_tokens, settings.seed, settings.heldout_fraction) == (5, 7, 0.2)
-    assert settings.max_new_tokens == RegenerateSettings().max_new_tokens
+    assert settings.max_new_tokens == RegenerateConfig().max_new_tokens
     server = kwargs["server"]
     assert (server.url, server.model, server.concurrency) == ("http://h:1", "m", 8)
 

@@ -7,7 +7,7 @@ from dflash.config.schema import ConfigError
 from dflash.config.settings import (
     SCHEMA_VERSION,
     DataConfig,
-    DrafterSettings,
+    DrafterShapeConfig,
     LossConfig,
     OptimConfig,
     PipelineConfig,
@@ -30,7 +30,7 @@ from tests.dflash.app_fixtures import COMPANIONS, NON_DEFAULT, NON_DEFAULT_ALONE
 @pytest.mark.parametrize(
     ("build", "flag"),
     [
-        (lambda: DrafterSettings(block_size=1), "--block-size"),
+        (lambda: DrafterShapeConfig(block_size=1), "--block-size"),
         (lambda: LossConfig(num_anchors=0), "--num-anchors"),
         (lambda: LossConfig(kl_temperature=0.0), "--kl-temperature"),
         (lambda: LossConfig(kl_temperature=-1.0), "--kl-temperature"),

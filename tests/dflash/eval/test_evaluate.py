@@ -327,7 +327,7 @@ def test_hugging_face_target_with_dynamic_cache_decodes_like_greedy(tmp_path, ar
 
 def test_eval_of_a_saved_drafter_on_chat_prompts(target, tmp_path, monkeypatch) -> None:
     from dflash.drafter.io import save_drafter
-    from dflash.eval.evaluate import EvalSettings, evaluate_drafter_dir
+    from dflash.eval.evaluate import EvalConfig, evaluate_drafter_dir
     from dflash.target import load as target_mod
 
     monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: target)
@@ -337,7 +337,7 @@ def test_eval_of_a_saved_drafter_on_chat_prompts(target, tmp_path, monkeypatch) 
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines: list[str] = []
-    settings = EvalSettings(eval_data=str(chats), num_prompts=None, max_new_tokens=12)
+    settings = EvalConfig(eval_data=str(chats), num_prompts=None, max_new_tokens=12)
     figures = evaluate_drafter_dir(
         saved, "builtin:tiny", settings, "cpu", log=lines.append
     ).to_dict()
@@ -351,9 +351,9 @@ def test_eval_of_a_saved_drafter_on_chat_prompts(target, tmp_path, monkeypatch) 
     assert any(skipped in line and "chats.jsonl:2" in line for line in lines)
     assert any("pooled" in line and "vs greedy" in line for line in lines)
     with pytest.raises(GenerationError, match="--max-new-tokens 0"):
-        EvalSettings(max_new_tokens=0)
+        EvalConfig(max_new_tokens=0)
     with pytest.raises(GenerationError, match="--temperature -1"):
-        EvalSettings(temperature=-1.0)
+        EvalConfig(temperature=-1.0)
 
 
 def test_accepted_drafts_inside_loops_are_counted_apart() -> None:
@@ -379,7 +379,7 @@ def test_every_turn_of_a_turns_file_is_evaluated_after_the_targets_reply(
     first (at temperature 0 the speculative output is that answer)."""
     from dflash.data.tokenizer import decode_text
     from dflash.drafter.io import save_drafter
-    from dflash.eval.evaluate import EvalSettings, evaluate_drafter_dir
+    from dflash.eval.evaluate import EvalConfig, evaluate_drafter_dir
     from dflash.eval.prompts import render_prompt
     from dflash.target import load as target_mod
     from dflash.target.generation import greedy_generate
@@ -389,7 +389,7 @@ def test_every_turn_of_a_turns_file_is_evaluated_after_the_targets_reply(
     chats = tmp_path / "turns.jsonl"
     turns = [["def f(x):", "and g?"], ["import os"]]
     chats.write_text("".join(json.dumps({"turns": t}) + "\n" for t in turns))
-    settings = EvalSettings(eval_data=str(chats), num_prompts=None, max_new_tokens=8)
+    settings = EvalConfig(eval_data=str(chats), num_prompts=None, max_new_tokens=8)
     figures = evaluate_drafter_dir(
         saved, "builtin:tiny", settings, "cpu", log=lambda _: None
     ).to_dict()

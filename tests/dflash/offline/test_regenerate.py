@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.offline.regenerate import RegenerateError, RegenerateSettings, regenerate
+from dflash.offline.regenerate import RegenerateConfig, RegenerateError, regenerate
 from dflash.target.generation import generate_batch, generate_padded, greedy_generate
 from dflash.target.load import load_target, wrap_tiny
 from dflash.target.tiny import TinyLM, TinyLMConfig
@@ -64,7 +64,7 @@ def _write_chats(path, conversations=CONVERSATIONS, extra_lines=()):
 
 
 # No held-out documents: every conversation is regenerated.
-SETTINGS = RegenerateSettings(max_new_tokens=6, batch_size=4, chunk_lines=2, heldout_fraction=0.0)
+SETTINGS = RegenerateConfig(max_new_tokens=6, batch_size=4, chunk_lines=2, heldout_fraction=0.0)
 
 
 def _reference_reply(target, messages, settings) -> str:
@@ -109,7 +109,7 @@ def test_text_continuations_are_greedy_generate(hf_dir, tmp_path) -> None:
     data = tmp_path / "texts.jsonl"
     texts = ["hello how are you fine thanks what is the weather", "tell me more and more"]
     data.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
-    settings = RegenerateSettings(max_new_tokens=4, prefix_tokens=3, heldout_fraction=0.0)
+    settings = RegenerateConfig(max_new_tokens=4, prefix_tokens=3, heldout_fraction=0.0)
     regenerate(target, str(data), tmp_path / "out.jsonl", settings=settings)
     written = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     tok = target.tokenizer
@@ -153,7 +153,7 @@ def test_an_interrupted_regeneration_continues_and_a_foreign_output_is_refused(
     report = regenerate(target, str(data), part, settings=SETTINGS)
     assert report.resumed_from_line == 2 and part.read_text() == full.read_text()
     assert regenerate(target, str(data), part, settings=SETTINGS).new_tokens == 0  # complete
-    other = RegenerateSettings(max_new_tokens=3, batch_size=4, chunk_lines=2, heldout_fraction=0.0)
+    other = RegenerateConfig(max_new_tokens=3, batch_size=4, chunk_lines=2, heldout_fraction=0.0)
     with pytest.raises(RegenerateError, match="not a resumable file of this run"):
         regenerate(target, str(data), part, settings=other)
     stranger = tmp_path / "notes.jsonl"
@@ -257,7 +257,7 @@ def test_the_embedded_default_is_regenerated_once_per_target_and_recipe(
     from dflash.run.rows import training_rows
 
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
-    recipe = RegenerateSettings(
+    recipe = RegenerateConfig(
         max_new_tokens=4, prefix_tokens=16, windows_per_document=1, batch_size=256, chunk_lines=512
     )
     monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", recipe)

@@ -14,7 +14,7 @@ import torch
 
 from dflash.data.tokenizer import ByteTokenizer
 from dflash.offline import regenerate as regen_mod
-from dflash.offline.regenerate import RegenerateSettings, cache_check_path, regenerate
+from dflash.offline.regenerate import RegenerateConfig, cache_check_path, regenerate
 from dflash.target.load import wrap_tiny
 from dflash.target.served import CompletionClient, ServerError, ServerSettings, TokenizerTarget
 from dflash.target.tiny import TinyLM, TinyLMConfig
@@ -65,7 +65,7 @@ def test_a_server_answering_null_text_is_one_line_and_no_reply_is_none(tmp_path)
     try:
         client = CompletionClient(ServerSettings(server.url, concurrency=2, retries=0))
         client.model = "null-model"
-        settings = RegenerateSettings(max_new_tokens=8, chunk_lines=4)
+        settings = RegenerateConfig(max_new_tokens=8, chunk_lines=4)
         target = TokenizerTarget("builtin:tiny", ByteTokenizer())
         with pytest.raises(ServerError) as caught:
             regenerate(target, str(data), out, settings=settings, server=client)
@@ -83,7 +83,7 @@ def test_a_server_answering_null_text_is_one_line_and_no_reply_is_none(tmp_path)
 def small_embedded(tmp_path, monkeypatch):
     """The embedded default's regeneration by a small untrained tiny LM, in seconds."""
     monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
-    recipe = RegenerateSettings(
+    recipe = RegenerateConfig(
         max_new_tokens=4, prefix_tokens=16, windows_per_document=1, batch_size=256, chunk_lines=512
     )
     monkeypatch.setattr(regen_mod, "EMBEDDED_RECIPE", recipe)

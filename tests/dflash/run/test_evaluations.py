@@ -194,15 +194,15 @@ def test_eval_on_the_runs_own_prompts_measures_the_summarys_tau(tmp_path) -> Non
     """`eval --eval-data OUTPUT_DIR/eval_prompts.json` decodes the token ids the run
     measured its τ on: the saved drafter's τ is summary.json's, figure for figure, and
     the eval JSON reads back typed."""
+    from dflash.eval.config import EvalConfig
     from dflash.eval.evaluate import evaluate_drafter_dir
-    from dflash.eval.settings import EvalSettings
     from dflash.summary import EvalRecord
 
     (tmp_path / "run").mkdir()
     cfg = small_cfg(tmp_path / "run", steps=4, **EVAL)
     summary = pipelined.run_pipeline(cfg, log=lambda _: None)
     lines: list[str] = []
-    settings = EvalSettings(
+    settings = EvalConfig(
         eval_data=str(tmp_path / "run" / "eval_prompts.json"),
         max_new_tokens=EVAL["eval_new_tokens"] + 1,  # not the run's: said in one line
         num_prompts=None,

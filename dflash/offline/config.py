@@ -23,7 +23,7 @@ class RegenerateError(DataError):
 
 
 @dataclass(frozen=True)
-class RegenerateSettings(Section):
+class RegenerateConfig(Section):
     """How `regenerate` decodes. Every field is in the run record of its output (a
     file of other settings is not continued), so the fields stay as they are. `seed` and
     `heldout_fraction` are the run's options (--seed, --heldout-fraction), handed over by
@@ -55,7 +55,7 @@ class RegenerateSettings(Section):
 
 
 @dataclass(frozen=True)
-class RegenerateJob(Section):
+class RegenerateJobConfig(Section):
     """Where `regenerate` writes, and how many requests a server gets at once."""
 
     output: str = setting(
@@ -68,7 +68,7 @@ class RegenerateJob(Section):
 
 
 @dataclass(frozen=True)
-class CacheHiddenSettings(Section):
+class CacheHiddenConfig(Section):
     """`cache-hidden`: the target run once over the training batches of a run's options."""
 
     output: str = setting(

@@ -13,7 +13,7 @@ from dflash.target.decoding import check_decoding
 
 
 @dataclass(frozen=True)
-class EvalSettings(Section):
+class EvalConfig(Section):
     """Prompts from chat JSONL (`eval_data`) or held-out windows of `data`, and how they
     are decoded. `data`, `num_prompts`, `prompt_tokens` and `seed` are the run's options
     (--data, --eval-prompts, --eval-prompt-tokens, --seed), handed over by the command."""
@@ -62,7 +62,7 @@ class EvalSettings(Section):
 
 
 @dataclass(frozen=True)
-class EvalJob(Section):
+class EvalJobConfig(Section):
     """Where `dflash-train eval` measures (a drafter here, a served engine, or both) and
     where its figures go."""
 
