@@ -142,7 +142,7 @@ def regenerate_command(config_file: str | None, **given: Any) -> None:
                 decoding,
                 progress=bar,
                 log=say,
-                chat_template_kwargs=cfg.target.template_kwargs,
+                chat_template_kwargs=cfg.target.parsed_chat_template_kwargs,
                 server=served,
                 precision=cfg.pipeline.precision,
             )

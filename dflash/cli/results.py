@@ -99,7 +99,7 @@ def eval_command(config_file: str | None, **given: Any) -> None:
 
     def go() -> EvalRecord:
         run = settings.run.target
-        kwargs = run.template_kwargs if run.chat_template_kwargs else None
+        kwargs = run.parsed_chat_template_kwargs if run.chat_template_kwargs else None
         drafter = Path(job.drafter) if job.drafter is not None else None
         served = None
         if server.server is not None:

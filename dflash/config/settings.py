@@ -169,7 +169,8 @@ class TargetConfig(Section):
     )
 
     @property
-    def template_kwargs(self) -> dict[str, Any]:
+    def parsed_chat_template_kwargs(self) -> dict[str, Any]:
+        """--chat-template-kwargs as the mapping the chat template is given."""
         return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
 

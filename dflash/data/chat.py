@@ -146,7 +146,7 @@ def _render_spans(tokenizer: Tokenizer, messages: list[dict]) -> RenderedChat:
     return RenderedChat(np.concatenate(encoded).astype(np.int32), mask, ends)
 
 
-def use_template_kwargs(tokenizer: Tokenizer, kwargs: dict[str, Any]) -> None:
+def use_chat_template_kwargs(tokenizer: Tokenizer, kwargs: dict[str, Any]) -> None:
     """Every rendering of a conversation by `tokenizer` gets `kwargs` (e.g.
     enable_thinking=False); an argument given at a call still wins."""
     if not kwargs or not hasattr(tokenizer, "apply_chat_template"):

@@ -18,7 +18,7 @@ import torch
 
 from dflash.config.devices import resolve_device
 from dflash.config.settings import RunConfig
-from dflash.data.chat import use_template_kwargs
+from dflash.data.chat import use_chat_template_kwargs
 from dflash.data.datasets import PackedDataset, build_datasets, heldout_prompts
 from dflash.data.sources import DataReport
 from dflash.data.tokenizer import Tokenizer, decode_text
@@ -372,7 +372,7 @@ def evaluate_server(
     kwargs = chat_template_kwargs
     if kwargs is None:
         kwargs = saved_chat_template_kwargs(drafter_dir) if drafter_dir is not None else {}
-    use_template_kwargs(tokenizer, kwargs)
+    use_chat_template_kwargs(tokenizer, kwargs)
     client = CompletionClient(server)
     client.connect(TokenizerTarget(spec, tokenizer, dict(kwargs)), log, command="eval")
     prompts, where = source.prompts(tokenizer)

@@ -8,12 +8,10 @@ its trainer, restores `--resume` or warm-starts from `--init-from`.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -112,10 +110,26 @@ def build_drafter(
     )
     # The drafter's own copy of the frozen parts when the target sits elsewhere (another
     # GPU, or the CPU with --hidden-cache): its forward must not cross devices.
-    embed, head = frozen_parts(target, device)
+    parts = frozen_parts(target, device)
+    return drafter_on(dcfg, parts, device, draft_vocab, seed=cfg.run.seed)
+
+
+def drafter_on(
+    config: DrafterConfig,
+    frozen: tuple[torch.nn.Module, torch.nn.Module],
+    device: torch.device,
+    draft_vocab: DraftVocab | None = None,
+    seed: int | None = None,
+) -> DFlashDrafter:
+    """The one construction of a drafter: `config` over the `frozen` (embedding, LM head)
+    it shares, on `device`. Its initialization draws from a forked RNG (seeded by `seed`,
+    else the current state), so building a replica never moves the run's random stream;
+    replicas are then given replica 0's weights."""
+    embed, head = frozen
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.run.seed)
-        drafter = DFlashDrafter(dcfg, embed, head, draft_vocab)
+        if seed is not None:
+            torch.manual_seed(seed)
+        drafter = DFlashDrafter(config, embed, head, draft_vocab)
     return drafter.to(device)
 
 
@@ -163,18 +177,6 @@ def choose_draft_vocab(
     return vocab
 
 
-def use_template_kwargs(target: TargetModel, kwargs: dict[str, Any], log: Log) -> None:
-    """--chat-template-kwargs for every rendering of a conversation, said at start."""
-    if not kwargs:
-        return
-    target.use_chat_template_kwargs(kwargs)
-    if getattr(target.tokenizer, "chat_template", None):
-        log(f"chat template arguments: {json.dumps(kwargs, sort_keys=True)}")
-    else:
-        why = "no chat template (conversations are rendered as documented)"
-        log(f"chat template arguments {json.dumps(kwargs)} unused: target {target.spec} has {why}")
-
-
 def check_target_fits(cfg: TrainConfig, target: TargetModel) -> None:
     """The loaded target's position limit (a hub target's is known only now)."""
     check_seq_len(cfg, target.max_positions)
@@ -205,7 +207,7 @@ def open_target(
         )
         if cast:
             target_load.run_precision(target, cfg.pipeline.precision, device)
-    use_template_kwargs(target, cfg.target.template_kwargs, log)
+    target.use_chat_template_kwargs(cfg.target.parsed_chat_template_kwargs, log)
     check_target_fits(cfg, target)
     if checks is not None:
         checks(target)

@@ -24,7 +24,7 @@ from dflash.config.devices import (
     resolve_device,
 )
 from dflash.config.settings import TrainConfig
-from dflash.data.chat import use_template_kwargs as use_chat_kwargs
+from dflash.data.chat import use_chat_template_kwargs
 from dflash.data.corpus import EMBEDDED
 from dflash.files import write_failure
 from dflash.log import Log, say
@@ -38,7 +38,7 @@ from dflash.offline.hidden_cache import (
 from dflash.offline.regenerate import RegenProgress, RegenReport, regenerate
 from dflash.offline.sample_cache import SAMPLES_DIR, sample_files
 from dflash.offline.sample_writer import write_sample_cache, write_sample_plan
-from dflash.run.build import open_target, use_template_kwargs
+from dflash.run.build import open_target
 from dflash.run.rows import training_rows
 from dflash.run.target_features import FeatureSource
 from dflash.target import load as target_load  # by module: tests swap load_target
@@ -152,7 +152,7 @@ def regenerate_data(
     `server`, the server's replies, and only the target's tokenizer loads here."""
     if server is not None:
         tokenizer = target_load.load_tokenizer(target_spec)
-        use_chat_kwargs(tokenizer, chat_template_kwargs or {})
+        use_chat_template_kwargs(tokenizer, chat_template_kwargs or {})
         served = TokenizerTarget(target_spec, tokenizer, dict(chat_template_kwargs or {}))
         client = CompletionClient(server)
         client.connect(served, log)
@@ -171,5 +171,5 @@ def regenerate_data(
             f"{target_spec} (ids 0..{target.vocab_size - 1})"
         )
     log(precision_text(precision, dev, target.hidden_size))  # once the flags are good
-    use_template_kwargs(target, chat_template_kwargs or {}, log)
+    target.use_chat_template_kwargs(chat_template_kwargs or {}, log)
     return regenerate(target, source, output, settings=settings, progress=progress)

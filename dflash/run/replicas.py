@@ -24,9 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash.drafter.model import DFlashDrafter
 from dflash.pipeline.distributed import shard_module, sync_initial_weights
-from dflash.run.build import Run
+from dflash.run.build import Run, drafter_on
 from dflash.run.checkpoint import (
     CheckpointError,
     full_optimizer_state,
@@ -52,9 +51,7 @@ def build_replicas(run: Run) -> list[Replica]:
         return [sharded_replica(run)]
     replicas = [Replica(run.placement.drafter, run.drafter, run.trainer)]
     for device in run.placement.drafters[1:]:
-        embed, head = frozen_parts(run.target, device)
-        with torch.random.fork_rng(devices=[]):
-            drafter = DFlashDrafter(run.drafter.config, embed, head).to(device)
+        drafter = drafter_on(run.drafter.config, frozen_parts(run.target, device), device)
         replicas.append(Replica(device, drafter, DrafterTrainer(drafter, run.cfg, device)))
     sync_initial_weights([r.drafter for r in replicas])
     for replica in replicas[1:]:  # same optimizer state, schedule and step (resume included)
@@ -121,9 +118,7 @@ def sharded_replica(run: Run) -> Replica:
     device, whole = run.placement.drafter, run.drafter
     sync_initial_weights([whole])
     # The very modules the whole drafter shares with the target: never a second copy.
-    embed, head = whole._shared
-    with torch.random.fork_rng(devices=[]):
-        drafter = DFlashDrafter(whole.config, embed, head).to(device)
+    drafter = drafter_on(whole.config, whole._shared, device)
     drafter.load_state_dict(whole.state_dict())
     drafter.attention_backend = whole.attention_backend
     # The trainer calls hidden_states (the LM head runs in the loss, outside the module).

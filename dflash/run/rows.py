@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import tracing
 from dflash import names
 from dflash.config.settings import TrainConfig
-from dflash.data.chat import use_template_kwargs as use_chat_kwargs
+from dflash.data.chat import use_chat_template_kwargs
 from dflash.data.corpus import EMBEDDED
 from dflash.data.datasets import PackedDataset, datasets_from_corpus, load_corpus
 from dflash.data.sources import DataError
@@ -53,7 +53,7 @@ def rows_before_target(
         tokenizer = target_load.load_tokenizer(cfg.target.spec)
     except TargetError:
         return None
-    use_chat_kwargs(tokenizer, cfg.target.template_kwargs)
+    use_chat_template_kwargs(tokenizer, cfg.target.parsed_chat_template_kwargs)
     held = BufferedLog(log)
     train, heldout = _read_rows(cfg, tokenizer, held, log)
     _check_rows(cfg, train, heldout, None)

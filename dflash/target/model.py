@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from dflash.config import checks
-from dflash.data.chat import use_template_kwargs
+from dflash.data.chat import use_chat_template_kwargs
 from dflash.data.documents import document_positions
 from dflash.data.tokenizer import Tokenizer
 from dflash.nn.kvcache import KVCache, crop_hf_cache
@@ -288,12 +288,24 @@ class TargetModel(nn.Module):
         limit = getattr(text_config(self.model.config), "max_position_embeddings", None)
         return limit if isinstance(limit, int) and limit > 0 else None
 
-    def use_chat_template_kwargs(self, kwargs: Mapping[str, Any]) -> None:
+    def use_chat_template_kwargs(
+        self, kwargs: Mapping[str, Any], log: Callable[[str], None] | None = None
+    ) -> None:
         """Every rendering of a conversation by this target's tokenizer gets `kwargs`
         (e.g. enable_thinking=False): training rows, regeneration and evaluation prompts
-        alike. An argument given at a call still wins."""
+        alike. An argument given at a call still wins. `log` is told at start whether
+        they are used (a target without a chat template renders conversations without)."""
         self.chat_template_kwargs = dict(kwargs)
-        use_template_kwargs(self.tokenizer, dict(kwargs))
+        use_chat_template_kwargs(self.tokenizer, dict(kwargs))
+        if log is None or not kwargs:
+            return
+        if getattr(self.tokenizer, "chat_template", None):
+            log(f"chat template arguments: {json.dumps(kwargs, sort_keys=True)}")
+        else:
+            why = "no chat template (conversations are rendered as documented)"
+            log(
+                f"chat template arguments {json.dumps(kwargs)} unused: target {self.spec} has {why}"
+            )
 
     def mask_token(self, explicit_id: int | None = None) -> MaskToken:
         """The mask row for a drafter of this target (see resolve_mask_token); with

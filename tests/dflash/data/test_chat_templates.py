@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash.data.chat import ChatTemplateError, render_chat, render_turns, use_template_kwargs
+from dflash.data.chat import ChatTemplateError, render_chat, render_turns, use_chat_template_kwargs
 
 TEMPLATES = Path(__file__).parent / "templates"
 LLAMA3 = (
@@ -113,7 +113,7 @@ def non_thinking_qwen3(byte_tokenizer):
     """The real Qwen3 template with --chat-template-kwargs '{"enable_thinking": false}', on
     a copy: the arguments stay with this tokenizer, not the module's fixture."""
     tok = copy.deepcopy(with_template(byte_tokenizer, (TEMPLATES / "qwen3.jinja").read_text()))
-    use_template_kwargs(tok, {"enable_thinking": False})
+    use_chat_template_kwargs(tok, {"enable_thinking": False})
     return tok
 
 
