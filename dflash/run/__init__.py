@@ -10,18 +10,24 @@ and `outcome.end_training` (`finish`: the final checkpoint, evaluation and summa
 with the same start, build, `after_step` and finish.
 
 start      where a process stands in a run (placement, output folder, process group)
+folder     the output folder's lock and files; outputs: whose file a path is
 build      target, data, drafter and trainer of a run (`open_target`, shared by cache-hidden)
 rows       the training rows (`training_rows`), refused before step 1 when they cannot train
 resume     --resume from a checkpoint and --init-from a drafter, checked before the target
-finish     checkpoints, the final evaluation and the summary
+features   where the target's features come from (`feature_source`), one source each in
+           target_features (the live target), cached_features (--hidden-cache) and
+           streamed_features (a vLLM engine, run by streamed, through a spool)
+finish     checkpoints, the final evaluation and the summary (engine: --eval-engine vllm)
+evaluations  τ while training (--eval-every)
 reference  the single-threaded reference loop
 pipelined  training with the pipeline: `run_training` and `run_pipeline`
 wiring     a built run wired into the pipeline's stages
-bookkeeping what each step leaves behind: step count, metrics, progress, checkpoints
+bookkeeping  what each step leaves behind: step count, metrics, progress, checkpoints
 outcome    how a pipelined run ends: a failed stage, a stop signal, or the finish
 replicas   the model objects of each device
 checkpoint atomic checkpoints and exact resume
-offline    the offline jobs of a run's config (`cache-hidden`)
+offline    the offline jobs of a run's config (`cache-hidden`); inspect: `inspect-data`
 progress   progress bar, start-up lines and the summary
 estimate   memory and FLOPs of one step from the shapes (`--dry-run`)
+size_checks  the sizes refused before any model loads (positions, memory, layers)
 """

@@ -33,7 +33,7 @@ def log_failure(exc: BaseException) -> None:
     """The line the command ends with, as an ERROR record for telemetry (the command line
     prints it): while the logs still export, with the exception's type and stack trace
     (the phase it passed through has its own record, tied to that phase's span)."""
-    if getattr(exc, "_dflash_logged", False):  # _finish logged it while the logs exported
+    if getattr(exc, "_dflash_logged", False):  # end_training logged it while logs exported
         return
     logger.error("Error: %s", first_line(exc), exc_info=exc, extra=NOT_PRINTED)
     with contextlib.suppress(AttributeError):  # an exception type with __slots__
