@@ -30,7 +30,8 @@ from dflash.data.datasets import build_datasets, heldout_prompts
 from dflash.data.tokenizer import encode_texts
 from dflash.drafter.io import load_drafter
 from dflash.eval.evaluate import evaluate_tau
-from dflash.offline.regenerate import EMBEDDED_RECIPE, RegenerateConfig, window_starts
+from dflash.offline.config import RegenerateConfig
+from dflash.offline.regenerate import EMBEDDED_RECIPE, window_starts
 from dflash.run.reference import train_reference
 from dflash.target.load import load_target
 

@@ -31,9 +31,9 @@ from vllm_fixtures import (  # noqa: F401 - fixtures
 
 from dflash.config.settings import config_from_options
 from dflash.offline.spool import spool_bytes
-from dflash.run.features import FeatureSource
 from dflash.run.rows import rows_before_target
 from dflash.run.streamed import stream_plan
+from dflash.run.target_features import FeatureSource
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.vllm]
 
@@ -154,6 +154,17 @@ def test_streamed_losses_equal_the_files_and_the_spool_stays_bounded(
     assert streamed == from_files, f"max rel {worst:.3g}"
 
 
+def _engine_pid(run: Path) -> int:
+    """The pid (and process group) of the extraction script `run`'s engine runs."""
+    return next(
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit()
+        and str(SCRIPT).encode() in (p / "cmdline").read_bytes()
+        and f"{run}".encode() in (p / "cmdline").read_bytes()
+    )
+
+
 def test_sigterm_and_a_dead_engine_leave_no_vllm_process(
     vllm_python: Path, smollm2_dir: Path, tmp_path: Path
 ) -> None:
@@ -187,14 +198,7 @@ def test_sigterm_and_a_dead_engine_leave_no_vllm_process(
     run = tmp_path / "dead"
     proc = started(run, marker)
     try:
-        engine = next(
-            int(p.name)
-            for p in Path("/proc").iterdir()
-            if p.name.isdigit()
-            and str(SCRIPT).encode() in (p / "cmdline").read_bytes()
-            and f"{run}".encode() in (p / "cmdline").read_bytes()
-        )
-        os.killpg(engine, signal.SIGKILL)
+        os.killpg(_engine_pid(run), signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:
         left = end_leftovers(marker)
@@ -243,14 +247,7 @@ def test_a_killed_engine_resumes_at_the_next_batch_and_trains_each_row_once(
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "no second checkpoint in 400 s"
             time.sleep(0.1)
-        engine = next(
-            int(p.name)
-            for p in Path("/proc").iterdir()
-            if p.name.isdigit()
-            and str(SCRIPT).encode() in (p / "cmdline").read_bytes()
-            and f"{run}".encode() in (p / "cmdline").read_bytes()
-        )
-        os.killpg(engine, signal.SIGKILL)
+        os.killpg(_engine_pid(run), signal.SIGKILL)
         _, err = proc.communicate(timeout=120)
     finally:
         left = end_leftovers(marker)

@@ -327,7 +327,8 @@ def test_hugging_face_target_with_dynamic_cache_decodes_like_greedy(tmp_path, ar
 
 def test_eval_of_a_saved_drafter_on_chat_prompts(target, tmp_path, monkeypatch) -> None:
     from dflash.drafter.io import save_drafter
-    from dflash.eval.evaluate import EvalConfig, evaluate_drafter_dir
+    from dflash.eval.config import EvalConfig
+    from dflash.eval.evaluate import evaluate_drafter_dir
     from dflash.target import load as target_mod
 
     monkeypatch.setattr(target_mod, "load_target", lambda *a, **k: target)
@@ -379,7 +380,8 @@ def test_every_turn_of_a_turns_file_is_evaluated_after_the_targets_reply(
     first (at temperature 0 the speculative output is that answer)."""
     from dflash.data.tokenizer import decode_text
     from dflash.drafter.io import save_drafter
-    from dflash.eval.evaluate import EvalConfig, evaluate_drafter_dir
+    from dflash.eval.config import EvalConfig
+    from dflash.eval.evaluate import evaluate_drafter_dir
     from dflash.eval.prompts import render_prompt
     from dflash.target import load as target_mod
     from dflash.target.generation import greedy_generate

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.offline.regenerate import RegenerateConfig, RegenerateError, regenerate
+from dflash.offline.config import RegenerateConfig, RegenerateError
+from dflash.offline.regenerate import regenerate
 from dflash.target.generation import generate_batch, generate_padded, greedy_generate
 from dflash.target.load import load_target, wrap_tiny
 from dflash.target.tiny import TinyLM, TinyLMConfig

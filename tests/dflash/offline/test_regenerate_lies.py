@@ -14,7 +14,8 @@ import torch
 
 from dflash.data.tokenizer import ByteTokenizer
 from dflash.offline import regenerate as regen_mod
-from dflash.offline.regenerate import RegenerateConfig, cache_check_path, regenerate
+from dflash.offline.config import RegenerateConfig
+from dflash.offline.regenerate import cache_check_path, regenerate
 from dflash.target.load import wrap_tiny
 from dflash.target.served import CompletionClient, ServerError, ServerSettings, TokenizerTarget
 from dflash.target.tiny import TinyLM, TinyLMConfig
