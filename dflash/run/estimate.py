@@ -64,7 +64,7 @@ class StepShape:
     num_target_features: int | None = None  # K; None: drafter_layers
     document_masks: bool = False  # --packing docs: the target attends through a [T, T] mask
     draft_vocab_size: int | None = None  # rows of the drafter's head; None: the whole vocabulary
-    from_cache: bool = False  # --hidden-cache: the target never runs on the device
+    from_cache: bool = False  # a cache or a vLLM engine: the target never runs on the device
     shard_over: int = 1  # ranks whose FSDP2 shards hold the drafter's weights, grads and AdamW
 
     def __post_init__(self) -> None:
@@ -220,11 +220,11 @@ def seconds_at(shape: StepShape, flops_per_s: float) -> float:
 
 
 def target_runs(cfg: TrainConfig) -> bool:
-    """Whether the target's decoder runs while training, said by the config alone (for
-    the estimates of a dry run, before any cache need exist): every source read from
-    --hidden-cache answers False, as
+    """Whether the target's decoder runs in this process while training, said by the
+    config alone (for the estimates of a dry run, before any cache need exist): every
+    source read from --hidden-cache or streamed from a vLLM engine answers False, as
     `dflash.run.features.feature_source(cfg).runs_target` would."""
-    return cfg.data.hidden_cache is None
+    return cfg.data.hidden_cache is None and cfg.target.engine != "vllm"
 
 
 def geometry_for_spec(spec: str) -> tuple[TargetGeometry, str]:

@@ -17,7 +17,7 @@ from dflash.drafter.vocab import check_draft_vocab_size
 from dflash.errors import first_line
 from dflash.pipeline.distributed import dist_info_from_env
 from dflash.run import estimate  # by module: tests swap estimate.device_memory_bytes
-from dflash.run.estimate import GIB, EstimateError, estimate_step, shape_for_config, target_runs
+from dflash.run.estimate import GIB, EstimateError, estimate_step, shape_for_config
 from dflash.target.geometry import TargetError, TargetGeometry, geometry_from_hf_config
 from dflash.target.model import choose_target_layers
 from dflash.target.synthetic import KNOWN_SHAPES
@@ -78,8 +78,9 @@ def check_sizes_before_work(
     if size is not None and size > geometry.vocab_size:
         check_draft_vocab_size(size, geometry.vocab_size, ())
     check_memory(cfg, geometry, device, device_bytes)
-    if cfg.target.layer_ids is not None or target_runs(cfg):
-        # Unset with a cache: per-sample files may name the layers themselves.
+    if cfg.target.layer_ids is not None or cfg.data.hidden_cache is None:
+        # Unset with a cache: per-sample files may name the layers themselves (online and
+        # streamed runs choose them here).
         choose_target_layers(cfg.target.layer_ids, geometry.num_layers, cfg.drafter.num_layers)
 
 

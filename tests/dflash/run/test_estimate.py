@@ -152,3 +152,22 @@ def test_a_config_beyond_the_device_memory_gets_one_warning_line_with_the_estima
     (line,) = estimate_for_config(cfg, QWEN3_8B, "cuda", device_bytes=16 * GIB)
     assert line.startswith("warning:") and "more than its 16.0 GiB" in line
     assert "estimated peak memory" in line and "--grad-accum" in line
+
+
+def test_a_streamed_run_is_estimated_without_the_targets_forward() -> None:
+    """--target-engine vllm runs the target in the engine: the dry run's step holds the
+    drafter's copies of the embedding and head only, as with a hidden cache, and its
+    target layers are still checked (the run chooses them)."""
+    online = config_from_options(paper_options())
+    streamed = config_from_options({**paper_options(), "target_engine": "vllm"})
+    cached = config_from_options({**paper_options(), "hidden_cache": "/nowhere"})
+    shapes = {name: shape_for_config(cfg, QWEN3_8B, "cuda") for name, cfg in
+              (("online", online), ("streamed", streamed), ("cached", cached))}  # fmt: skip
+    assert not shapes["online"].from_cache and shapes["streamed"].from_cache
+    assert estimate_step(shapes["streamed"]) == estimate_step(shapes["cached"])
+    assert (
+        estimate_step(shapes["streamed"]).total_bytes < estimate_step(shapes["online"]).total_bytes
+    )
+    bad = config_from_options({**paper_options(), "target_engine": "vllm", "drafter_layers": 9})
+    with pytest.raises(EstimateError, match="drafter"):
+        check_sizes_before_work(bad, "cuda", 80 * GIB)
