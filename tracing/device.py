@@ -29,6 +29,10 @@ from tracing.config import call_logged, warn_once
 
 logger = logging.getLogger("tracing")
 
+# Any: a clock's timing event (a torch.cuda.Event, a test clock's own): opaque here, only
+# handed back to the clock that recorded it.
+DeviceEvent = Any
+
 
 class DeviceClock(Protocol):
     """`applies_to(device)`: whether phases on it get device timing (not on a CPU device).
@@ -39,12 +43,12 @@ class DeviceClock(Protocol):
     again) on the resolver thread."""
 
     def applies_to(self, device: object) -> bool: ...
-    def record(self, device: object) -> Any: ...
-    def query(self, event: Any) -> bool: ...
-    def elapsed_s(self, start: Any, end: Any) -> float: ...
-    def release(self, device: object, *events: Any) -> None: ...
+    def record(self, device: object) -> DeviceEvent: ...
+    def query(self, event: DeviceEvent) -> bool: ...
+    def elapsed_s(self, start: DeviceEvent, end: DeviceEvent) -> float: ...
+    def release(self, device: object, *events: DeviceEvent) -> None: ...
     def synchronize(self, device: object) -> None: ...
-    def anchor(self, device: object) -> tuple[Any, int]: ...
+    def anchor(self, device: object) -> tuple[DeviceEvent, int]: ...
 
 
 EVENT_POOL_SIZE = 256
@@ -61,7 +65,7 @@ class CudaClock:
         self._torch: Any = torch  # torch's own stubs do not take the device as given
         self._applies: dict[object, bool] = {}
         # device -> completed events; deque append/pop are atomic across the two threads.
-        self._free: dict[object, deque[Any]] = {}
+        self._free: dict[object, deque[DeviceEvent]] = {}
 
     def applies_to(self, device: object) -> bool:
         known = self._applies.get(device)
@@ -69,7 +73,7 @@ class CudaClock:
             known = self._applies[device] = self._torch.device(device).type == "cuda"
         return known
 
-    def record(self, device: object) -> Any:
+    def record(self, device: object) -> DeviceEvent:
         free = self._free.get(device)
         try:
             # (mypy ignore below) None raises AttributeError: one lookup on the hot path
@@ -79,21 +83,21 @@ class CudaClock:
         event.record(self._torch.cuda.current_stream(device))
         return event
 
-    def release(self, device: object, *events: Any) -> None:
+    def release(self, device: object, *events: DeviceEvent) -> None:
         free = self._free.setdefault(device, deque())
         if len(free) < EVENT_POOL_SIZE:
             free.extend(events)
 
-    def query(self, event: Any) -> bool:
+    def query(self, event: DeviceEvent) -> bool:
         return bool(event.query())
 
-    def elapsed_s(self, start: Any, end: Any) -> float:
+    def elapsed_s(self, start: DeviceEvent, end: DeviceEvent) -> float:
         return float(start.elapsed_time(end)) / 1e3
 
     def synchronize(self, device: object) -> None:
         self._torch.cuda.synchronize(device)
 
-    def anchor(self, device: object) -> tuple[Any, int]:
+    def anchor(self, device: object) -> tuple[DeviceEvent, int]:
         # On the device's default stream, which waits for its other (blocking) streams:
         # the event completes when the queued work has, and the host sees that within
         # microseconds of it.
@@ -172,7 +176,7 @@ class DeviceTiming:
 
 OnResolved = Callable[[DeviceTiming | None], None]  # None: not resolved (stopped)
 # (start event, end event, host ns the start event was recorded no earlier than, callback)
-_Pending = tuple[Any, Any, int, OnResolved]
+_Pending = tuple[DeviceEvent, DeviceEvent, int, OnResolved]
 
 
 class EventResolver:
@@ -187,7 +191,7 @@ class EventResolver:
         self._poll_interval_s = poll_interval_s
         self._queues: dict[object, deque[_Pending]] = {}
         # device -> (an event, its host time): the resolver thread's alone.
-        self._anchors: dict[object, tuple[Any, int]] = {}
+        self._anchors: dict[object, tuple[DeviceEvent, int]] = {}
         self._queues_lock = threading.Lock()  # adding a device's queue (rare)
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(
@@ -197,8 +201,8 @@ class EventResolver:
 
     def submit(
         self,
-        start: Any,
-        end: Any,
+        start: DeviceEvent,
+        end: DeviceEvent,
         on_resolved: OnResolved,
         device: object = None,
         not_before_ns: int = 0,
@@ -246,7 +250,7 @@ class EventResolver:
         return progressed
 
     def _place(
-        self, device: object, start: Any, end: Any, not_before_ns: int, seen_ns: int
+        self, device: object, start: DeviceEvent, end: DeviceEvent, not_before_ns: int, seen_ns: int
     ) -> DeviceTiming:
         """The pair's device time on the host clock; `end` becomes the device's anchor."""
         clock = self.clock

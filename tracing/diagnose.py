@@ -22,7 +22,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlparse
 
 from tracing.config import call_logged
@@ -231,15 +230,15 @@ _in_flight: dict[int, ExportWatch] = {}  # thread ident -> the watch exporting o
 # (id(report), endpoint) -> the watch that told it unreachable, until an export succeeds
 _told: dict[tuple[int, tuple[str, int, str]], ExportWatch] = {}
 _told_lock = threading.Lock()
-_watches: weakref.WeakKeyDictionary[Any, ExportWatch] = weakref.WeakKeyDictionary()
+_watches: weakref.WeakKeyDictionary[object, ExportWatch] = weakref.WeakKeyDictionary()
 
 
-def watch(exporter: Any, export_watch: ExportWatch) -> None:
+def watch(exporter: object, export_watch: ExportWatch) -> None:
     """Attaches `export_watch` to `exporter` (the export wrappers look it up)."""
     _watches[exporter] = export_watch
 
 
-def watch_of(exporter: Any) -> ExportWatch | None:
+def watch_of(exporter: object) -> ExportWatch | None:
     return _watches.get(exporter)
 
 

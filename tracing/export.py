@@ -29,9 +29,9 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 from opentelemetry.environment_variables import (
     OTEL_LOGS_EXPORTER,
@@ -58,6 +58,7 @@ from tracing.diagnose import PORTS, ExportWatch, LogFilter, Report, watch, watch
 
 logger = logging.getLogger("tracing")
 Signal = Literal["traces", "metrics", "logs"]
+_R = TypeVar("_R")
 _EXPORTER_VARIABLES = {
     "traces": OTEL_TRACES_EXPORTER,
     "metrics": OTEL_METRICS_EXPORTER,
@@ -257,8 +258,8 @@ def otlp_exporter(
     endpoint: str | None,
     report: Report | None = None,
     protocol_setting: str = "OTEL_EXPORTER_OTLP_PROTOCOL",
-    **options: Any,
-) -> Any:
+    **options: Any,  # the SDK exporter class's own keywords, forwarded
+) -> Any:  # the SDK's exporter of `signal`, its class chosen at run time: no common type
     """The SDK's OTLP exporter of `signal` (None, warned once, if it refuses its settings),
     watched (tracing.diagnose): the first failed attempt of an outage is one line to
     `report` (default: a warning on the `tracing` logger) naming its likely cause, and
@@ -504,7 +505,17 @@ def batch_processor(exporter: SpanExporter) -> BatchSpanProcessor:
     )
 
 
-def join_closing(thread: threading.Thread, until: float, exporters: Sequence[Any]) -> None:
+class Closing(Protocol):
+    """A watched exporter as `join_closing` closes it."""
+
+    @property
+    def unreachable(self) -> bool: ...
+    @property
+    def closed(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+def join_closing(thread: threading.Thread, until: float, exporters: Sequence[Closing]) -> None:
     """Joins `thread` (a provider shutting down) until the monotonic time `until`, and
     closes each of `exporters` (`unreachable`, `closed`, `close`) as soon as its endpoint
     is known unreachable: its retries abort, and what it has left fails at once."""
@@ -515,10 +526,10 @@ def join_closing(thread: threading.Thread, until: float, exporters: Sequence[Any
         thread.join(min(0.05, left_s))
 
 
-def call_bounded(fn: Any, timeout_s: float, *args: Any) -> Any:
+def call_bounded(fn: Callable[..., _R], timeout_s: float, *args: object) -> _R | None:
     """`fn(*args)` on a daemon thread, waited for at most `timeout_s`: its result, or
     None when it raised (logged) or is still running."""
-    result: list[Any] = [None]
+    result: list[_R | None] = [None]
 
     def target() -> None:
         result[0] = call_logged(fn, *args)

@@ -43,7 +43,13 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry._logs import SeverityNumber
 from opentelemetry.context import Context
-from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler, LogRecordProcessor
+from opentelemetry.sdk._logs import (
+    LoggerProvider,
+    LoggingHandler,
+    LogRecordProcessor,
+    ReadableLogRecord,
+    ReadWriteLogRecord,
+)
 from opentelemetry.sdk._logs.export import (
     BatchLogRecordProcessor,
     ConsoleLogRecordExporter,
@@ -51,6 +57,7 @@ from opentelemetry.sdk._logs.export import (
     LogRecordExportResult,
 )
 from opentelemetry.sdk.resources import Resource
+from opentelemetry.util.types import AnyValue
 
 from tracing import spans
 from tracing.config import TracingConfig, call_logged
@@ -105,7 +112,7 @@ class CountingLogExporter(LogRecordExporter):
         self.watch = watch_of(inner)  # an OTLP exporter's failures, told (tracing.diagnose)
         self._closed = False
 
-    def export(self, batch: Sequence[Any]) -> LogRecordExportResult:
+    def export(self, batch: Sequence[ReadableLogRecord]) -> LogRecordExportResult:
         lower_thread_priority()
         _exporting.active = True  # what this thread logs now is about this export
         try:
@@ -118,7 +125,7 @@ class CountingLogExporter(LogRecordExporter):
         self.exported += len(batch)
         return LogRecordExportResult.SUCCESS
 
-    def _export(self, batch: Sequence[Any]) -> Any:
+    def _export(self, batch: Sequence[ReadableLogRecord]) -> LogRecordExportResult | None:
         export_watch = self.watch
         if export_watch is None:
             return call_logged(self.inner.export, batch)
@@ -161,7 +168,7 @@ class _RecordCounter(LogRecordProcessor):
         self.closed = False
         self._lock = threading.Lock()
 
-    def on_emit(self, log_record: Any) -> None:
+    def on_emit(self, log_record: ReadWriteLogRecord) -> None:
         with self._lock:  # records come from any thread; a count is cheap to lock
             if self.closed:
                 self.late += 1
@@ -211,7 +218,8 @@ class BridgeHandler(LoggingHandler):
 
 
 def _attribute(value: Any) -> Any:
-    """A log attribute value (the logs data model takes maps and lists): None dropped."""
+    """A log attribute value (the logs data model takes maps and lists): None dropped.
+    Any: the caller's values go to the SDK as they are, unchecked (its AnyValue)."""
     if isinstance(value, Mapping):
         pairs = ((str(k), _attribute(v)) for k, v in value.items())
         return {k: v for k, v in pairs if v is not None}
@@ -282,10 +290,10 @@ class Logs:
     def event(
         self,
         name: str,
-        attributes: Mapping[str, Any],
+        attributes: Mapping[str, object],
         *,
         context: Context | None = None,
-        body: Any = None,
+        body: AnyValue = None,
         severity: SeverityNumber = SeverityNumber.INFO,
     ) -> None:
         """One event: a log record named `name` with `attributes` (maps and lists as

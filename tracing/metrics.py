@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.metrics import _Gauge as Gauge  # the API's public Gauge, typed by this name
 from opentelemetry.sdk.metrics import Counter, Exemplar, MeterProvider, ObservableCounter
 from opentelemetry.sdk.metrics import Histogram as HistogramInstrument
 from opentelemetry.sdk.metrics.export import (
@@ -48,6 +49,7 @@ from opentelemetry.sdk.metrics.export import (
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.util.types import AttributeValue
 
 from tracing.clock import now_ns
 from tracing.config import TEMPORALITIES, MetricsConfig, TracingConfig, call_logged, warn_once
@@ -162,7 +164,10 @@ class _StatsExporter(MetricExporter):
         self.closed = False
 
     def export(
-        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+        self,
+        metrics_data: MetricsData,
+        timeout_millis: float = 10_000,
+        **kwargs: Any,  # the SDK's signature
     ) -> MetricExportResult:
         lower_thread_priority()  # the reader's thread, as the spans' export
         data = self.owner._with_stats(metrics_data)
@@ -212,7 +217,7 @@ class _StatsExporter(MetricExporter):
     def force_flush(self, timeout_millis: float = 10_000) -> bool:
         return self.inner.force_flush(timeout_millis)
 
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:  # the SDK's
         if not self.closed:
             self.closed = True
             self.inner.shutdown(timeout_millis=timeout_millis)
@@ -276,7 +281,7 @@ class _StatsHistogram:
         self,
         snap: StatsSnapshot,
         time_ns: int,
-        point: Callable[[dict[str, Any], int, int, PhaseStats, list[Exemplar]], _Point],
+        point: Callable[[dict[str, AttributeValue], int, int, PhaseStats, list[Exemplar]], _Point],
         bucket: Callable[[float], int],
     ) -> list[_Point]:
         """One point per phase that has durations, with its exemplars by `bucket`."""
@@ -294,7 +299,7 @@ class _StatsHistogram:
 
 
 def _explicit_point(
-    attributes: dict[str, Any],
+    attributes: dict[str, AttributeValue],
     start_ns: int,
     time_ns: int,
     s: PhaseStats,
@@ -315,7 +320,7 @@ def _explicit_point(
 
 
 def _exponential_point(
-    attributes: dict[str, Any],
+    attributes: dict[str, AttributeValue],
     start_ns: int,
     time_ns: int,
     s: PhaseStats,
@@ -399,8 +404,8 @@ class Metrics:
         readers = [PeriodicExportingMetricReader(w, interval_ms) for w in self._wrapped]
         self.provider = MeterProvider(readers, resource=resource, shutdown_on_exit=False)
         self._meter = self.provider.get_meter(SCOPE.name, SCOPE.version)
-        self._observed: dict[str, list[tuple[Callable[[], float], dict[str, Any]]]] = {}
-        self._gauges: dict[str, Any] = {}
+        self._observed: dict[str, list[tuple[Callable[[], float], dict[str, AttributeValue]]]] = {}
+        self._gauges: dict[str, Gauge] = {}
         self._histograms: list[_StatsHistogram] = []
         self._report: MetricsReport | None = None
         self._lock = threading.Lock()
@@ -420,7 +425,7 @@ class Metrics:
         *,
         unit: str,
         description: str = "",
-        attributes: Mapping[str, Any] | None = None,
+        attributes: Mapping[str, AttributeValue] | None = None,
     ) -> None:
         """A counter, an up-down counter (a count that rises and falls: a queue's size) or
         a gauge (a reading: peak memory) read through `fn()` at each collection; series of
@@ -463,7 +468,9 @@ class Metrics:
                 )
 
     def record(
-        self, values: Mapping[str, float | None], attributes: Mapping[str, Any] | None = None
+        self,
+        values: Mapping[str, float | None],
+        attributes: Mapping[str, AttributeValue] | None = None,
     ) -> None:
         """Sets declared gauges; None values and undeclared names are skipped."""
         for name, value in values.items():

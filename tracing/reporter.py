@@ -8,7 +8,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import IO, Any
+from types import TracebackType
+from typing import IO
 
 from tracing.config import call_logged, check_positive
 from tracing.format import format_table
@@ -60,20 +61,20 @@ class Reporter:
         self.stats, self.interval_s = stats, float(interval_s)
         self._stream, self._log, self._verdict, self._title = stream, log, verdict, title
         self._rates: dict[str, _Rate] = {}
-        self._gauges: dict[str, tuple[Callable[[], Any], str]] = {}
+        self._gauges: dict[str, tuple[Callable[[], object], str]] = {}
         self._stop = threading.Event()
         self._wake = threading.Event()  # a report now (report_soon) or the stop
         self._print_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._final_printed = False
-        self._previous_excepthook: Any = None
+        self._previous_excepthook: Callable[..., object] | None = None
         self._interval_source: IntervalSource | None = None
 
     def add_rate(self, name: str, counter: Callable[[], float], unit: str = "/s") -> None:
         """Shows the growth of `counter()` per second over each interval (e.g. tokens)."""
         self._rates[name] = _Rate(counter, unit)
 
-    def add_gauge(self, name: str, value: Callable[[], Any], unit: str = "") -> None:
+    def add_gauge(self, name: str, value: Callable[[], object], unit: str = "") -> None:
         """Shows `value()` as sampled at print time (e.g. a queue depth)."""
         self._gauges[name] = (value, unit)
 
@@ -187,7 +188,9 @@ class Reporter:
     def _at_exit(self) -> None:
         self.stop(final=True, timeout_s=0.5)
 
-    def _excepthook(self, exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+    def _excepthook(
+        self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None
+    ) -> None:
         try:
             self.stop(final=False, timeout_s=0.5)
             self.report_final(note=f" (stopped by {exc_type.__name__})")
@@ -196,15 +199,15 @@ class Reporter:
             previous(exc_type, exc, tb)
 
 
-def _number(value: Any) -> str:
+def _number(value: object) -> str:
     return f"{value:,.1f}" if isinstance(value, float) else str(value)
 
 
-def _gauge_number(gauge: Callable[[], Any]) -> str:
+def _gauge_number(gauge: Callable[[], object]) -> str:
     return _number(gauge())
 
 
-def _call_text(fn: Callable[..., Any], *args: Any) -> str:
+def _call_text(fn: Callable[..., object], *args: object) -> str:
     """`fn(*args)` as text; a callback that raises is "n/a", logged, never the report's end."""
     try:
         return str(fn(*args))

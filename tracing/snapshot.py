@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from math import floor, inf, log2, pow
 from typing import Any
 
+Json = Any  # a JSON value as json.loads returns it: any of JSON's types
+
 # 8 buckets per doubling: bucket b covers [2**(b/8), 2**((b+1)/8)) seconds.
 BUCKETS_PER_OCTAVE = 8
 MIN_BUCKET = -30 * BUCKETS_PER_OCTAVE  # ~1 ns; shorter (or zero) durations land here
@@ -92,14 +94,14 @@ class PhaseStats:
             self.thread_total_s[key] = self.thread_total_s.get(key, 0.0) + seconds
         return self
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Json]:
         data = asdict(self)  # copies of the dicts; JSON wants str keys and no infinity
         data["min_s"] = self.min_s if self.count else None
         data["buckets"] = {str(b): n for b, n in self.buckets.items()}
         return data
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PhaseStats:
+    def from_dict(cls, data: Mapping[str, Json]) -> PhaseStats:
         min_s = data.get("min_s")
         return cls(
             count=int(data["count"]),
@@ -158,11 +160,11 @@ class StatsSnapshot:
             return None
         return sum(per_thread.get(thread, 0.0) for thread in over) / len(over)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Json]:
         return {**asdict(self), "phases": {name: s.to_dict() for name, s in self.phases.items()}}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> StatsSnapshot:
+    def from_dict(cls, data: Mapping[str, Json]) -> StatsSnapshot:
         return cls(
             phases={n: PhaseStats.from_dict(s) for n, s in data["phases"].items()},
             wall_s=float(data["wall_s"]),

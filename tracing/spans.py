@@ -51,10 +51,16 @@ _mono_ns = time.monotonic_ns
 _OFFSET_NS = EPOCH_OFFSET_NS
 # Phase._mode: what `__exit__` has to undo (identity-compared small ints).
 _PLAIN, _SPAN, _DEVICE = 0, 1, 2
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
+# Any: an SDK Tracer or tracing.fast's FastTracer (no common base), used by their shared
+# start_span.
+PhaseTracer = Any
+# Any: clean_value's answer, an OTel attribute value (str, bool, int, float, a tuple of
+# one) or the _DROP sentinel, set on a span as it is.
+Cleaned = Any
 
 
-def clean_value(key: str, value: Any) -> Any:
+def clean_value(key: str, value: object) -> Cleaned:
     """The OTel attribute value a program means by `value`: numpy scalars and arrays as
     Python values, an Enum as its value. `_DROP` (warned once per key) for a torch tensor
     (reading it is a host sync, `.item()`, the caller's to choose) and for what is not an
@@ -79,12 +85,12 @@ def clean_value(key: str, value: Any) -> Any:
     return _refuse(key, f"{type(value).__name__} is not str, bool, int, float or a list of one")
 
 
-def _refuse(key: str, why: str) -> Any:
+def _refuse(key: str, why: str) -> Cleaned:
     warn_once(f"attribute {key}", f"attribute {key!r} dropped: {why} (warned once per key)")
     return _DROP
 
 
-def clean_attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
+def clean_attributes(attributes: Mapping[str, object]) -> dict[str, Cleaned]:
     """A private copy of `attributes` holding only values OTel takes (`clean_value`)."""
     cleaned = {}
     for key, value in attributes.items():
@@ -103,14 +109,14 @@ class Runtime:
     are tracing.hooks.PhaseHook objects (timeline, NVTX)."""
 
     stats: ProfileStats
-    tracer: Any = None  # None when no span can be recorded: phases skip all span work
+    tracer: PhaseTracer = None  # None when no span can be recorded: phases skip all span work
     level_rank: int = 0
     clock: DeviceClock | None = None
     sync: bool = False
     resolver: EventResolver | None = None
     propagate: bool = False
     stop_exceptions: tuple[type[BaseException], ...] = ()
-    hooks: tuple[Any, ...] = ()
+    hooks: tuple[object, ...] = ()
     plain: bool = field(init=False)  # nothing but clock reads and one `add`
 
     def __post_init__(self) -> None:
@@ -157,7 +163,7 @@ class SpanHandle:
         self.name, self.start_time_ns, self._stats = name, start_time_ns, stats
         self._span: trace.Span | None = None
         self._context: Context | None = None
-        self._hooks: tuple[Any, ...] = ()  # tracing.hooks.PhaseHook objects, set by start_span
+        self._hooks: tuple[object, ...] = ()  # tracing.hooks.PhaseHook objects, set by start_span
         self._ended = False
 
     @property
@@ -178,19 +184,19 @@ class SpanHandle:
         return self._span is not None and self._span.is_recording()
 
     @property
-    def attributes(self) -> Mapping[str, Any]:
+    def attributes(self) -> Mapping[str, object]:
         """The attributes recorded so far (empty when the span is not recorded)."""
         span = self._span
         if isinstance(span, (FastSpan, ReadableSpan)) and span.attributes:
             return span.attributes
         return {}
 
-    def set_attribute(self, key: str, value: Any) -> None:
+    def set_attribute(self, key: str, value: object) -> None:
         span = self._span
         if span is not None and span.is_recording():
-            value = clean_value(key, value)
-            if value is not _DROP:
-                span.set_attribute(key, value)
+            cleaned = clean_value(key, value)
+            if cleaned is not _DROP:
+                span.set_attribute(key, cleaned)
 
     def record_exception(self, exc: BaseException) -> None:
         """Marks the span ERROR with an exception event; each of EXCEPTION_SINKS is told."""
@@ -273,7 +279,7 @@ class HookErrors:
 HOOK_ERRORS = HookErrors()
 
 
-def _call_hooks(hooks: tuple[Any, ...], method: str, *args: Any) -> None:
+def _call_hooks(hooks: tuple[object, ...], method: str, *args: object) -> None:
     """`method(*args)` of every hook; one that raises is counted and skipped."""
     for hook in hooks:
         try:
@@ -284,7 +290,7 @@ def _call_hooks(hooks: tuple[Any, ...], method: str, *args: Any) -> None:
 
 def start_span(
     name: str,
-    attributes: Mapping[str, Any] | None = None,
+    attributes: Mapping[str, object] | None = None,
     *,
     parent: Context | SpanHandle | None = None,
     start_time_ns: int | None = None,
@@ -338,7 +344,7 @@ class Phase(SpanHandle):
         level: str = "phase",
         parent: Context | SpanHandle | None = None,
         start_time_ns: int | None = None,
-        attributes: Mapping[str, Any] | None = None,
+        attributes: Mapping[str, object] | None = None,
         device: object = None,
         stats: ProfileStats | None = None,
         propagate: bool | None = None,
@@ -386,7 +392,7 @@ class Phase(SpanHandle):
         entries.setdefault(get_ident(), []).append(entry)
         return entry.__enter__()
 
-    def _arguments(self) -> dict[str, Any]:
+    def _arguments(self) -> dict[str, Any]:  # Phase's keywords, of their several types
         return {
             "level": self._level,
             "parent": self._parent,
@@ -521,14 +527,16 @@ class Phase(SpanHandle):
         name, kwargs = self.name, self._arguments()
 
         @functools.wraps(fn)
-        def wrapper(*a: Any, **kw: Any) -> Any:
+        def wrapper(*a: Any, **kw: Any) -> Any:  # fn's own arguments and result, as F types them
             with Phase(name, **kwargs):
                 return fn(*a, **kw)
 
         return wrapper  # type: ignore[return-value]  # functools.wraps: the wrapper answers as fn
 
 
-def _device_span(tracer: Any, name: str, parent: Context | None, timing: DeviceTiming) -> None:
+def _device_span(
+    tracer: PhaseTracer, name: str, parent: Context | None, timing: DeviceTiming
+) -> None:
     """`<name>.device`, a child of the phase's span, from its first to its last device
     event on the host clock: the device runs a phase's kernels after the host queued
     them, so this span may start and end after its parent, as the device did."""

@@ -16,7 +16,6 @@ import weakref
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from threading import get_ident
-from typing import Any
 
 from tracing.format import format_compact
 from tracing.snapshot import MIN_BUCKET, TINY_S, PhaseStats, StatsSnapshot, bucket_edge_s, bucket_of
@@ -38,8 +37,8 @@ class _Live:
     min_s: float = math.inf
     max_s: float = 0.0
     buckets: dict[int, int] = field(default_factory=dict)
-    threads: dict[Any, int] = field(default_factory=dict)
-    thread_total_s: dict[Any, float] = field(default_factory=dict)
+    threads: dict[object, int] = field(default_factory=dict)
+    thread_total_s: dict[object, float] = field(default_factory=dict)
 
     def fold(self, values: list[float], thread: object) -> None:
         """Adds a chunk of durations of one thread. Sorting (C) then bisecting bucket
