@@ -16,7 +16,7 @@ from typing import Any
 # 1: the first typed summary.json and eval JSON (files before carry no schema_version: 0).
 SCHEMA_VERSION = 1
 
-JSON = dict[str, Any]
+JSON = dict[str, Any]  # a JSON object as json.load gives it: values of any JSON type
 
 
 def _float(value: object) -> float | None:

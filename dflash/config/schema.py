@@ -20,6 +20,12 @@ from typing import Any, Literal
 
 from dflash.errors import DFlashError
 
+# Any: a setting's value; its type is the field's own (int, float, bool, str, a Literal's
+# str, a tuple), known from the field's hint at run time only.
+Value = Any
+# Any: a value of a parsed config file (JSON or TOML), any of their types until checked.
+Json = Any
+
 
 class ConfigError(DFlashError):
     """A setting has a bad value; the message is one line naming the flag."""
@@ -35,12 +41,12 @@ class Spec:
     max: float | None = None
     gt: float | None = None
     lt: float | None = None
-    check: Callable[[Any], str | None] | None = None
+    check: Callable[[Value], str | None] | None = None
     invocation: bool = False
     repeatable: bool = False  # a list the command line also takes as a repeated flag
 
 
-def setting(default: Any, help: str, *, option: str | None = None, **spec: Any) -> Any:
+def setting(default: Value, help: str, *, option: str | None = None, **spec: Any) -> Any:
     """A config field: its default, one help line (units, meaning) and its range.
 
     `option` is the flat option name when it differs from the field name; `min`/`max`
@@ -51,6 +57,8 @@ def setting(default: Any, help: str, *, option: str | None = None, **spec: Any) 
     default of None on a type without `| None` makes the option required. A list with
     `repeatable=True` is also taken as a repeated flag (`--report-to a --report-to b`).
     """
+    # Any: **spec is Spec's keywords, forwarded; the answer is a dataclasses.field, which
+    # stands for the field's declared type.
     return field(default=default, metadata={"dflash": Spec(help, option, **spec)})
 
 
@@ -65,7 +73,7 @@ class Option:
     item: type | None  # element type of a tuple
     choices: tuple[str, ...] | None
     optional: bool  # None (unset) is allowed
-    default: Any
+    default: Value
     spec: Spec
 
     @property
@@ -80,14 +88,14 @@ class Option:
     def required(self) -> bool:
         return self.default is None and not self.optional
 
-    def fail(self, value: Any, reason: str, origin: str | None = None) -> ConfigError:
+    def fail(self, value: object, reason: str, origin: str | None = None) -> ConfigError:
         """The one line of a bad value; `origin` names where it came from when that was
         not the flag (an environment variable, a config file's key)."""
         shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
         where = f" (from {origin})" if origin else ""
         return ConfigError(f"{self.flag} {shown!r}{where} is invalid: {reason}")
 
-    def validate(self, value: Any, origin: str | None = None) -> None:
+    def validate(self, value: Value, origin: str | None = None) -> None:
         """Type, finiteness, range, choices and the field's own check; ConfigError."""
         if value is None:
             if not self.optional:
@@ -99,7 +107,7 @@ class Option:
         if reason is not None:
             raise self.fail(value, reason, origin)
 
-    def _type_reason(self, value: Any) -> str | None:
+    def _type_reason(self, value: Value) -> str | None:
         if self.kind is tuple:
             ok = isinstance(value, tuple) and all(_is(v, self.item) for v in value)
             return None if ok else f"expected a list of {_kind_name(self.item)}"
@@ -111,7 +119,7 @@ class Option:
             return f"expected one of {', '.join(self.choices)}"
         return None
 
-    def _range_reason(self, value: Any) -> str | None:
+    def _range_reason(self, value: Value) -> str | None:
         s = self.spec
         if s.min is not None and value < s.min:
             return f"must be at least {s.min:g}"
@@ -123,7 +131,7 @@ class Option:
             return f"must be < {s.lt:g}"
         return None
 
-    def from_file(self, value: Any, source: str) -> Any:
+    def from_file(self, value: Json, source: str) -> Value:
         """A value as a config file holds it -> the field's value (strictly typed)."""
         if value is None and self.optional:
             return None
@@ -139,7 +147,7 @@ class Option:
         raise ConfigError(f"{source}: key {self.name!r}: expected {want}, got {value!r}")
 
 
-def _item_from_file(part: Any, item: type | None) -> Any:
+def _item_from_file(part: Json, item: type | None) -> Value:
     """One list element of a file value (comma-separated text gives strings)."""
     if isinstance(part, str):
         part = part.strip()
@@ -148,7 +156,7 @@ def _item_from_file(part: Any, item: type | None) -> Any:
     return part if _is(part, item) else None
 
 
-def _is(value: Any, kind: type | None) -> bool:
+def _is(value: object, kind: type | None) -> bool:
     if kind is bool:
         return isinstance(value, bool)
     if kind is int:
@@ -163,7 +171,7 @@ def _kind_name(kind: type | None) -> str:
     return names.get(kind, "value") if kind is not None else "value"
 
 
-def _option(f: dataclasses.Field[Any], hint: Any) -> Option:
+def _option(f: dataclasses.Field[Value], hint: Any) -> Option:  # hint: a typing form
     args = typing.get_args(hint)
     optional = type(None) in args
     if optional:
@@ -212,12 +220,12 @@ class FileValues:
     """What a config file sets: option values, the key that set each (as written), and
     the invocation flags it held, left out (see `setting`)."""
 
-    values: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, Value] = field(default_factory=dict)
     keys: dict[str, str] = field(default_factory=dict)
     left_out: tuple[str, ...] = ()
 
 
-def _key_name(key: Any) -> str:
+def _key_name(key: object) -> str:
     return str(key).replace("-", "_")
 
 
@@ -240,14 +248,14 @@ class Schema:
     def section_options(self, section: str) -> tuple[Option, ...]:
         return tuple(opt for opt in self.options if opt.section == section)
 
-    def holds(self, key: Any, value: Any) -> bool:
+    def holds(self, key: object, value: Json) -> bool:
         """Whether a top-level key of a config file is one of these sections (a mapping)
         or options (anything else): `drafter: {...}` of a run's config.json is its section,
         not `eval --drafter`."""
         name = _key_name(key)
         return name in self.sections if isinstance(value, Mapping) else name in self.by_name
 
-    def _items(self, raw: Mapping[str, Any], source: str) -> Iterator[tuple[str, Option, Any]]:
+    def _items(self, raw: Mapping[str, Json], source: str) -> Iterator[tuple[str, Option, Json]]:
         """(key as written, option, value) of a flat or sectioned mapping."""
         for key, value in raw.items():
             name = _key_name(key)
@@ -266,7 +274,7 @@ class Schema:
                 what = "section" if isinstance(value, Mapping) else "key"
                 raise ConfigError(f"{source}: unknown {what} {key!s}")
 
-    def read(self, raw: Mapping[str, Any], source: str) -> FileValues:
+    def read(self, raw: Mapping[str, Json], source: str) -> FileValues:
         """The values of a config file's mapping; an unknown section or key, a wrong type
         or an option set twice is one ConfigError naming the key and `source`."""
         keys: dict[str, str] = {}  # option -> the key that set it
@@ -286,9 +294,9 @@ class Schema:
         kept = {name: key for name, key in keys.items() if name in values}
         return FileValues(values, kept, left_out)
 
-    def build(self, values: Mapping[str, Any]) -> dict[str, Section]:
+    def build(self, values: Mapping[str, Value]) -> dict[str, Section]:
         """Every section, validated, with `values` (flat option names) over its defaults."""
-        fields: dict[str, dict[str, Any]] = {name: {} for name in self.sections}
+        fields: dict[str, dict[str, Value]] = {name: {} for name in self.sections}
         for name, value in values.items():
             opt = self.by_name[name]
             fields[opt.section][opt.field] = tuple(value) if isinstance(value, list) else value

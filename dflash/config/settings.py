@@ -21,10 +21,20 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from dflash.config import checks
-from dflash.config.schema import ConfigError, FileValues, Option, Schema, Section, setting
+from dflash.config.schema import (
+    ConfigError,
+    FileValues,
+    Json,
+    Option,
+    Schema,
+    Section,
+    Value,
+    setting,
+)
+from dflash.summary import JSON
 
 # Bump when a saved config.json can no longer be read as it was written.
 SCHEMA_VERSION = 1
@@ -169,7 +179,7 @@ class TargetConfig(Section):
     )
 
     @property
-    def parsed_chat_template_kwargs(self) -> dict[str, Any]:
+    def parsed_chat_template_kwargs(self) -> JSON:
         """--chat-template-kwargs as the mapping the chat template is given."""
         return json.loads(self.chat_template_kwargs) if self.chat_template_kwargs else {}
 
@@ -618,11 +628,11 @@ class TrainConfig:
         """The loss decay γ actually used (None: streak weights replace the decay)."""
         return self.loss.decay_gamma(self.drafter.block_size)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSON:
         """Plain JSON-able dict (tuples become lists); `from_dict` reads it back. It records
         the run, not one invocation: the invocation flags (`--overwrite`, `--resume`, ...)
         are not in it."""
-        out: dict[str, Any] = {"schema_version": SCHEMA_VERSION}
+        out: JSON = {"schema_version": SCHEMA_VERSION}
         for opt in options():
             if opt.spec.invocation:
                 continue
@@ -633,7 +643,7 @@ class TrainConfig:
         return out
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], source: str = "config") -> TrainConfig:
+    def from_dict(cls, raw: Mapping[str, Json], source: str = "config") -> TrainConfig:
         """Inverse of `to_dict`; also reads flat option names (see `read_values`), and
         leaves out the invocation flags an older config.json holds."""
         return config_from_options(read_values(raw, source).values)
@@ -656,18 +666,18 @@ def option_map() -> dict[str, Option]:
     return TRAIN.by_name
 
 
-def option_default(name: str) -> Any:
+def option_default(name: str) -> Value:
     """Built-in default of a command-line option (lists joined by commas)."""
     value = option_map()[name].default
     return ",".join(map(str, value)) if isinstance(value, tuple) else value
 
 
 def config_from_options(
-    options_: Mapping[str, Any], base: TrainConfig | None = None
+    options_: Mapping[str, Value], base: TrainConfig | None = None
 ) -> TrainConfig:
     """A validated config from flat option values (None keeps the base value)."""
     known = option_map()
-    sections: dict[str, dict[str, Any]] = {}
+    sections: dict[str, dict[str, Value]] = {}
     for name, value in options_.items():
         if value is None:
             continue
@@ -684,7 +694,7 @@ def config_from_options(
     return dataclasses.replace(base, **updates)
 
 
-def read_values(raw: Mapping[str, Any], source: str) -> FileValues:
+def read_values(raw: Mapping[str, Json], source: str) -> FileValues:
     """What a config file's mapping sets (flat option names, or sections as in
     config.json); unknown sections or keys, a wrong type or an incompatible
     `schema_version` are one ConfigError naming key and file."""
@@ -697,6 +707,6 @@ def read_values(raw: Mapping[str, Any], source: str) -> FileValues:
     return TRAIN.read({k: v for k, v in raw.items() if k != "schema_version"}, source)
 
 
-def values_from_mapping(raw: Mapping[str, Any], source: str) -> dict[str, Any]:
+def values_from_mapping(raw: Mapping[str, Json], source: str) -> dict[str, Value]:
     """The option values of `read_values` (invocation flags left out)."""
     return read_values(raw, source).values
