@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from opentelemetry.trace import Link
@@ -41,12 +41,21 @@ from dflash.pipeline.queues import (
 )
 from tracing import SpanHandle
 
+# The pipeline carries what the plugged-in stages make, whatever it is: a
+# dflash.data.Batch or the benchmark's synthetic one (read here only for batch_id,
+# num_tokens and, when pinned, input_ids and loss_mask), the target's features, a step's
+# result. Any, because the callers' functions take their own concrete types: a Protocol
+# or object here would reject them (a Callable's parameters are contravariant).
+Batch = Any
+TargetOut = Any
+StepResult = Any
+
 
 @dataclass
 class BatchItem:
     """A batch on batch_queue, with the root span of its trace."""
 
-    batch: Any  # dflash.data.Batch, or anything with batch_id and num_tokens
+    batch: Batch
     span: SpanHandle
 
 
@@ -54,8 +63,8 @@ class BatchItem:
 class HiddenItem:
     """Target features of a batch on hs_queue."""
 
-    batch: Any
-    target_out: Any
+    batch: Batch
+    target_out: TargetOut
     span: SpanHandle
 
 
@@ -64,6 +73,12 @@ class _EndOfStream:
 
 
 END = _EndOfStream()
+
+BatchQueue = BoundedQueue[BatchItem | _EndOfStream]
+HiddenQueue = BoundedQueue[HiddenItem | _EndOfStream]
+_Item = TypeVar("_Item", BatchItem, HiddenItem)
+PhaseFn = Callable[[str], AbstractContextManager[object]]
+MoveFn = Callable[[Batch, TargetOut], tuple[Batch, TargetOut]]
 
 FINISH_STEP_TIMEOUT_S = 60.0  # after a stop signal a drafter may finish its step
 
@@ -80,11 +95,11 @@ class Prefetcher(StageThread):
     def __init__(
         self,
         group: StageGroup,
-        out_q: BoundedQueue[Any],
-        make_batch: Callable[[int], Any],
+        out_q: BatchQueue,
+        make_batch: Callable[[int], Batch],
         indices: Iterable[int],
         num_consumers: int,
-        span_attributes: Mapping[str, Any],
+        span_attributes: Mapping[str, object],
         pin_memory: bool = False,
     ):
         super().__init__("prefetch", group)
@@ -122,11 +137,11 @@ class Prefetcher(StageThread):
             self.out_q.put(END)
 
 
-def _tensors(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _tensors(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return batch.input_ids, batch.loss_mask
 
 
-def _thread_attributes(stage: StageThread, device: torch.device | str) -> dict[str, Any]:
+def _thread_attributes(stage: StageThread, device: torch.device | str) -> dict[str, object]:
     """The attributes every span of this stage thread carries (call on the thread)."""
     return {
         names.THREAD_NAME: stage.name,
@@ -137,16 +152,16 @@ def _thread_attributes(stage: StageThread, device: torch.device | str) -> dict[s
 
 def _take(
     stage: StageThread,
-    in_q: BoundedQueue[Any],
+    in_q: BoundedQueue[_Item | _EndOfStream],
     counters: PipelineCounters,
-    thread_attrs: Mapping[str, Any],
-) -> Any:
+    thread_attrs: Mapping[str, object],
+) -> _Item | _EndOfStream:
     """Next item of `in_q` (or END); the wait becomes a span under the item's batch."""
     wait_name = f"{in_q.name}.wait"
     stage.enter(wait_name)
     wait_start_ns = tracing.now_ns()
     item, depth = in_q.get_with_depth()
-    if item is END:
+    if isinstance(item, _EndOfStream):  # END, the only instance
         # No batch, so no span; but the thread did wait (often the longest wait of a
         # thread that ran out of work early), and the verdict's shares need all of it.
         tracing.get_stats().add(wait_name, (tracing.now_ns() - wait_start_ns) / 1e9)
@@ -180,9 +195,9 @@ class TargetForwardLoop(StageThread):
         self,
         name: str,
         group: StageGroup,
-        in_q: BoundedQueue[Any],
-        out_q: BoundedQueue[Any],
-        forward: Callable[[Any], Any],
+        in_q: BatchQueue,
+        out_q: HiddenQueue,
+        forward: Callable[[Batch], TargetOut],
         device: torch.device | str,
         counters: PipelineCounters,
         producers: _Countdown,
@@ -199,7 +214,7 @@ class TargetForwardLoop(StageThread):
         attrs = _thread_attributes(self, self.device)
         while True:
             item = _take(self, self.in_q, self.counters, attrs)
-            if item is END:
+            if isinstance(item, _EndOfStream):
                 break
             self.enter(self.phase_name)
             try:
@@ -224,7 +239,7 @@ class TargetForwardLoop(StageThread):
                 self.out_q.put(END)
 
 
-StepFn = Callable[[Any, Any, Callable[[str], AbstractContextManager[Any]]], Any]
+StepFn = Callable[[Batch, TargetOut, PhaseFn], StepResult]
 
 
 class StepPeers:
@@ -267,12 +282,12 @@ class DrafterTrainLoop(StageThread):
         self,
         name: str,
         group: StageGroup,
-        in_q: BoundedQueue[Any],
+        in_q: HiddenQueue,
         step: StepFn,
         device: torch.device | str,
         counters: PipelineCounters,
-        on_step: Callable[[int, Any, Any], None],
-        move: Callable[[Any, Any], tuple[Any, Any]] | None = None,
+        on_step: Callable[[int, Batch, StepResult], None],
+        move: MoveFn | None = None,
         first_step: int = 0,
         peers: tuple[StepPeers, int] | None = None,
     ):
@@ -283,7 +298,7 @@ class DrafterTrainLoop(StageThread):
         self.peers = peers  # (the replicas' step spans, this replica's index)
         self.steps_done = 0
 
-    def _phase(self, name: str) -> AbstractContextManager[Any]:
+    def _phase(self, name: str) -> AbstractContextManager[object]:
         # The trainer's phases nest under drafter.step (the innermost open phase of
         # this thread); entering them here makes a failure name the exact phase.
         self.enter(name)
@@ -297,7 +312,7 @@ class DrafterTrainLoop(StageThread):
         attrs = _thread_attributes(self, self.device)
         while True:
             item = _take(self, self.in_q, self.counters, attrs)
-            if item is END:
+            if isinstance(item, _EndOfStream):
                 return
             self.enter(names.DRAFTER_STEP)
             try:
@@ -330,22 +345,22 @@ class Pipeline:
     """One prefetcher, target threads and drafter threads around two bounded queues."""
 
     group: StageGroup
-    batch_queue: BoundedQueue[Any]
-    hs_queue: BoundedQueue[Any]
+    batch_queue: BatchQueue
+    hs_queue: HiddenQueue
     counters: PipelineCounters
 
     @classmethod
     def build(
         cls,
         *,
-        make_batch: Callable[[int], Any],
+        make_batch: Callable[[int], Batch],
         indices: Iterable[int],
-        forwards: list[tuple[torch.device | str, Callable[[Any], Any]]],
-        steps: list[tuple[torch.device | str, StepFn, Callable[[Any, Any], tuple[Any, Any]]]],
-        on_step: Callable[[int, int, Any, Any], None],
+        forwards: list[tuple[torch.device | str, Callable[[Batch], TargetOut]]],
+        steps: list[tuple[torch.device | str, StepFn, MoveFn]],
+        on_step: Callable[[int, int, Batch, StepResult], None],
         batch_queue_size: int,
         hs_queue_size: int,
-        span_attributes: Mapping[str, Any] | None = None,
+        span_attributes: Mapping[str, object] | None = None,
         pin_memory: bool = False,
         group: StageGroup | None = None,
         first_step: int = 0,
@@ -359,8 +374,8 @@ class Pipeline:
         barrier among them), so each drafter.optimizer links to the other replicas'
         drafter.step spans (`StepPeers`)."""
         group, counters = group or StageGroup(), PipelineCounters()
-        batch_q: BoundedQueue[Any] = BoundedQueue("batch_queue", batch_queue_size, group.stop)
-        hs_q: BoundedQueue[Any] = BoundedQueue("hs_queue", hs_queue_size, group.stop)
+        batch_q: BatchQueue = BoundedQueue("batch_queue", batch_queue_size, group.stop)
+        hs_q: HiddenQueue = BoundedQueue("hs_queue", hs_queue_size, group.stop)
         attributes = span_attributes or {}
         Prefetcher(group, batch_q, make_batch, indices, len(forwards), attributes, pin_memory)
         producers = _Countdown(len(forwards))
