@@ -1,26 +1,41 @@
 """The fast path: phase spans recorded without the SDK's Span on the hot path (the SDK's
-Tracer costs the training thread several times more: `bench/tracing_overhead.py`).
+Tracer costs the training thread about three times more: `bench/tracing_overhead.py`,
+figures in docs/observability.md).
 
 A `FastSpan` holds what a span needs; at its end it becomes the SDK's ReadableSpan (the
 provider's resource, the SDK's span limits) for the `on_end` of tracing's processors.
-`FastTracer` stands in for the SDK's Tracer only where no one can tell: on the provider
-`setup` built, with a parent-based sampler and only tracing's processors (the SDK's
-batch processors and a counter, whose `on_start` does nothing). Once another processor
-is added, `setup` puts the SDK's Tracer in its place: `on_start` for every later span.
+`FastTracer` stands in for the SDK's Tracer only where no one can tell (`fits`): on the
+provider `setup` built, with a parent-based sampler, the tracer enabled, and only
+tracing's processors (the SDK's batch processors and a counter, whose `on_start` and
+ending hook do nothing). What the SDK's Tracer does besides, it does too: the SDK's own
+span metrics (`otel.sdk.span.*`, through the SDK Tracer's recorder), the W3C
+random-trace-id flag (SDK 1.42 on). Once another processor is added or the tracer
+configuration changes, `setup` puts the SDK's Tracer in its place. The SDK's
+`ReadableSpan.to_json()` of every kind of span is the same both ways, at both ends of
+the supported SDK range (`tests/tracing/test_fast.py`, `scripts/otel_versions.sh`).
 """
 
 from __future__ import annotations
 
+import dis
 import os
 import random
 import traceback
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import (
+    Event,
+    ReadableSpan,
+    SpanLimits,
+    SpanProcessor,
+    Tracer,
+    TracerProvider,
+)
 from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.sdk.util import BoundedList
@@ -37,9 +52,52 @@ from opentelemetry.trace import (
 
 from tracing.clock import now_ns
 
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-_NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 _UNSET = Status(StatusCode.UNSET)
+_NO_ATTRIBUTES: Mapping[str, Any] = MappingProxyType({})  # as the SDK's: empty, not None
+# W3C random-trace-id flag: the API has it and the SDK's Tracer sets it from 1.42 on
+# (the two are released together, pinned to each other); 0 before.
+RANDOM_FLAG: int = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)
+# Span flags by (sampled, random): TraceFlags made once, not per span.
+_FLAGS = {
+    (sampled, random_id): TraceFlags(
+        (TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT) | (RANDOM_FLAG if random_id else 0)
+    )
+    for sampled in (False, True)
+    for random_id in (False, True)
+}
+
+
+_RETURN_NONE = ([("LOAD_CONST", None), ("RETURN_VALUE", None)], [("RETURN_CONST", None)])
+
+
+def does_nothing(hook: object) -> bool:
+    """Whether a processor's hook is an empty function (`pass`, a docstring at most):
+    its bytecode returns None and does nothing else."""
+    code = getattr(hook, "__code__", None)
+    if code is None:
+        return False
+    ops = [(op.opname, op.argval) for op in dis.get_instructions(code)]
+    return [op for op in ops if op[0] not in ("RESUME", "NOP")] in _RETURN_NONE
+
+
+def fits(sdk_tracer: Tracer, processors: Sequence[SpanProcessor]) -> bool:
+    """Whether `FastTracer` can stand in for `sdk_tracer` with these processors: the
+    tracer enabled (its configuration is the SDK's private `_is_enabled`; tracing's
+    provider hands phases back to the SDK's Tracer when it changes), the SDK's span
+    metrics recorder where `FastTracer` finds it, and no processor with an ending hook
+    (`_on_ending`, the mutable span before `on_end`; `on_ending` should the SDK make it
+    public) that does something: the fast path has no mutable SDK span to give it."""
+    enabled = getattr(sdk_tracer, "_is_enabled", None)
+    if enabled is None or not enabled():
+        return False
+    if not callable(getattr(getattr(sdk_tracer, "_tracer_metrics", None), "start_span", None)):
+        return False
+    for processor in processors:
+        for name in ("_on_ending", "on_ending"):
+            hook = getattr(type(processor), name, None)
+            if hook is not None and not does_nothing(hook):
+                return False
+    return True
 
 
 class PhaseIds(IdGenerator):
@@ -51,6 +109,10 @@ class PhaseIds(IdGenerator):
     def __init__(self) -> None:
         self._random = random.Random()  # seed() without a value draws from os.urandom
         os.register_at_fork(after_in_child=self._random.seed)
+
+    def is_trace_id_random(self) -> bool:
+        """All 128 bits are random: the W3C random-trace-id flag (SDK 1.42 on) is true."""
+        return True
 
     def generate_span_id(self) -> int:
         return self._random.getrandbits(64) or 1  # 0 is the invalid id
@@ -65,7 +127,8 @@ class FastSpan(trace.Span):
 
     __slots__ = (
         *("name", "trace_id", "span_id", "parent", "trace_state", "attributes", "events"),
-        *("status", "start_time", "end_time", "links", "_tracer", "_context"),
+        *("status", "start_time", "end_time", "links", "_tracer", "_context", "_flags"),
+        "_metrics_end",
     )
 
     def __init__(
@@ -77,20 +140,23 @@ class FastSpan(trace.Span):
         trace_state: Any,
         attributes: dict[str, Any] | None,
         start_time: int,
+        flags: TraceFlags,
+        metrics_end: Any,
         links: Sequence[Link] = (),
     ) -> None:
         self._tracer, self.name, self.parent, self.trace_id = tracer, name, parent, trace_id
         self.span_id, self.trace_state = tracer.ids.generate_span_id(), trace_state
         self.attributes = attributes  # already clean (tracing.spans): copied, never shared
-        self.events: list[Event] | None = None
+        self.events: BoundedList[Event] | None = None
         self.status, self.start_time, self.links = _UNSET, start_time, links
         self.end_time: int | None = None
         self._context: SpanContext | None = None
+        self._flags, self._metrics_end = flags, metrics_end
 
     def get_span_context(self) -> SpanContext:
         context = self._context
         if context is None:
-            args = (self.trace_id, self.span_id, False, _SAMPLED, self.trace_state)
+            args = (self.trace_id, self.span_id, False, self._flags, self.trace_state)
             context = self._context = SpanContext(*args)
         return context
 
@@ -114,14 +180,29 @@ class FastSpan(trace.Span):
                 limits.max_event_attributes, attributes, max_value_len=limits.max_attribute_length
             )
             event = Event(name, event_attributes, now_ns() if timestamp is None else timestamp)
-            self.events = [*(self.events or ()), event]
+            if self.events is None:  # at most max_events, the rest counted as dropped
+                self.events = BoundedList(limits.max_events)
+            self.events.append(event)
+
+    def add_link(self, context: SpanContext, attributes: Any = None) -> None:
+        """A link added after the start, kept as the SDK's Span keeps one."""
+        if self.end_time is None:
+            links = self.links
+            if not isinstance(links, BoundedList):
+                links = self.links = BoundedList.from_seq(self._tracer.limits.max_links, links)
+            links.extend(bounded_links([Link(context, attributes)], self._tracer.limits))
 
     def update_name(self, name: str) -> None:
-        self.name = name
+        if self.end_time is None:
+            self.name = name
 
     def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
-        if self.end_time is None:
-            self.status = status if isinstance(status, Status) else Status(status, description)
+        """As the SDK's Span: an OK status stays, UNSET is no change."""
+        if self.end_time is None and self.status.status_code is not StatusCode.OK:
+            if not isinstance(status, Status):
+                status = Status(status, description)
+            if status.status_code is not StatusCode.UNSET:
+                self.status = status
 
     def record_exception(
         self,
@@ -157,13 +238,14 @@ class FastSpan(trace.Span):
                 attributes,
                 max_value_len=limits.max_span_attribute_length,
             )
+        self._metrics_end()  # the SDK's span metrics: one live span less
         span = ReadableSpan(
             name=self.name,
             context=self.get_span_context(),
             parent=self.parent,
             resource=tracer.provider.resource,  # refreshed by the SDK after a fork
-            attributes=attributes,
-            events=tuple(self.events or ()),
+            attributes=_NO_ATTRIBUTES if attributes is None else attributes,
+            events=self.events if self.events is not None else (),
             links=self.links,
             kind=SpanKind.INTERNAL,
             status=self.status,
@@ -184,11 +266,18 @@ class FastTracer:
         provider: TracerProvider,
         processors: Sequence[SpanProcessor],
         scope: InstrumentationScope,
+        sdk_tracer: Tracer,
     ) -> None:
+        """`sdk_tracer`: the provider's SDK Tracer of `scope`, which `fits` accepted."""
         self.sampler = provider.sampler  # kept, as the SDK's Tracer keeps it
         self.provider, self.ids, self.scope = provider, provider.id_generator, scope
         self.limits = SpanLimits()
         self.processors = tuple(processors)
+        # The SDK's span metrics as its Tracer records them (off unless the SDK's internal
+        # metrics are enabled from 1.4x on; always on at 1.40, to the global meter).
+        self.metrics = sdk_tracer._tracer_metrics
+        is_random = getattr(self.ids, "is_trace_id_random", None)
+        self.random_roots = bool(RANDOM_FLAG and is_random is not None and is_random())
 
     def start_span(
         self,
@@ -205,24 +294,27 @@ class FastTracer:
         ):  # a parent-based sampler follows the parent's decision
             trace_id, state = parent.trace_id, parent.trace_state
             sampled = parent.trace_flags.sampled
+            random_id = bool(parent.trace_flags & RANDOM_FLAG)
         else:
             parent, trace_id = None, self.ids.generate_trace_id()
             result = self.sampler.should_sample(
                 context, trace_id, name, SpanKind.INTERNAL, attributes, links
             )
             sampled, state = result.decision is Decision.RECORD_AND_SAMPLE, result.trace_state
+            random_id = self.random_roots
             if result.attributes:
                 attributes = {**(attributes or {}), **result.attributes}
+        flags = _FLAGS[sampled, random_id]
+        decision = Decision.RECORD_AND_SAMPLE if sampled else Decision.DROP
+        metrics_end = self.metrics.start_span(parent, decision)
         if not sampled:
             span_id = self.ids.generate_span_id()
-            return trace.NonRecordingSpan(
-                SpanContext(trace_id, span_id, False, _NOT_SAMPLED, state)
-            )
+            return trace.NonRecordingSpan(SpanContext(trace_id, span_id, False, flags, state))
         start = now_ns() if start_time is None else start_time
+        args = (self, name, parent, trace_id, state, attributes, start, flags, metrics_end)
         if links:
-            kept = bounded_links(links, self.limits)
-            return FastSpan(self, name, parent, trace_id, state, attributes, start, kept)
-        return FastSpan(self, name, parent, trace_id, state, attributes, start)
+            return FastSpan(*args, bounded_links(links, self.limits))
+        return FastSpan(*args)
 
 
 def bounded_links(links: Sequence[Link], limits: SpanLimits) -> BoundedList[Link]:

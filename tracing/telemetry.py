@@ -49,7 +49,7 @@ from tracing.export import (
     join_closing,
     sdk_disabled,
 )
-from tracing.fast import FastTracer, PhaseIds
+from tracing.fast import FastTracer, PhaseIds, fits
 from tracing.stats import ProfileStats
 
 logger = logging.getLogger("tracing")
@@ -131,6 +131,13 @@ class _Provider(TracerProvider):
 
     def add_span_processor(self, span_processor: SpanProcessor) -> None:
         super().add_span_processor(span_processor)
+        if self.telemetry is not None:
+            self.telemetry._use(self.get_tracer(SCOPE.name, SCOPE.version))
+
+    def _set_tracer_configurator(self, **kwargs: Any) -> None:
+        """The SDK's (private, experimental) tracer configuration changes whether a
+        tracer records: from here on its Tracer, which asks, records the phases."""
+        super()._set_tracer_configurator(**kwargs)
         if self.telemetry is not None:
             self.telemetry._use(self.get_tracer(SCOPE.name, SCOPE.version))
 
@@ -433,8 +440,9 @@ def _choose_tracer(
         telemetry.tracer = _CountingTracer(sdk_tracer)
     elif processors or not isinstance(provider.sampler, ParentBased):
         telemetry.tracer = sdk_tracer
-    elif ours:  # tracing's own processors alone: the fast stand-in (tracing.fast)
-        telemetry.tracer = FastTracer(provider, ours, SCOPE)
+    elif ours:  # tracing's own processors alone: the fast stand-in where it fits
+        fast = fits(sdk_tracer, ours)
+        telemetry.tracer = FastTracer(provider, ours, SCOPE, sdk_tracer) if fast else sdk_tracer
     if own and install_global and _application_provider() is None:
         trace.set_tracer_provider(provider)
 

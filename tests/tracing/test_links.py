@@ -174,7 +174,8 @@ def test_the_sampler_of_a_new_trace_sees_its_links() -> None:
         memory = InMemorySpanExporter()
         tracer: Any
         if path == "fast":
-            tracer = FastTracer(provider, [SimpleSpanProcessor(memory)], SCOPE)
+            sdk_tracer = provider.get_tracer(SCOPE.name, SCOPE.version)
+            tracer = FastTracer(provider, [SimpleSpanProcessor(memory)], SCOPE, sdk_tracer)
         else:
             provider.add_span_processor(SimpleSpanProcessor(memory))
             tracer = provider.get_tracer(SCOPE.name, SCOPE.version)
