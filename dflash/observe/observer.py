@@ -20,11 +20,12 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from opentelemetry import context as otel_context
+from opentelemetry.context import Context
 
 import tracing
 from dflash import __version__
@@ -43,9 +44,19 @@ from dflash.observe.instruments import (
 )
 from dflash.observe.metrics import NAMESPACE, record_step, start_run_metrics
 from dflash.pipeline.queues import CounterSnapshot, Stopped
+from dflash.summary import JSON
 from tracing import Reporter, StatsSnapshot, TracingConfig, TracingConfigError
 from tracing.logs import Logs, LogsReport, start_logs
 from tracing.metrics import Metrics, MetricsReport, shutdown_all
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from dflash.observe.profile_window import ProfileWindow
+
+# Where the rank runs, by TracingConfig's keyword (world_size=, device_model=, ...): Any,
+# as `**` hands each to a field of its own type (int, str or None).
+Placement = dict[str, Any]
 
 __all__ = [
     "ObserveError",
@@ -74,7 +85,12 @@ _RECORDED = {
 _Readers = dict[str, Callable[[], int]]  # {name: a counter, read when called}
 
 
-def tracing_config(tel: TelemetryConfig, rank: int, run_id: str, **placement: Any) -> TracingConfig:
+def tracing_config(
+    tel: TelemetryConfig,
+    rank: int,
+    run_id: str,
+    **placement: Any,  # Any: Placement's values
+) -> TracingConfig:
     """TracingConfig from cfg.telemetry: a flag left unset (None) leaves the choice to
     the OTEL_* variables, which the SDK reads; no endpoint (flag or variable) sends
     nothing over the network. `placement`: where the rank runs, for the resource
@@ -138,10 +154,10 @@ def cuda_timing_note(trace_level: str, cuda_timing: str, device_types: Iterable[
 def rank_placement(
     world_size: int,
     local_rank: int | None = None,
-    devices: Sequence[Any] = (),
-    config: Mapping[str, Any] | None = None,
+    devices: Sequence[torch.device | str] = (),
+    config: Mapping[str, object] | None = None,
     env: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
+) -> Placement:
     """The resource's account of where this rank runs (tracing_config's `placement`):
     world size, local rank, the node's rank (torchrun's GROUP_RANK, else NODE_RANK; the
     node's name is the resource's host.name), the model of `devices` (the rank's drafter
@@ -202,7 +218,7 @@ class RankTables:
 
     def run(self) -> None:
         local = self._stats.take_interval().to_dict()
-        out: list[Any] = [None] * dist.get_world_size()
+        out: list[Any] = [None] * dist.get_world_size()  # Any: all_gather_object's dicts
         dist.all_gather_object(out, local)
         self._result = [StatsSnapshot.from_dict(d) for d in out]
         self._wanted = False
@@ -272,10 +288,10 @@ class Observer:
         self.bad_steps: int | None = None
         self._final_ranks: list[StatsSnapshot] | None = None
         self._stream: IO[str] | None = None
-        self._closed: dict[str, Any] | None = None
+        self._closed: JSON | None = None
 
     @property
-    def profile(self) -> Any:
+    def profile(self) -> ProfileWindow | None:
         """The --torch-profile window (dflash.observe.profile_window.ProfileWindow), or None."""
         return self.instruments.profile
 
@@ -285,7 +301,7 @@ class Observer:
     def attach(
         self,
         snapshot: Callable[[], CounterSnapshot],
-        devices: Sequence[Any] = (),
+        devices: Sequence[torch.device | str] = (),
         flops: FlopsFigures | None = None,
         stream: IO[str] | None = None,
         read_bytes: Callable[[], int] | None = None,
@@ -388,7 +404,7 @@ class Observer:
             self.reporter.report_soon()
 
     def record_step(
-        self, figures: dict[str, Any], mfu: float | None = None, context: Any = None
+        self, figures: JSON, mfu: float | None = None, context: Context | None = None
     ) -> None:
         """A logged step's figures into the metrics, and as one `dflash.step` event (its
         attributes the metrics.jsonl line's figures, its body that line) tied to
@@ -421,7 +437,7 @@ class Observer:
         other ranks would otherwise wait out in a collective): the cumulative tables."""
         if self.world_size < 2 or self._final_ranks is not None:
             return
-        out: list[Any] = [None] * dist.get_world_size()
+        out: list[Any] = [None] * dist.get_world_size()  # Any: all_gather_object's dicts
         dist.all_gather_object(out, self.stats.snapshot().to_dict())
         self._final_ranks = [StatsSnapshot.from_dict(d) for d in out]
 
@@ -430,7 +446,7 @@ class Observer:
         finals = self._final_ranks
         return StatsSnapshot.merge(finals) if finals is not None else self.stats.snapshot()
 
-    def close(self, log: Log, table: bool = True) -> dict[str, Any]:
+    def close(self, log: Log, table: bool = True) -> JSON:
         """Final cumulative table (`table` False: none, for a refusal that is one line),
         then the bounded shutdown; figures for summary.json.
 
@@ -491,7 +507,7 @@ class Observer:
 
 
 @contextlib.contextmanager
-def _current(context: Any) -> Iterator[None]:
+def _current(context: Context | None) -> Iterator[None]:
     """`context` (an OTel Context, e.g. a phase's) is the current one inside the block."""
     token = None if context is None else otel_context.attach(context)
     try:
@@ -542,7 +558,7 @@ def _add_flops(
         reporter.add_rate(f"{side} MFU", lambda t=tera, p=peak: 100 * t() / p, "%")
 
 
-def _metrics_counts(report: MetricsReport | None) -> dict[str, Any]:
+def _metrics_counts(report: MetricsReport | None) -> dict[str, int]:
     if report is None:
         return {}
     return {
@@ -553,7 +569,7 @@ def _metrics_counts(report: MetricsReport | None) -> dict[str, Any]:
     }
 
 
-def _logs_counts(report: LogsReport | None) -> dict[str, Any]:
+def _logs_counts(report: LogsReport | None) -> dict[str, int]:
     if report is None:
         return {}
     return {
@@ -572,9 +588,9 @@ def start_observer(
     output_dir: Path,
     log: Log = say,
     local_rank: int | None = None,
-    devices: Sequence[Any] = (),
-    config: Mapping[str, Any] | None = None,
-    exporters: Sequence[Any] = (),
+    devices: Sequence[torch.device | str] = (),
+    config: Mapping[str, object] | None = None,
+    exporters: Sequence[SpanExporter] = (),
 ) -> Observer:
     """Sets tracing up for this process from cfg.telemetry (call once, before training),
     with the logs beside it: the bridge on BRIDGED_LOGGERS while they export.
@@ -609,7 +625,7 @@ def start_observer(
     return observer
 
 
-def setup_tracing(cfg: TracingConfig, **options: Any) -> tracing.Telemetry:
+def setup_tracing(cfg: TracingConfig, **options: Any) -> tracing.Telemetry:  # Any: setup's keywords
     """`tracing.setup` as a run needs it: a stop of the pipeline (Stopped, Ctrl-C) ends
     phases without marking them ERROR. `options` go to tracing.setup."""
     try:

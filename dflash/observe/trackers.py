@@ -44,13 +44,25 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import urlparse
 
 from dflash.config.checks import REPORT_TOOLS
 from dflash.errors import DFlashError, first_line
+from dflash.summary import JSON
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.sdk.trace.export import SpanExporter
 
 Say = Callable[[str], None]
+# A metrics.jsonl line or the summary: JSON values, read by key ("step" is an int).
+# Any, because a JSON value's type is known only when it is read.
+Line = Mapping[str, Any]
+# The arguments of a Tracker method, queued with its kind: each kind's are typed where
+# Reporting puts them, and Any lets one queue carry every method's.
+Args = tuple[Any, ...]
+_T = TypeVar("_T")
 
 RETRY_AFTER_S = 30.0  # a tool that failed is left alone this long, then tried again
 IDLE_BOUND_S = 20.0  # close: how long a tool may go without finishing an item
@@ -126,13 +138,13 @@ def check_installed(report_to: Iterable[str]) -> None:
 
 
 def numeric_figures(
-    figures: Mapping[str, Any], skip: Sequence[str] = ("step",)
+    figures: Mapping[str, object], skip: Sequence[str] = ("step",)
 ) -> dict[str, float]:
     """The numbers of a metrics.jsonl line by name: lists and mappings flattened to
     `name/index` and `name/key`; text, booleans and nulls left out."""
     out: dict[str, float] = {}
 
-    def walk(key: str, value: Any) -> None:
+    def walk(key: str, value: object) -> None:
         if isinstance(value, bool) or value is None or isinstance(value, str):
             return
         if isinstance(value, (int, float)):
@@ -150,7 +162,7 @@ def numeric_figures(
     return out
 
 
-def summary_figures(summary: Mapping[str, Any]) -> dict[str, float]:
+def summary_figures(summary: Mapping[str, object]) -> dict[str, float]:
     """`summary/NAME` for the summary's top-level numbers (and lists of numbers)."""
     top = {
         key: value
@@ -164,7 +176,7 @@ def summary_figures(summary: Mapping[str, Any]) -> dict[str, float]:
 class RunStart:
     """What a tracker is told when the run's checks have passed."""
 
-    config: Mapping[str, Any]
+    config: Line
     run_id: str  # dflash.run.id: the run's traces carry it too
     output_dir: Path
     first_step: int = 0  # > 0 when resumed
@@ -180,7 +192,7 @@ class RunEnd:
     """What a tracker is told at the end: status finished, interrupted or failed."""
 
     status: str
-    summary: Mapping[str, Any] | None = None
+    summary: Line | None = None
     drafter_dir: Path | None = None
     files: tuple[Path, ...] = ()
 
@@ -215,7 +227,7 @@ class TensorBoardTracker:
     name = "tensorboard"
 
     def __init__(self) -> None:
-        self.writer: Any = None
+        self.writer: Any = None  # torch's SummaryWriter: imported late (the trackers extra)
         self.log_dir: Path | None = None
         self.step = 0
 
@@ -264,7 +276,7 @@ class MlflowTracker:
     name = "mlflow"
 
     def __init__(self) -> None:
-        self.client: Any = None
+        self.client: Any = None  # MLflow's MlflowClient: imported late (the trackers extra)
         self.run_id: str | None = None
         self.experiment_id: str | None = None
         self.uri = os.environ.get("MLFLOW_TRACKING_URI", "")
@@ -376,7 +388,7 @@ class MlflowTracker:
         return headers
 
 
-def _params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+def _params(config: Mapping[str, object], prefix: str = "") -> dict[str, str]:
     """The config as MLflow params: `section.key` -> the value as config.json writes it."""
     out: dict[str, str] = {}
     for key, value in config.items():
@@ -388,7 +400,7 @@ def _params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def _chunks(items: list[Any], size: int) -> Iterable[list[Any]]:
+def _chunks(items: list[_T], size: int) -> Iterable[list[_T]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
 
@@ -401,7 +413,7 @@ class WandbTracker:
     PROBE_TIMEOUT_S = 3.0
 
     def __init__(self) -> None:
-        self.run: Any = None
+        self.run: Any = None  # wandb's Run: imported late (the trackers extra)
         self.mode = os.environ.get("WANDB_MODE", "").strip()
         self.step = 0
 
@@ -416,7 +428,7 @@ class WandbTracker:
         why_offline = None if self.mode else self._why_offline(wandb)
         if why_offline is not None:
             self.mode = "offline"
-        options: dict[str, Any] = {}
+        options: dict[str, str] = {}
         if not os.environ.get("WANDB_DIR"):
             options["dir"] = str(run.output_dir)
             (run.output_dir / "wandb").mkdir(parents=True, exist_ok=True)
@@ -439,7 +451,7 @@ class WandbTracker:
             )
 
     @classmethod
-    def _why_offline(cls, wandb: Any) -> str | None:
+    def _why_offline(cls, wandb: Any) -> str | None:  # Any: the wandb module, imported late
         """Why the run cannot be online: no API key, or W&B's server cannot be reached
         (a TCP connection within PROBE_TIMEOUT_S). None: online."""
         base_url = os.environ.get("WANDB_BASE_URL") or str(wandb.Settings().base_url)
@@ -503,7 +515,7 @@ class Delivery:
     error: str | None = None  # the first failure
 
 
-_STOP = object()
+_STOP: tuple[str, Args] = ("stop", ())  # the end of a channel's items, told by identity
 
 
 @dataclass
@@ -518,14 +530,14 @@ class _Channel:
     last_progress: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
-        self.queue: queue.Queue[Any] = queue.Queue(QUEUE_ITEMS)
+        self.queue: queue.Queue[tuple[str, Args]] = queue.Queue(QUEUE_ITEMS)
         self.start: RunStart | None = None
         self.thread = threading.Thread(
             target=self._run, name=f"report-to-{self.tracker.name}", daemon=True
         )
         self.thread.start()
 
-    def put(self, kind: str, *args: Any) -> None:
+    def put(self, kind: str, *args: object) -> None:
         if kind == "step":
             self.delivery.steps += 1
         try:
@@ -550,7 +562,7 @@ class _Channel:
             self._do(kind, args)
             self.last_progress = time.monotonic()
 
-    def _do(self, kind: str, args: tuple[Any, ...]) -> None:
+    def _do(self, kind: str, args: Args) -> None:
         if kind == "begin":
             self.start = args[0]
         if time.monotonic() < self.down_until or self.start is None:
@@ -629,7 +641,7 @@ class Reporting:
         tools: Sequence[str],
         say: Say,
         run_id: str = "",
-        factories: Mapping[str, Any] = TRACKERS,
+        factories: Mapping[str, Callable[[], Tracker]] = TRACKERS,
     ) -> None:
         self.say, self.run_id = say, run_id
         self.channels = [_Channel(factories[name](), self._say) for name in wanted(tools)]
@@ -647,7 +659,7 @@ class Reporting:
     def tracker(self, name: str) -> Tracker | None:
         return next((c.tracker for c in self.channels if c.tracker.name == name), None)
 
-    def span_exporters(self) -> list[Any]:
+    def span_exporters(self) -> list[SpanExporter]:
         """Exporters for the run's spans: MLflow's OTLP endpoint, when MLFLOW_TRACKING_URI
         names a tracking server (spans wait there until the MLflow run exists)."""
         mlflow = self.tracker("mlflow")
@@ -657,7 +669,7 @@ class Reporting:
 
     def begin(
         self,
-        config: Mapping[str, Any],
+        config: Line,
         output_dir: Path,
         first_step: int = 0,
         say: Say | None = None,
@@ -671,7 +683,7 @@ class Reporting:
         for channel in self.channels:
             channel.put("begin", start)
 
-    def log_step(self, figures: Mapping[str, Any]) -> None:
+    def log_step(self, figures: Line) -> None:
         """A metrics.jsonl line, as written."""
         if not self.channels:
             return
@@ -681,7 +693,7 @@ class Reporting:
         for channel in self.channels:
             channel.put("step", step, numbers)
 
-    def log_amended(self, line: Mapping[str, Any]) -> None:
+    def log_amended(self, line: Line) -> None:
         """metrics.jsonl's last line after the final evaluation joined it: the figures the
         trackers do not have yet (a line of a step not logged before goes whole)."""
         if not self.channels or "step" not in line:
@@ -749,7 +761,7 @@ def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
-def _last_line(path: Path, since: float, whole: bool = False) -> dict[str, Any] | None:
+def _last_line(path: Path, since: float, whole: bool = False) -> JSON | None:
     """The JSON object of a file's last line (`whole`: of the whole file) when this run
     wrote the file (modified at or after `since`), else None."""
     try:
@@ -777,7 +789,7 @@ def start_reporting(
 # ----------------------------------------------------------------- spans to MLflow
 
 
-def mlflow_span_exporter(tracker: MlflowTracker) -> Any:
+def mlflow_span_exporter(tracker: MlflowTracker) -> SpanExporter:
     """A span exporter to the MLflow tracking server's OTLP endpoint (/v1/traces,
     OTLP/HTTP protobuf) with the experiment and run of `tracker` in its headers: the
     spans are MLflow traces of the run. Until the run exists (its checks pass, its
@@ -791,7 +803,7 @@ def mlflow_span_exporter(tracker: MlflowTracker) -> Any:
             self.closed = threading.Event()
             self.inner: OTLPSpanExporter | None = None
 
-        def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
             while not tracker.ready.is_set():
                 if tracker.failed.is_set() or self.closed.wait(SPAN_WAIT_S):
                     return SpanExportResult.FAILURE
