@@ -15,8 +15,9 @@ import json
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, is_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -27,6 +28,15 @@ from dflash.data.tokenizer import Tokenizer
 from dflash.nn.kvcache import KVCache, crop_hf_cache
 from dflash.target.geometry import TargetError, TargetGeometry, text_config
 from dflash.target.tiny import TinyLM
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
+
+    # A decoding cache: ours for the tiny target, Hugging Face's for theirs (`new_cache`).
+    Cache = KVCache | DynamicCache
+
+# Token ids of the data, as its arrays or as tensors (compared elementwise, then `.any()`).
+TokenArray = np.ndarray | Tensor
 
 
 @dataclass
@@ -65,7 +75,7 @@ class NoMaskToken(TargetError):
 
 
 def unused_special_token(
-    tokenizer: Tokenizer, num_embeddings: int, token_ids: Iterable[Any]
+    tokenizer: Tokenizer, num_embeddings: int, token_ids: Iterable[TokenArray]
 ) -> MaskToken | None:
     """The first special token (by id) that occurs in none of `token_ids` (arrays of the
     training and held-out data, padding included): a row of the target's embedding the
@@ -86,7 +96,9 @@ def unused_special_token(
     return _unused_unk(tokenizer, num_embeddings, arrays)
 
 
-def _unused_unk(tokenizer: Tokenizer, num_embeddings: int, arrays: list[Any]) -> MaskToken | None:
+def _unused_unk(
+    tokenizer: Tokenizer, num_embeddings: int, arrays: list[TokenArray]
+) -> MaskToken | None:
     """The last resort (Llama-2, Mistral-7B-v0.1, TinyLlama: BOS, EOS, UNK and nothing
     else): the unknown token, when it is no token the pipeline writes itself (padding,
     document ends and starts) and the data does not hold it."""
@@ -100,7 +112,7 @@ def _unused_unk(tokenizer: Tokenizer, num_embeddings: int, arrays: list[Any]) ->
     return MaskToken(unk, "unused-unk", _token_text(tokenizer, unk))
 
 
-def _unused(token_id: int, arrays: list[Any]) -> bool:
+def _unused(token_id: int, arrays: list[TokenArray]) -> bool:
     return not any(bool((ids == token_id).any()) for ids in arrays)
 
 
@@ -140,7 +152,7 @@ def resolve_mask_token(
     )
 
 
-def check_mask_token_unused(mask_token_id: int, token_ids: Iterable[Any]) -> None:
+def check_mask_token_unused(mask_token_id: int, token_ids: Iterable[TokenArray]) -> None:
     """One-line error when the data contains the mask id (the drafter could not tell
     a masked position from that token). token_ids: arrays or tensors of token ids."""
     for ids in token_ids:
@@ -246,6 +258,7 @@ class TargetModel(nn.Module):
         # of this module meanwhile (an evaluation while training) must hold this lock too.
         self.forward_lock = threading.RLock()
         self.spec, self.tokenizer, self.geometry = spec, tokenizer, geometry
+        # Any: keywords of the tokenizer's chat template, passed on as they are
         self.chat_template_kwargs: dict[str, Any] = {}
         self.data_mask_token: MaskToken | None = None
         self.stop_token_ids = tuple(stop_token_ids)  # generation ends at any of these
@@ -289,7 +302,7 @@ class TargetModel(nn.Module):
         return limit if isinstance(limit, int) and limit > 0 else None
 
     def use_chat_template_kwargs(
-        self, kwargs: Mapping[str, Any], log: Callable[[str], None] | None = None
+        self, kwargs: Mapping[str, object], log: Callable[[str], None] | None = None
     ) -> None:
         """Every rendering of a conversation by this target's tokenizer gets `kwargs`
         (e.g. enable_thinking=False): training rows, regeneration and evaluation prompts
@@ -325,7 +338,7 @@ class TargetModel(nn.Module):
             return True
         return False
 
-    def choose_mask_from_data(self, token_ids: Iterable[Any]) -> MaskToken:
+    def choose_mask_from_data(self, token_ids: Iterable[TokenArray]) -> MaskToken:
         """Picks the first special token none of `token_ids` holds (NoMaskToken if none)."""
         found = unused_special_token(self.tokenizer, self.embed_tokens.num_embeddings, token_ids)
         if found is None:
@@ -392,7 +405,8 @@ class TargetModel(nn.Module):
         runs_to_norm = with_final_hidden and not with_logits
 
         def make_hook(i: int | str) -> Callable[..., None]:
-            def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            # Any: a layer's hidden states, alone or first in the tuple its model returns
+            def hook(_module: nn.Module, _args: object, output: Any) -> None:
                 kept[i] = output[0] if isinstance(output, tuple) else output
                 if i == "norm" and runs_to_norm:
                     raise _StopForward
@@ -423,7 +437,7 @@ class TargetModel(nn.Module):
 
     # --- KV-cached decoding (evaluation, generation) ---
 
-    def new_cache(self) -> Any:
+    def new_cache(self) -> Cache:
         """An empty KV cache for `forward_cached` (a DynamicCache for HF targets)."""
         if not self._is_hf:
             return KVCache()
@@ -432,11 +446,11 @@ class TargetModel(nn.Module):
         return DynamicCache()
 
     @staticmethod
-    def cache_len(cache: Any) -> int:
+    def cache_len(cache: Cache) -> int:
         return cache.seq_len() if isinstance(cache, KVCache) else cache.get_seq_length()
 
     @staticmethod
-    def crop_cache(cache: Any, length: int) -> None:
+    def crop_cache(cache: Cache, length: int) -> None:
         """Forget every cached position from `length` on (after a rejected draft)."""
         if isinstance(cache, KVCache):
             cache.crop(length)
@@ -445,7 +459,7 @@ class TargetModel(nn.Module):
 
     @torch.no_grad()
     def forward_cached(
-        self, input_ids: Tensor, cache: Any, layer_ids: list[int] | None = None
+        self, input_ids: Tensor, cache: Cache, layer_ids: list[int] | None = None
     ) -> TargetOutput:
         """input_ids[B, L] continuing the cached positions; appends them to `cache`.
 
@@ -454,8 +468,8 @@ class TargetModel(nn.Module):
         kept: dict[int, Tensor] = {}
         handles = []
         for i in sorted(set(layer_ids or [])):
-
-            def hook(_m: nn.Module, _a: Any, output: Any, i: int = i) -> None:
+            # Any: a layer's hidden states, alone or first in the tuple its model returns
+            def hook(_m: nn.Module, _a: object, output: Any, i: int = i) -> None:
                 kept[i] = output[0] if isinstance(output, tuple) else output
 
             handles.append(self._layers[i].register_forward_hook(hook))

@@ -40,17 +40,19 @@ from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 from urllib.parse import urlsplit
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 
 from dflash import __version__
 from dflash.config.commands import ServerConfig
 from dflash.data.tokenizer import Tokenizer, encode_texts, tokenizer_fingerprint
 from dflash.errors import DFlashError, first_line
+from dflash.summary import JSON
 
 PROBE = "Speculative decoding drafts 16 tokens; the target checks them all at once."
 PROBE_S = 3.0
@@ -106,7 +108,12 @@ class TokenizerTarget:
 
     spec: str
     tokenizer: Tokenizer
+    # Any: keywords of the tokenizer's chat template, passed on as they are
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
 
 
 class _Requests:
@@ -116,13 +123,14 @@ class _Requests:
 
     def __init__(self, workers: int) -> None:
         self._workers = workers
+        # Any: each entry's call has a result type of its own (submit ties the two)
         self._queue: list[tuple[tuple[int, int], int, Future[Any], Callable[[], Any]]] = []
         self._changed = threading.Condition()
         self._arrival = itertools.count()
         self._threads: list[threading.Thread] = []
 
-    def submit(self, priority: tuple[int, int], call: Callable[[], Any]) -> Future[Any]:
-        future: Future[Any] = Future()
+    def submit(self, priority: tuple[int, int], call: Callable[[], _T]) -> Future[_T]:
+        future: Future[_T] = Future()
         with self._changed:
             heapq.heappush(self._queue, (priority, next(self._arrival), future, call))
             if len(self._threads) < self._workers:
@@ -147,8 +155,8 @@ class _Requests:
 
 
 def _in_context(
-    context: otel_context.Context, call: Callable[..., Any], *args: Any, **kw: Any
-) -> Any:
+    context: otel_context.Context, call: Callable[_P, _T], *args: _P.args, **kw: _P.kwargs
+) -> _T:
     token = otel_context.attach(context)
     try:
         return call(*args, **kw)
@@ -157,12 +165,12 @@ def _in_context(
 
 
 def _response_attributes(
-    reply: dict[str, Any], prompt_tokens: int, completion: Completion
-) -> dict[str, Any]:
+    reply: JSON, prompt_tokens: int, completion: Completion
+) -> dict[str, AttributeValue]:
     """The GenAI response and usage attributes of a /v1/completions reply."""
     usage = reply.get("usage") or {}
     reasons = [str(c.get("finish_reason")) for c in reply.get("choices") or [] if c]
-    attributes: dict[str, Any] = {
+    attributes: dict[str, AttributeValue] = {
         "gen_ai.usage.input_tokens": int(usage.get("prompt_tokens") or prompt_tokens),
         "gen_ai.usage.output_tokens": completion.tokens,
         "gen_ai.response.finish_reasons": reasons,
@@ -195,11 +203,11 @@ class CompletionClient:
         self,
         method: str,
         path: str,
-        body: dict[str, Any] | None = None,
+        body: JSON | None = None,
         *,
         text: bool = False,
         probe: bool = False,
-    ) -> Any:
+    ) -> Any:  # Any: a JSON value of the server's choosing (`text`: a str)
         """The reply parsed as JSON (`text`: as it came), retried as the module says;
         `probe`: the first request, one try within PROBE_S."""
         url = self.settings.base + path
@@ -331,7 +339,7 @@ class CompletionClient:
         seed: int,
         stop_token_ids: tuple[int, ...],
     ) -> Completion:
-        body: dict[str, Any] = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens}
+        body: JSON = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens}
         body.update(temperature=temperature, seed=seed, stream=False)
         # Plain sampling, as in-process: no top-k/top-p/min-p a server defaults to.
         body.update(top_p=1.0, top_k=0, min_p=0.0)
@@ -357,9 +365,9 @@ class CompletionClient:
                 span.set_attributes(_response_attributes(reply, len(prompt), completion))
         return completion
 
-    def _request_attributes(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _request_attributes(self, body: JSON) -> dict[str, AttributeValue]:
         where = urlsplit(self.settings.base)
-        attributes: dict[str, Any] = {
+        attributes: dict[str, AttributeValue] = {
             "gen_ai.operation.name": OPERATION,
             "gen_ai.request.model": self.model,
             "gen_ai.request.max_tokens": body["max_tokens"],
@@ -374,7 +382,7 @@ class CompletionClient:
             attributes["gen_ai.provider.name"] = self.provider
         return attributes
 
-    def _completion(self, body: dict[str, Any]) -> tuple[Completion, dict[str, Any]]:
+    def _completion(self, body: JSON) -> tuple[Completion, JSON]:
         reply = self._request("POST", "/v1/completions", body)
         try:
             choice = reply["choices"][0]
@@ -400,7 +408,7 @@ class CompletionClient:
         *,
         priority: tuple[int, int] = (0, 0),
         on_queued: Callable[[], None] | None = None,
-        **kwargs: Any,
+        **kwargs: Any,  # Any: `complete`'s keywords, passed on
     ) -> list[Completion]:
         """Every prompt, with at most `concurrency` in flight over all callers, those of
         the lowest `priority` first; results in prompt order. The first failure ends it at
