@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import torch
 from safetensors import SafetensorError
@@ -37,9 +37,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from torch.optim.optimizer import StateDict
 
 from dflash.errors import DFlashError, first_line
 from dflash.files import FILE_MODE, free_space_note, sha256_file
+from dflash.summary import JSON
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _DRAFTER_WEIGHTS = "drafter/model.safetensors"  # a DFlash directory's weights
@@ -72,17 +74,23 @@ def save_failure(exc: BaseException, path: Path, complete: str) -> SaveError:
     return SaveError(f"could not write {path} ({reason}; {free}): {complete}")
 
 
+# torch's RNG states: the CPU generator's, and each CUDA device's where there are.
+RngState = TypedDict(  # noqa: UP013 - a class body's key "torch" would hide the module
+    "RngState", {"torch": torch.Tensor, "cuda": NotRequired[list[torch.Tensor]]}
+)
+
+
 @dataclass
 class Checkpoint:
     """What a checkpoint restores."""
 
     path: Path
     weights: dict[str, torch.Tensor]  # trainable drafter parameters only
-    trainer_state: dict[str, Any]  # DrafterTrainer.state_dict()
+    trainer_state: StateDict  # DrafterTrainer.state_dict()
     step: int
     next_batch_index: int
-    rng_state: dict[str, Any]
-    config: dict[str, Any]
+    rng_state: RngState
+    config: JSON
 
 
 def _fsync_file(path: Path) -> None:
@@ -107,14 +115,14 @@ def trainable_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+def rng_state() -> RngState:
+    state: RngState = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: RngState) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -124,11 +132,11 @@ def save_checkpoint(
     checkpoints_dir: Path,
     *,
     weights: dict[str, torch.Tensor] | None = None,
-    write_drafter: Callable[[Path], Any] | None = None,
-    trainer_state: dict[str, Any],
+    write_drafter: Callable[[Path], object] | None = None,
+    trainer_state: StateDict,
     step: int,
     next_batch_index: int,
-    config: dict[str, Any],
+    config: JSON,
     keep: int = 3,
 ) -> Path:
     """Write `checkpoints_dir/step-<step>` atomically and keep the newest `keep`.
@@ -171,11 +179,11 @@ def replace_dir(new: Path, final: Path) -> None:
 def _write_checkpoint(
     tmp: Path,
     weights: dict[str, torch.Tensor] | None,
-    write_drafter: Callable[[Path], Any] | None,
-    trainer_state: dict[str, Any],
+    write_drafter: Callable[[Path], object] | None,
+    trainer_state: StateDict,
     step: int,
     next_batch_index: int,
-    config: dict[str, Any],
+    config: JSON,
 ) -> None:
     if write_drafter is not None:
         write_drafter(tmp / "drafter")
@@ -323,7 +331,7 @@ _FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 def gather_full_state(
     module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
+) -> tuple[StateDict, StateDict | None]:
     """(weights and buffers, optimizer state) of a sharded `module`, whole, on the host
     of rank 0 (other ranks get empty dicts). A collective: every rank calls it at the
     same step. The optimizer state is keyed by parameter name (torch's full form)."""
@@ -333,16 +341,14 @@ def gather_full_state(
     return weights, get_optimizer_state_dict(module, optimizer, options=_FULL_ON_RANK0)
 
 
-def full_optimizer_state(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, Any]:
+def full_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> StateDict:
     """The optimizer state of an unsharded `module`, keyed by parameter name."""
     options = StateDictOptions(full_state_dict=True)
     return get_optimizer_state_dict(module, optimizer, options=options)
 
 
 def load_full_optimizer_state(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: StateDict
 ) -> None:
     """Puts a name-keyed whole optimizer state into `optimizer` of `module`; a sharded
     module keeps its shard of every moment (each rank passes the whole state). torch
