@@ -24,12 +24,13 @@ import click
 from click.core import ParameterSource
 
 from dflash.config.commands import ServerConfig
-from dflash.config.schema import FileValues, Option, Schema, Section
+from dflash.config.schema import FileValues, Json, Option, Schema, Section, Value
 from dflash.config.settings import TrainConfig, config_from_options, option_map, read_values
 from dflash.errors import DFlashError, first_line
 from dflash.files import cache_dir, special_file, write_failure, write_output
 from dflash.run.folder import FolderLock
 from dflash.run.outputs import Output, output_problem, write_problem
+from dflash.summary import JSON
 from dflash.target.served import ServerSettings
 
 
@@ -44,6 +45,7 @@ class FiniteFloat(click.ParamType):
 
     name = "float"
 
+    # Any: what click hands over (a flag's text, a default, a config file's value)
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None):
         try:
             number = float(value)
@@ -61,6 +63,7 @@ class CommaList(click.ParamType):
         self.item = item
         self.name = "list"
 
+    # Any: what click hands over (a flag's text, a default, a config file's value)
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None):
         parts = value if isinstance(value, (list, tuple)) else str(value).split(",")
         parts = [str(p).strip() for p in parts if str(p).strip()]
@@ -71,7 +74,7 @@ class CommaList(click.ParamType):
             self.fail(f"{value!r} is not a comma-separated list of {kind}", param, ctx)
 
 
-def _click_type(opt: Option) -> Any:
+def _click_type(opt: Option) -> click.ParamType:
     if opt.choices is not None:
         return click.Choice(list(opt.choices))
     if opt.kind is tuple:
@@ -97,6 +100,7 @@ def schema_option(opt: Option, help_: str | None = None, shown: str | None = Non
     """
     default = f"default: {shown}" if shown is not None else _shown_default(opt)
     text = f"{help_ or opt.spec.help} ({default})"
+    # Any: click.option's keywords, each of its own type
     common: dict[str, Any] = dict(envvar=opt.envvar, show_envvar=True, help=text, default=None)
     if opt.kind is bool:
         return click.option(f"{opt.flag}/--no-{opt.flag[2:]}", opt.name, **common)
@@ -105,7 +109,9 @@ def schema_option(opt: Option, help_: str | None = None, shown: str | None = Non
     return click.option(opt.flag, opt.name, type=_click_type(opt), **common)
 
 
-def _joined(ctx: click.Context, param: click.Parameter, value: Any) -> tuple[Any, ...] | None:
+def _joined(
+    ctx: click.Context, param: click.Parameter, value: tuple[tuple[Value, ...], ...] | None
+) -> tuple[Value, ...] | None:
     """The lists of a repeated flag as one (None, "not given", when it was not)."""
     items = [item for part in value or () for item in part]
     return tuple(dict.fromkeys(items)) if items else None
@@ -123,6 +129,7 @@ OVERWRITE_JSON = (
 )
 
 S = TypeVar("S", bound=Section)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -133,7 +140,7 @@ class ResolvedOptions:
 
     run: TrainConfig
     sections: dict[str, Section]
-    given: dict[str, Any]
+    given: dict[str, Value]
 
     def get(self, cls: type[S]) -> S:
         (found,) = (s for s in self.sections.values() if type(s) is cls)
@@ -173,7 +180,7 @@ class Command:
         )
         return config(func)
 
-    def resolve(self, config_file: str | None, given: Mapping[str, Any]) -> ResolvedOptions:
+    def resolve(self, config_file: str | None, given: Mapping[str, Value]) -> ResolvedOptions:
         """The command's settings: the config file's values, then the flags and variables
         that were set, each checked where it came from (one line naming the flag, the
         variable or the file's key), before any model loads."""
@@ -218,7 +225,7 @@ class Command:
         return _found(own, source), _found(run, source)
 
 
-_Found = dict[str, tuple[Any, str | None]]  # option -> (value, where it came from)
+_Found = dict[str, tuple[Value, str | None]]  # option -> (value, where it came from)
 
 
 def _found(values: FileValues, source: str) -> _Found:
@@ -228,7 +235,7 @@ def _found(values: FileValues, source: str) -> _Found:
     }
 
 
-def read_config_file(path: Path) -> dict[str, Any]:
+def read_config_file(path: Path) -> dict[str, Json]:
     """Raw mapping of a YAML, TOML or JSON config file (by suffix; YAML otherwise). A
     FIFO or device is refused unread: reading a FIFO waits for a writer."""
     kind = special_file(path)
@@ -258,9 +265,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _no_duplicate_keys(pairs: list[tuple[str, Json]]) -> dict[str, Json]:
     """JSON objects whose keys repeat are refused: json keeps the last one silently."""
-    seen: dict[str, Any] = {}
+    seen: dict[str, Json] = {}
     for key, value in pairs:
         if key in seen:
             raise ValueError(f"key {key!r} appears twice")
@@ -268,12 +275,12 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return seen
 
 
-def _load_yaml(text: str) -> Any:
+def _load_yaml(text: str) -> Json:
     """yaml.safe_load, refusing a mapping whose keys repeat (safe_load keeps the last)."""
     import yaml
 
     class UniqueKeyLoader(yaml.SafeLoader):
-        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Json, Json]:
             keys = [self.construct_object(key, deep=deep) for key, _ in node.value]
             for key in keys:
                 if keys.count(key) > 1:
@@ -283,7 +290,7 @@ def _load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
 
 
-def report_errors(debug: bool, run: Callable[[], Any]) -> Any:
+def report_errors(debug: bool, run: Callable[[], T]) -> T:
     """User errors (DFlashError) become one `Error:` line (exit 2) unless --debug."""
     try:
         return run()
@@ -400,7 +407,7 @@ def echo_err(line: str) -> None:
     click.echo(line, err=True)
 
 
-def write_json(json_path: str | None, figures: dict[str, Any], command: str = "eval") -> None:
+def write_json(json_path: str | None, figures: JSON, command: str = "eval") -> None:
     """Figures as JSON to `json_path` (`-`: standard output; None: nowhere), replaced
     atomically and recorded as `command`'s (dflash.files.write_output). When the file
     cannot be written after all (a full disk), the figures go to standard output before
