@@ -296,8 +296,12 @@ def test_each_completion_is_a_genai_client_span_whose_traceparent_the_server_get
         assert attrs["gen_ai.request.max_tokens"] == "6"  # OTLP JSON: int64 as a string
         assert attrs["gen_ai.usage.output_tokens"] == "6"
         assert attrs["server.address"] == "127.0.0.1"
-    # What the server got is each client span's own context, as W3C traceparent.
-    sent = {f"00-{s['traceId']}-{s['spanId']}-01" for s in clients}
+    # What the server got is each client span's own context, as W3C traceparent: sampled,
+    # and (SDK 1.42 and later, W3C Trace Context level 2) saying its trace id is random.
+    from opentelemetry.trace import TraceFlags
+
+    flags = f"{TraceFlags.SAMPLED | getattr(TraceFlags, 'RANDOM_TRACE_ID', 0):02x}"
+    sent = {f"00-{s['traceId']}-{s['spanId']}-{flags}" for s in clients}
     assert set(engine.traceparents) == sent
 
 
