@@ -18,7 +18,8 @@ from dflash.cli.results import EVAL
 from dflash.config.settings import RunConfig, TrainConfig, option_map
 from dflash.eval.config import EvalConfig
 from dflash.offline.config import RegenerateConfig
-from dflash.summary import EvalRecord, ServedFigures
+from dflash.summary import EvalRecord
+from tests.dflash.test_summary import SERVED
 
 
 def invoke(args: list[Any], env: dict[str, str] | None = None):
@@ -31,21 +32,6 @@ def one_error(result) -> str:
     assert "Traceback" not in result.output, result.output
     (line,) = [line for line in result.output.splitlines() if line.startswith("Error:")]
     return line
-
-
-SERVED = ServedFigures(
-    tau=None,
-    tau_pooled=1.0,
-    acceptance_per_position=[],
-    num_drafts=0,
-    num_draft_tokens=0,
-    num_accepted_tokens=0,
-    num_speculative_tokens=0,
-    new_tokens=0,
-    requests=0,
-    other_traffic=None,
-    eval_s=0.0,
-)
 
 
 @pytest.fixture
