@@ -24,6 +24,11 @@ AdamW state FSDP2 (`fully_shard`) splits across the ranks. Its reduce-scatter in
 backward already sums the ranks' gradients (and divides by W); `GradAverager` then only
 all-reduces the two loss sums and rescales the local shards, so the update is the
 same as the replicated one.
+
+Span links across ranks. Each rank's update applies every rank's batches, so its
+drafter.optimizer span links to every replica's drafter.step span of the step, on every
+rank (`dflash.pipeline.stages.StepPeers`). The ids of those spans ride in the all-reduce
+the step makes anyway, as `SpanIds` words after the loss sums: no extra collective.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from opentelemetry.trace import Link, SpanContext, TraceFlags
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
@@ -46,6 +53,7 @@ import tracing
 from dflash import names
 from dflash.errors import DFlashError
 from dflash.pipeline.queues import StopAwareBarrier
+from dflash.pipeline.stages import StepInProgress, step_in_progress
 
 # A dead peer must not hang a collective for torch's default 30 min; torchrun
 # normally tears the group down much sooner when one worker exits.
@@ -156,6 +164,15 @@ def rank_batch_indices(
     return range(first, first + num_steps * replicas_per_rank * world_size, world_size)
 
 
+def _on_device(words: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`words` (float32) as a tensor on `device`; to a GPU through pinned memory,
+    asynchronously (a pageable copy would wait for the whole stream, the backward too)."""
+    host = torch.from_numpy(words)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
@@ -216,6 +233,60 @@ class CrossRankHook(Protocol):
         ...
 
 
+class SpanIds:
+    """The drafter.step span ids of one step, every rank's, carried by a sum all-reduce.
+
+    Each rank and replica has a slot of float32 words: the trace id, span id and batch id
+    in 16-bit words, zero on every rank but its own. Zeros added to an integer below
+    2**24 leave it exact in float32 whatever the order of the sum, so after the
+    all-reduce every rank reads every slot as its owner wrote it; a zero span id (never
+    a valid one) is a replica that sent none (its span not sampled, tracing off). The
+    words go after the gradients and loss sums, which they leave bit for bit as they were.
+    """
+
+    BYTES = (16, 8, 8)  # trace id (128 bits), span id, batch id (64): little-endian
+    SLOT = sum(BYTES) // 2  # 16-bit words
+
+    def __init__(self, world_size: int, rank: int, replicas: int):
+        self.world_size, self.rank, self.replicas = world_size, rank, replicas
+
+    @property
+    def size(self) -> int:
+        return self.world_size * self.replicas * self.SLOT
+
+    def encode(self, local: Sequence[tuple[int, Link]]) -> np.ndarray:
+        """This rank's slots filled with its replicas' links (`StepPeers.local`)."""
+        raw = bytearray(self.size * 2)
+        for replica, link in local:
+            batch_id = (link.attributes or {}).get(names.BATCH_ID)
+            values = (link.context.trace_id, link.context.span_id, batch_id)
+            at = (self.rank * self.replicas + replica) * self.SLOT * 2
+            for value, width in zip(values, self.BYTES, strict=True):
+                number = value if isinstance(value, int) and value >= 0 else 0
+                raw[at : at + width] = (number % (1 << 8 * width)).to_bytes(width, "little")
+                at += width
+        return np.frombuffer(raw, dtype="<u2").astype(np.float32)
+
+    def decode(self, words: np.ndarray, step: int) -> list[Link]:
+        """Links to the other ranks' spans in the summed `words` (remote, sampled)."""
+        raw = np.asarray(words, dtype=np.float32).astype("<u2").tobytes()
+        links, (trace_end, span_end, slot_end) = [], np.cumsum(self.BYTES).tolist()
+        for rank in (r for r in range(self.world_size) if r != self.rank):
+            for replica in range(self.replicas):
+                at = (rank * self.replicas + replica) * self.SLOT * 2
+                slot = raw[at : at + slot_end]
+                trace_id = int.from_bytes(slot[:trace_end], "little")
+                span_id = int.from_bytes(slot[trace_end:span_end], "little")
+                if trace_id == 0 or span_id == 0:
+                    continue
+                flags = TraceFlags(TraceFlags.SAMPLED)
+                context = SpanContext(trace_id, span_id, is_remote=True, trace_flags=flags)
+                batch_id = int.from_bytes(slot[span_end:], "little")
+                attributes = {names.STEP: step, names.BATCH_ID: batch_id, names.RANK: rank}
+                links.append(Link(context, attributes))
+        return links
+
+
 class GradAverager:
     """Combines the gradients of the replicas of this process and of the ranks, per step.
 
@@ -227,7 +298,8 @@ class GradAverager:
 
     Across ranks, one extra element of the all-reduce carries rank 0's request for
     the `cross_rank_hook`, so all ranks learn it at the same step with no extra
-    collective; replica 0 then runs the hook in `after_step`, outside the step.
+    collective; replica 0 then runs the hook in `after_step`, outside the step. The
+    same all-reduce carries the step's span ids (`SpanIds`) for the updates' links.
     """
 
     def __init__(
@@ -249,17 +321,48 @@ class GradAverager:
         self._sharded = is_sharded(replicas[0])
         if self._sharded and len(replicas) != 1:
             raise DistributedError("a sharded drafter trains as one replica per rank")
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        self._ids = SpanIds(self._world_size, rank, len(replicas))
 
     def _all_reduce(self, total: torch.Tensor) -> torch.Tensor:
-        if self._hook is None:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            return total
-        is_main = dist.get_rank() == 0
-        flag = 1.0 if is_main and self._hook.wanted() else 0.0
-        total = torch.cat([total, total.new_tensor([flag])])
+        """`total` summed over ranks, in one all-reduce with the span ids of this
+        thread's step and rank 0's request for the hook after it."""
+        step = step_in_progress()
+        words = self._ids.encode(step.peers.local(step.number) if step is not None else ())
+        if self._hook is not None:
+            is_main = dist.get_rank() == 0
+            words = np.append(words, np.float32(is_main and self._hook.wanted()))
+        total = torch.cat([total, _on_device(words, total.device)])
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        self._requested = total[-1]
-        return total[:-1]
+        size = total.numel() - words.size
+        if self._hook is not None:
+            self._requested = total[-1]
+        if step is not None:
+            self._share_remote(step, total[size : size + self._ids.size])
+        return total[:size]
+
+    def _share_remote(self, step: StepInProgress, ids: torch.Tensor) -> None:
+        """Hands the other ranks' span ids of `step` to its updates, to read if they
+        record. Reading a device's result waits for the all-reduce: the copy starts now,
+        the wait comes only when a recording update asks, after it is queued."""
+        if not step.peers.local(step.number):
+            return  # no span of this step sampled here: no update of it records links
+        done: torch.cuda.Event | None = None
+        if ids.is_cuda:
+            host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(ids.device))  # the copy's stream
+        else:
+            host = ids.clone()  # not a view that keeps the whole gradient buffer alive
+        number, span_ids = step.number, self._ids
+
+        def read() -> list[Link]:
+            if done is not None:
+                done.synchronize()
+            return span_ids.decode(host.numpy(), number)
+
+        step.peers.set_remote(number, read)
 
     def after_step(self, may_read: bool) -> None:
         """Replica 0, after its step: runs the cross-rank hook if rank 0 asked for it.

@@ -19,8 +19,8 @@ id, so only the order of optimizer updates changes).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -244,35 +244,101 @@ StepFn = Callable[[Batch, TargetOut, PhaseFn], StepResult]
 
 class StepPeers:
     """The drafter.step spans of one optimizer step, one per drafter replica of this
-    process, for the links of each replica's drafter.optimizer span.
+    process, and those of the other ranks' replicas, for the links of each replica's
+    drafter.optimizer span.
 
     Where the replicas' gradients are averaged (dflash.pipeline.distributed.GradAverager),
     no replica's optimizer runs before every replica has finished its backward (a
     barrier in drafter.grad_sync), so each update applies the gradients of all the
     replicas' batches: its span links to the other replicas' drafter.step spans, in
     the traces of those batches. A replica publishes its span when its step starts; one
-    that runs ahead publishes the next step's at most, so two steps are kept."""
+    that runs ahead publishes the next step's at most, so two steps are kept. The other
+    ranks' spans come out of the gradient all-reduce (`set_remote`), read only when a
+    recording update asks for them (`remote`): reading them may wait for the device."""
 
     def __init__(self, replicas: int):
         self._steps: list[dict[int, Link]] = [{} for _ in range(replicas)]
+        self._remote: dict[int, Callable[[], list[Link]]] = {}
         self._lock = threading.Lock()
 
     def publish(self, replica: int, step: int, span: tracing.SpanHandle, batch_id: int) -> None:
         otel_span = span.span
         if otel_span is None:  # no span recorded (tracing off): nothing to link to
             return
+        context = otel_span.get_span_context()
+        if not (context.is_valid and context.trace_flags.sampled):
+            return  # never exported: a link to it would lead nowhere
         attributes = {names.STEP: step, names.BATCH_ID: batch_id}
-        link = Link(otel_span.get_span_context(), attributes)
+        link = Link(context, attributes)
         with self._lock:
             steps = self._steps[replica]
             steps[step] = link
             steps.pop(step - 2, None)
 
+    def local(self, step: int) -> list[tuple[int, Link]]:
+        """(replica, link) of every replica of this process that published `step`."""
+        with self._lock:
+            found = ((i, steps.get(step)) for i, steps in enumerate(self._steps))
+            return [(i, link) for i, link in found if link is not None]
+
     def others(self, replica: int, step: int) -> list[Link]:
         """The other replicas' drafter.step spans of `step` (after the barrier: all)."""
+        return [link for i, link in self.local(step) if i != replica]
+
+    def set_remote(self, step: int, read: Callable[[], list[Link]]) -> None:
+        """The other ranks' drafter.step spans of `step`, as `read()` will make them
+        (once, whoever asks first); set before any replica's update of `step` starts."""
+        resolved: list[list[Link]] = []
+        once = threading.Lock()
+
+        def links() -> list[Link]:
+            with once:
+                if not resolved:
+                    resolved.append(read())
+                return resolved[0]
+
         with self._lock:
-            found = (steps.get(step) for i, steps in enumerate(self._steps) if i != replica)
-            return [link for link in found if link is not None]
+            self._remote[step] = links
+            self._remote.pop(step - 2, None)
+
+    def remote(self, step: int) -> list[Link]:
+        """The other ranks' drafter.step spans of `step` (none where no rank sent any)."""
+        with self._lock:
+            links = self._remote.get(step)
+        return [] if links is None else links()
+
+
+@dataclass(frozen=True)
+class StepInProgress:
+    """The step a drafter thread is in: what its gradient sync reads the spans from."""
+
+    peers: StepPeers
+    replica: int
+    number: int
+
+
+_in_progress = threading.local()
+
+
+def step_in_progress() -> StepInProgress | None:
+    """The step this drafter thread runs now, where its spans are shared (`StepPeers`)."""
+    step: StepInProgress | None = getattr(_in_progress, "step", None)
+    return step
+
+
+@contextmanager
+def _linked_update(
+    name: str, device: torch.device | str, links: list[Link], remote: Callable[[], list[Link]]
+) -> Iterator[tracing.Phase]:
+    """The optimizer phase, linked to this process's other replicas' steps when it starts
+    and to the other ranks' when it ends: reading those then waits for the all-reduce
+    only after the update is queued, not before."""
+    with tracing.phase(name, device=device, links=links) as handle:
+        yield handle
+        span = handle.span
+        if span is not None and span.is_recording():
+            for link in remote():
+                span.add_link(link.context, link.attributes)
 
 
 class DrafterTrainLoop(StageThread):
@@ -304,8 +370,9 @@ class DrafterTrainLoop(StageThread):
         self.enter(name)
         if name == names.OPTIMIZER and self.peers is not None:
             peers, replica = self.peers
-            links = peers.others(replica, self.first_step + self.steps_done)
-            return tracing.phase(name, device=self.device, links=links)
+            step = self.first_step + self.steps_done
+            remote = partial(peers.remote, step)
+            return _linked_update(name, self.device, peers.others(replica, step), remote)
         return tracing.phase(name, device=self.device)
 
     def loop(self) -> None:
@@ -327,7 +394,11 @@ class DrafterTrainLoop(StageThread):
                     if self.peers is not None:
                         peers, replica = self.peers
                         peers.publish(replica, number, span, batch.batch_id)
-                    result = self.step_fn(batch, target_out, self._phase)
+                        _in_progress.step = StepInProgress(peers, replica, number)
+                    try:
+                        result = self.step_fn(batch, target_out, self._phase)
+                    finally:
+                        _in_progress.step = None
             except BaseException as exc:
                 _end_span(item.span, exc)
                 raise
@@ -371,8 +442,9 @@ class Pipeline:
 
         `target_phase` names the target threads' phase (target.read for a hidden cache).
         `averaged`: the step functions average their gradients before each update (a
-        barrier among them), so each drafter.optimizer links to the other replicas'
-        drafter.step spans (`StepPeers`)."""
+        barrier among them, an all-reduce across ranks), so each drafter.optimizer links
+        to the other replicas' drafter.step spans, of this rank and the others
+        (`StepPeers`)."""
         group, counters = group or StageGroup(), PipelineCounters()
         batch_q: BatchQueue = BoundedQueue("batch_queue", batch_queue_size, group.stop)
         hs_q: HiddenQueue = BoundedQueue("hs_queue", hs_queue_size, group.stop)
@@ -392,7 +464,7 @@ class Pipeline:
                 num_consumers=len(steps),
                 phase_name=target_phase,
             )
-        peers = StepPeers(len(steps)) if averaged and len(steps) > 1 else None
+        peers = StepPeers(len(steps)) if averaged else None
         for i, (device, step, move) in enumerate(steps):
             report = partial(on_step, i)  # on_step(replica, replica_step, batch, result)
             DrafterTrainLoop(
