@@ -85,7 +85,7 @@ _PROBE = "dflash-probe-reply-7f3a"
 
 # tokenizer -> (its template, the suffix found for it): one probe per template, not one
 # per conversation.
-_suffixes: weakref.WeakKeyDictionary[Any, tuple[str, str]] = weakref.WeakKeyDictionary()
+_suffixes: weakref.WeakKeyDictionary[Tokenizer, tuple[str, str]] = weakref.WeakKeyDictionary()
 
 
 def _assistant_suffix(tokenizer: Tokenizer) -> str:
@@ -146,13 +146,14 @@ def _render_spans(tokenizer: Tokenizer, messages: list[dict]) -> RenderedChat:
     return RenderedChat(np.concatenate(encoded).astype(np.int32), mask, ends)
 
 
-def use_chat_template_kwargs(tokenizer: Tokenizer, kwargs: dict[str, Any]) -> None:
+def use_chat_template_kwargs(tokenizer: Tokenizer, kwargs: dict[str, object]) -> None:
     """Every rendering of a conversation by `tokenizer` gets `kwargs` (e.g.
     enable_thinking=False); an argument given at a call still wins."""
     if not kwargs or not hasattr(tokenizer, "apply_chat_template"):
         return
     original = type(tokenizer).apply_chat_template
 
+    # Any: the tokenizer's own method's arguments and result, passed through as they are
     def apply_chat_template(conversation: Any, *args: Any, **given: Any) -> Any:
         return original(tokenizer, conversation, *args, **{**kwargs, **given})
 

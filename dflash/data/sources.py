@@ -92,7 +92,7 @@ class DataReport:
         return out + self.pack.lines(seq_len)
 
 
-def _record_problem(obj: Any) -> str | None:
+def _record_problem(obj: object) -> str | None:
     """Why a parsed JSONL line is unusable, or None."""
     if not isinstance(obj, dict):
         return f"expected an object, got {type(obj).__name__}"
@@ -113,6 +113,7 @@ def _record_problem(obj: Any) -> str | None:
     return None
 
 
+# Any: a JSON value as json.loads gives it, of any JSON type until _record_problem checks it
 def parse_line(line: str) -> tuple[Any, str | None]:
     """A JSONL line parsed, or (None, why it is malformed): not JSON, nested too deeply
     for the parser (a RecursionError), or a `\\u` escape of half a surrogate pair

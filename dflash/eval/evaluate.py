@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 
@@ -35,13 +35,31 @@ from dflash.eval.prompts import (
 from dflash.eval.served import evaluate_served, format_served
 from dflash.eval.speculative import SpecStats, speculative_generate
 from dflash.log import Log, say
-from dflash.summary import EvalRecord, HeldOutFigures, ServedFigures
+from dflash.summary import JSON, EvalRecord, HeldOutFigures, ServedFigures
 from dflash.target import load as target_mod  # by module: tests swap load_target
 from dflash.target.decoding import check_decoding
 from dflash.target.generation import generate
 from dflash.target.hf import load_stop_token_ids
 from dflash.target.model import TargetModel
 from dflash.target.served import CompletionClient, ServerSettings, TokenizerTarget
+
+
+class _RepeatFigures(TypedDict):
+    """EvalResult's figures of repeated spans (its fields of the same names)."""
+
+    repeated_share: float
+    tau_without_repeats: float | None
+
+
+class _Figures(_RepeatFigures):
+    """EvalResult's figures of the cycles of all prompts (its fields of the same names)."""
+
+    tau: float
+    tau_pooled: float
+    acceptance_per_position: list[float]
+    tokens_per_target_forward: float
+    num_cycles: int
+    new_tokens: int
 
 
 @dataclass
@@ -60,11 +78,11 @@ class EvalResult:
     repeated_share: float = 0.0  # accepted drafts inside repeated spans (loops), of all
     tau_without_repeats: float | None = None  # pooled τ of the cycles outside them
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
-def _summarize(all_stats: list[SpecStats], block_size: int) -> dict[str, Any]:
+def _summarize(all_stats: list[SpecStats], block_size: int) -> _Figures:
     accepted = [a for s in all_stats for a in s.accepted_per_cycle]
     per_prompt = [s.tau for s in all_stats if s.tau is not None]
     cycles = max(1, len(accepted))
@@ -83,7 +101,7 @@ def _summarize(all_stats: list[SpecStats], block_size: int) -> dict[str, Any]:
     }
 
 
-def _repeat_figures(all_stats: list[SpecStats]) -> dict[str, Any]:
+def _repeat_figures(all_stats: list[SpecStats]) -> _RepeatFigures:
     """How much of τ comes from loops: greedy outputs that repeat themselves are easy to
     draft, and a drafter can look good on them alone."""
     inside = total = 0
@@ -301,7 +319,7 @@ def evaluate_drafter_dir(
     settings: EvalConfig,
     device: str = "auto",
     log: Log = say,
-    chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template_kwargs: JSON | None = None,
     dtype: str = "auto",
 ) -> EvalRecord:
     """`dflash-train eval`: τ of a saved drafter, and its speedup against greedy decoding.
@@ -360,7 +378,7 @@ def evaluate_server(
     target_spec: str | None,
     settings: EvalConfig,
     log: Log = say,
-    chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template_kwargs: JSON | None = None,
 ) -> ServedFigures:
     """`dflash-train eval --server URL`: τ as the serving engine measures it, on the
     prompts the in-process evaluation uses; only the target's tokenizer loads here."""

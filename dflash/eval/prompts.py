@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from dflash.data.sources import DataReport
 from dflash.data.tokenizer import Tokenizer
@@ -28,7 +28,7 @@ class PromptError(DFlashError):
     """Evaluation data that cannot be used; the message names the file and line."""
 
 
-def _message(raw: Any) -> dict[str, str] | None:
+def _message(raw: object) -> dict[str, str] | None:
     if not isinstance(raw, dict):
         return None
     role, content = raw.get("role", raw.get("from")), raw.get("content", raw.get("value"))
@@ -37,7 +37,7 @@ def _message(raw: Any) -> dict[str, str] | None:
     return {"role": _SHAREGPT_ROLES.get(role, role), "content": content}
 
 
-def later_turns(obj: Any) -> list[str]:
+def later_turns(obj: object) -> list[str]:
     """The user turns after the first of a `{"turns": [...]}` line (MT-Bench's second
     question): evaluated in order, each after the target's own reply to the one before."""
     turns = obj.get("turns") if isinstance(obj, dict) else None
@@ -46,7 +46,7 @@ def later_turns(obj: Any) -> list[str]:
     return []
 
 
-def conversation_to_prompt(obj: Any) -> list[dict[str, str]] | None:
+def conversation_to_prompt(obj: object) -> list[dict[str, str]] | None:
     """The messages up to and including the last user turn; None when there is none."""
     if not isinstance(obj, dict):
         return None

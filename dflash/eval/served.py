@@ -162,7 +162,7 @@ class ServedResult:
     def block_size(self) -> int:
         return len(self.counters.accepted_per_position) + 1
 
-    def figures(self, **context: Any) -> ServedFigures:
+    def figures(self, **context: Any) -> ServedFigures:  # Any: ServedFigures' field types
         """The figures, named as the in-process ones are; `context`: ServedFigures' fields
         saying where they were measured (server, server_model, prompts, ...)."""
         c = self.counters

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -240,7 +240,9 @@ class PeakMemory:
 
     TABLE_LABEL = "memory GiB alloc/reserved/peak"
 
-    def __init__(self, devices: Sequence[Any] = (), source: MemorySource | None = None) -> None:
+    def __init__(
+        self, devices: Sequence[torch.device | str | int] = (), source: MemorySource | None = None
+    ) -> None:
         if source is None:
             cuda = torch.cuda.is_available()
             devices = [d for d in devices if cuda and torch.device(d).type == "cuda"]

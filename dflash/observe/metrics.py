@@ -148,7 +148,7 @@ def start_run_metrics(
     exporters: Sequence[MetricExporter] = (),
     resource: Resource | None = None,
     on_export_problem: Callable[[str], None] | None = None,
-    **cfg_overrides: Any,
+    **cfg_overrides: Any,  # Any: MetricsConfig's fields, of their several types
 ) -> Metrics:
     """Metrics of one rank: `tokens`/`steps` map a stage name to a monotonic counter,
     `queues` a queue name to its depth, `memory` a device to a reader of each of

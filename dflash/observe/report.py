@@ -23,7 +23,7 @@ from dflash.errors import DFlashError, first_line
 from dflash.files import special_file, unwritable, write_text_atomic
 from dflash.observe.bottleneck import snapshot_verdict
 from dflash.observe.report_svg import Slice, bar_chart, line_chart, timeline_chart
-from dflash.summary import Summary
+from dflash.summary import JSON, Summary
 from tracing import StatsSnapshot
 
 REQUIRED = ("summary.json", "config.json")
@@ -43,7 +43,7 @@ def _regular(path: Path) -> Path:
     return path
 
 
-def _load_json(path: Path) -> Any:
+def _load_json(path: Path) -> Any:  # Any: a JSON value, of the type the file holds
     _regular(path)
     try:
         return json.loads(path.read_text())
@@ -51,7 +51,7 @@ def _load_json(path: Path) -> Any:
         raise ReportError(f"report: cannot read {path}: {exc}") from None
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
+def read_metrics(path: Path) -> list[JSON]:
     if not path.exists():
         return []
     _regular(path)
@@ -65,7 +65,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _series(rows: list[dict[str, Any]], *keys: str) -> list[tuple[float, float]]:
+def _series(rows: list[JSON], *keys: str) -> list[tuple[float, float]]:
     out = []
     for row in rows:
         value = next((row[k] for k in keys if isinstance(row.get(k), (int, float))), None)
@@ -74,7 +74,7 @@ def _series(rows: list[dict[str, Any]], *keys: str) -> list[tuple[float, float]]
     return out
 
 
-def _stage_rates(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+def _stage_rates(rows: list[JSON]) -> dict[str, list[tuple[float, float]]]:
     """tokens/s per stage over time from metrics.jsonl (`tokens_per_s` by stage)."""
     stages: dict[str, list[tuple[float, float]]] = {}
     for row in rows:
@@ -86,7 +86,7 @@ def _stage_rates(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, floa
     return stages
 
 
-def _timeline_rates(doc: dict[str, Any]) -> dict[str, list[tuple[float, float]]]:
+def _timeline_rates(doc: JSON) -> dict[str, list[tuple[float, float]]]:
     """The same from the timeline's `tokens/s` counter track, when metrics lack it."""
     stages: dict[str, list[tuple[float, float]]] = {}
     for event in doc.get("traceEvents", []):
@@ -96,7 +96,7 @@ def _timeline_rates(doc: dict[str, Any]) -> dict[str, list[tuple[float, float]]]
     return stages
 
 
-def timeline_slices(doc: dict[str, Any], num_batches: int = TIMELINE_BATCHES) -> list[Slice]:
+def timeline_slices(doc: JSON, num_batches: int = TIMELINE_BATCHES) -> list[Slice]:
     """The phase slices of a few consecutive batches in the middle of the run, with
     every slice of any thread that overlaps them in time."""
     events = doc.get("traceEvents", [])
@@ -115,7 +115,7 @@ def timeline_slices(doc: dict[str, Any], num_batches: int = TIMELINE_BATCHES) ->
     return [_slice(e, names) for e in chosen]
 
 
-def _slice(event: dict[str, Any], thread_names: dict[Any, str]) -> Slice:
+def _slice(event: JSON, thread_names: dict[object, str]) -> Slice:
     """One complete ("X") trace event as a timeline slice (times in seconds)."""
     thread = thread_names.get(event["tid"], str(event["tid"]))
     phase, start, duration = event["name"], event["ts"] / 1e6, event["dur"] / 1e6
@@ -297,7 +297,7 @@ def _duration(seconds: float) -> str:
     return f"{hours} h {minutes:02d} min"
 
 
-def tau_notes(summary: Summary | dict[str, Any]) -> list[str]:
+def tau_notes(summary: Summary | JSON) -> list[str]:
     """What τ on held-out is made of, beside it in the summary and the report: the share
     of accepted drafts inside repeated spans, and the training estimate against it."""
     if not isinstance(summary, Summary):

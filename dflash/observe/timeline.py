@@ -31,8 +31,8 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
+from dflash.summary import JSON
 from tracing import Phase, SpanHandle, now_ns
 
 logger = logging.getLogger("tracing")
@@ -78,7 +78,7 @@ class Timeline:
         # (thread id, name, start ns, end ns, flow serial or None, error name or None)
         self._slices: list[tuple[int, str, int, int, int | None, str | None]] = []
         # serial, name, start thread, start ns, end ns, batch attributes
-        self._spans: list[tuple[int, str, int, int, int, dict[str, Any]]] = []
+        self._spans: list[tuple[int, str, int, int, int, dict[str, object]]] = []
         self._open_spans: dict[int, tuple[int, int, int]] = {}  # id(handle) -> serial, tid, ns
         self._counters: list[tuple[str, int, dict[str, float]]] = []
         self._thread_names: dict[int, str] = {}
@@ -218,7 +218,7 @@ class Timeline:
             logger.warning("tracing: timeline dropped %d events (max_events)", self.dropped)
         return self.path
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> JSON:
         """The trace-event document: {"traceEvents": [...], "displayTimeUnit": "ms", ...}."""
         return build_document(self)
 
@@ -233,11 +233,11 @@ def _read(functions: Sampler) -> dict[str, float]:
     return values
 
 
-def build_document(tl: Timeline) -> dict[str, Any]:
+def build_document(tl: Timeline) -> JSON:
     pid = os.getpid()
     slices = list(tl._slices)
     spans = sorted(tl._spans)
-    events: list[dict[str, Any]] = []
+    events: list[JSON] = []
 
     def us(ns: int) -> float:
         return round((ns - tl._t0_ns) / 1e3, 3)  # µs, to the ns: the clock's resolution
@@ -252,7 +252,7 @@ def build_document(tl: Timeline) -> dict[str, Any]:
     for serial, (tid, start, end) in origins.items():
         flows.setdefault(serial, []).append((start, end, tid))
     for tid, name, start, end, flow, error in slices:
-        args: dict[str, Any] = {}
+        args: JSON = {}
         if flow is not None:
             args["batch"] = flow
             flows.setdefault(flow, []).append((start, end, tid))
@@ -287,13 +287,11 @@ def _dur_us(start_ns: int, end_ns: int) -> float:
     return round((end_ns - start_ns) / 1e3, 3)
 
 
-def _plain(value: Any) -> bool:
+def _plain(value: object) -> bool:
     return isinstance(value, (str, int, float, bool))
 
 
-def _complete(
-    name: str, cat: str, pid: int, tid: int, ts: float, dur: float, args: dict[str, Any]
-) -> dict[str, Any]:
+def _complete(name: str, cat: str, pid: int, tid: int, ts: float, dur: float, args: JSON) -> JSON:
     event = {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": pid, "tid": tid}
     if args:
         event["args"] = args
@@ -301,7 +299,7 @@ def _complete(
 
 
 def _origin_slices(
-    spans: list[tuple[int, str, int, int, int, dict[str, Any]]],
+    spans: list[tuple[int, str, int, int, int, dict[str, object]]],
     by_thread: Mapping[int, list[tuple[int, int]]],
 ) -> dict[int, tuple[int, int, int]]:
     """serial -> (tid, start, end) of each span's slice on the thread that started it:
@@ -334,7 +332,7 @@ def _origin_slices(
 
 def _flow_events(
     flows: Mapping[int, list[tuple[int, int, int]]], pid: int, us: Callable[[int], float]
-) -> list[dict[str, Any]]:
+) -> list[JSON]:
     """One arrow chain per span, through its slices in time order. Each flow event sits
     just inside the start of its slice (so "enclosing slice" binding finds that slice,
     and the chain's timestamps follow the slices' start order)."""
@@ -353,8 +351,8 @@ def _flow_events(
     return events
 
 
-def _metadata(tl: Timeline, pid: int) -> list[dict[str, Any]]:
-    events: list[dict[str, Any]] = [
+def _metadata(tl: Timeline, pid: int) -> list[JSON]:
+    events: list[JSON] = [
         {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": tl.process_name}},
         {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": tl.rank}},
     ]

@@ -23,7 +23,6 @@ import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -36,6 +35,7 @@ from dflash.data.tokenizer import tokenizer_fingerprint
 from dflash.files import replacing, sha256_file, write_failure, write_json_atomic
 from dflash.log import Log
 from dflash.offline.config import BATCHES_PER_SHARD
+from dflash.summary import JSON
 from dflash.target.model import TargetModel, TargetOutput, target_fingerprint
 
 FORMAT_VERSION = 1
@@ -54,7 +54,7 @@ class HiddenCacheError(DataError):
 
 def cache_fingerprint(
     target: TargetModel, dataset: PackedDataset, *, layer_ids: list[int], with_final_norm: bool
-) -> dict[str, Any]:
+) -> JSON:
     """Everything a cached hidden state depends on."""
     return {
         "format": FORMAT_VERSION,
@@ -86,7 +86,7 @@ _WHAT = {
 }
 
 
-def _check_fingerprint(directory: Path, saved: dict[str, Any], wanted: dict[str, Any]) -> None:
+def _check_fingerprint(directory: Path, saved: JSON, wanted: JSON) -> None:
     order = list(_WHAT)
     for key in sorted(wanted, key=lambda k: order.index(k) if k in order else len(order)):
         value = wanted[key]
@@ -100,7 +100,7 @@ def _check_fingerprint(directory: Path, saved: dict[str, Any], wanted: dict[str,
 # --------------------------------------------------------------------------- index
 
 
-def _read_index(directory: Path) -> dict[str, Any] | None:
+def _read_index(directory: Path) -> JSON | None:
     path = directory / INDEX_NAME
     if not path.exists():
         return None
@@ -112,7 +112,7 @@ def _read_index(directory: Path) -> dict[str, Any] | None:
     return index
 
 
-def cached_batches(index: dict[str, Any]) -> int:
+def cached_batches(index: JSON) -> int:
     return sum(int(s["num_batches"]) for s in index["shards"])
 
 
@@ -131,7 +131,7 @@ def _capture(
     return out.hidden, out.final_hidden
 
 
-def _open_for_writing(directory: Path, fingerprint: dict[str, Any]) -> dict[str, Any]:
+def _open_for_writing(directory: Path, fingerprint: JSON) -> JSON:
     index = _read_index(directory)
     if index is not None:
         _check_fingerprint(directory, index["fingerprint"], fingerprint)
@@ -205,7 +205,7 @@ def write_hidden_cache(
     return directory
 
 
-def shard_damage(directory: Path, shard: dict[str, Any]) -> str | None:
+def shard_damage(directory: Path, shard: JSON) -> str | None:
     """What is wrong with a listed shard's file (missing, truncated, corrupt), or None."""
     path = directory / shard["file"]
     size = path.stat().st_size if path.is_file() else -1
@@ -232,7 +232,7 @@ class _ShardWriter:
         self.target, self.dataset, self.directory = target, dataset, directory
         self.layer_ids, self.with_final_norm = layer_ids, with_final_norm
 
-    def __call__(self, name: str, first: int, count: int) -> dict[str, Any]:
+    def __call__(self, name: str, first: int, count: int) -> JSON:
         tensors: dict[str, Tensor] = {}
         for i in range(first, first + count):
             batch = self.dataset.batch(i)
@@ -258,10 +258,10 @@ class HiddenCacheReader:
     checksummed once, on first use (sizes are checked when opening).
     """
 
-    def __init__(self, directory: Path, index: dict[str, Any], dataset: PackedDataset) -> None:
+    def __init__(self, directory: Path, index: JSON, dataset: PackedDataset) -> None:
         self.directory, self.index, self.dataset = directory, index, dataset
         self.num_batches = cached_batches(index)
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, safe_open] = {}
         self._lock = threading.Lock()
         self.bytes_read = 0  # tensor bytes handed out by `read`
         for shard in index["shards"]:
@@ -277,7 +277,7 @@ class HiddenCacheReader:
     def total_bytes(self) -> int:
         return sum(int(s["bytes"]) for s in self.index["shards"])
 
-    def _shard(self, index: int) -> Any:
+    def _shard(self, index: int) -> safe_open:
         for shard in self.index["shards"]:
             if shard["first_batch"] <= index < shard["first_batch"] + shard["num_batches"]:
                 break

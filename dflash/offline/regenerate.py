@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 
@@ -46,6 +46,7 @@ from dflash.data.sources import CUT_KEY, DataReport, read_jsonl, read_source
 from dflash.data.tokenizer import Tokenizer, decode_text, encode_texts, special_ids
 from dflash.files import cache_dir, free_space_note, write_json_atomic
 from dflash.offline.config import RegenerateConfig, RegenerateError
+from dflash.summary import JSON
 from dflash.target.generation import generate_batch, generate_padded
 from dflash.target.model import TargetModel, target_fingerprint
 from dflash.target.served import CompletionClient, TokenizerTarget
@@ -92,14 +93,14 @@ def _text_windows(tokenizer: Tokenizer, text: str, settings: RegenerateConfig) -
     return [ids[s : s + settings.prefix_tokens].tolist() for s in window_starts(len(ids), settings)]
 
 
-def read_items(source: str, report: DataReport, heldout_fraction: float) -> list[dict[str, Any]]:
+def read_items(source: str, report: DataReport, heldout_fraction: float) -> list[JSON]:
     """Held-in records of `source`: {"text": ...} or {"messages": [...]} objects."""
     if source in (EMBEDDED, EMBEDDED_CORPUS):
         return [{"text": t} for t in embedded_corpus("train", heldout_fraction)]
     path = Path(source).expanduser()
     if not path.exists():
         raise RegenerateError(f"--data {source!r}: no such file or folder")
-    items: list[dict[str, Any]] = []
+    items: list[JSON] = []
     for _, content in read_source(source, report):  # files as training reads them
         if not is_heldout(content_key(content), heldout_fraction):
             items.append({"text": content} if isinstance(content, str) else content)
@@ -137,6 +138,20 @@ class Reply:
         return head + (self.text or "")
 
 
+class _Sampling(TypedDict):
+    """The sampling keywords generate_padded and generate_batch share."""
+
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    temperature: float
+
+
+class _SeededSampling(_Sampling):
+    """generate_batch's keywords: the shared ones and its random generator."""
+
+    generator: torch.Generator
+
+
 class _Decoder:
     """Runs prompts in batches; counts generated tokens."""
 
@@ -163,7 +178,7 @@ class _Decoder:
             return self._run_padded(prompts)
         return self._run_by_length(prompts)
 
-    def _sampling(self) -> dict[str, Any]:
+    def _sampling(self) -> _Sampling:
         """The generate functions' sampling arguments, from the settings."""
         return {
             "max_new_tokens": self.settings.max_new_tokens,
@@ -198,7 +213,7 @@ class _Decoder:
         for i in order:
             groups.setdefault(len(prompts[i]), []).append(i)
         size = self.settings.batch_size
-        sampling = {**self._sampling(), "generator": self.generator}
+        sampling: _SeededSampling = {**self._sampling(), "generator": self.generator}
         for members in groups.values():
             for s in range(0, len(members), size):
                 part = members[s : s + size]
