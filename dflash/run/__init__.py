@@ -14,7 +14,7 @@ folder     the output folder's lock and files; outputs: whose file a path is
 build      target, data, drafter and trainer of a run (`open_target`, shared by cache-hidden)
 rows       the training rows (`training_rows`), refused before step 1 when they cannot train
 resume     --resume from a checkpoint and --init-from a drafter, checked before the target
-features   where the target's features come from (`feature_source`), one source each in
+features   where the target's features come from (`feature_plan`), one source each in
            target_features (the live target), cached_features (--hidden-cache) and
            streamed_features (a vLLM engine, run by streamed, through a spool)
 finish     checkpoints, the final evaluation and the summary (engine: --eval-engine vllm)

@@ -1,9 +1,10 @@
 """Building a run: target, data, drafter and trainer on this process's `Placement`.
 
 `open_target` is the opening `train` and `cache-hidden` share: the target loaded,
-its chat-template arguments, its position limit and the layers that feed the drafter;
-the rows are then `dflash.run.rows.training_rows`'. `build_run` adds the drafter and
-its trainer, restores `--resume` or warm-starts from `--init-from`.
+its chat-template arguments and its position limit; the rows are then
+`dflash.run.rows.training_rows`'. `build_run` opens the run's feature source on it
+(dflash.run.features), adds the drafter and its trainer, restores `--resume` or
+warm-starts from `--init-from`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dflash.drafter.vocab import DraftVocab, check_draft_vocab_size, select_draf
 from dflash.log import Log, say
 from dflash.run.engine import check_vllm_command
 from dflash.run.evaluations import TrainingEvals
-from dflash.run.features import feature_source
+from dflash.run.features import feature_plan
 from dflash.run.progress import live_log
 from dflash.run.resume import check_same_data, checkpoint_to_resume, restore, warm_start
 from dflash.run.rows import rows_before_target, training_rows
@@ -184,7 +185,6 @@ def check_target_fits(cfg: TrainConfig, target: TargetModel) -> None:
 
 def open_target(
     cfg: TrainConfig,
-    features: FeatureSource,
     device: torch.device,
     log: Log,
     *,
@@ -193,13 +193,12 @@ def open_target(
     cast: bool = False,
     checks: Callable[[TargetModel], None] | None = None,
     phase: PhaseFn = null_phase,
-) -> tuple[TargetModel, list[int]]:
-    """The target as `train` and `cache-hidden` read rows with it, and the layers that
-    feed the drafter. It loads on `load_on` (`head_only`: its embedding, LM head and
-    final norm alone) in the dtype --precision gives on `device`, where it computes
-    (`cast`: the dtype for its width, once loaded: a cache's states keep the dtype they
-    were written in); then its chat-template arguments, its position limit, the
-    caller's `checks` and the features' own against it."""
+) -> TargetModel:
+    """The target as `train` and `cache-hidden` read rows with it. It loads on `load_on`
+    (`head_only`: its embedding, LM head and final norm alone) in the dtype --precision
+    gives on `device`, where it computes (`cast`: the dtype for its width, once loaded:
+    a cache's states keep the dtype they were written in); then its chat-template
+    arguments, its position limit and the caller's `checks` against it."""
     dtype = target_load.target_dtype(device, cfg.pipeline.precision)
     with phase(names.TARGET_LOAD):
         target = target_load.load_target(
@@ -211,8 +210,7 @@ def open_target(
     check_target_fits(cfg, target)
     if checks is not None:
         checks(target)
-    features.open(target, log)
-    return target, features.layer_ids(target)
+    return target
 
 
 def build_run(cfg: TrainConfig, placement: Placement, log: Log = say) -> Run:
@@ -225,9 +223,9 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Log = say) -> Run:
     check_sizes_before_work(cfg, placement.drafter)
     if cfg.run.eval_engine == "vllm" and cfg.run.eval_prompts:
         check_vllm_command(cfg.run.vllm_command)  # not after hours of training
-    features = feature_source(cfg)
+    plan = feature_plan(cfg)
     with tracing.phase(names.DATA_PREPARE):
-        before_target = rows_before_target(cfg, features, log)
+        before_target = rows_before_target(cfg, plan, log)
 
     def checks(target: TargetModel) -> None:
         check_draft_vocab(cfg, target)
@@ -238,17 +236,19 @@ def build_run(cfg: TrainConfig, placement: Placement, log: Log = say) -> Run:
 
     # A target that never runs while training keeps its weights in host memory (the
     # drafter copies the embedding and LM head it shares) until the final evaluation.
-    target, layer_ids = open_target(
+    target = open_target(
         cfg,
-        features,
         placement.target,
         log,
-        load_on=features.load_device(placement),
-        head_only=features.head_only,
-        cast=features.runs_target,
+        load_on=plan.load_device(placement),
+        head_only=plan.head_only,
+        cast=plan.runs_target,
         checks=checks,
         phase=tracing.phase,
     )
+    with tracing.phase(names.DATA_PREPARE):  # per-sample files read their rows as they open
+        features = plan.open(target, log)
+    layer_ids = features.layer_ids
     warning = last_layer_warning(layer_ids, target.num_layers)
     if warning is not None:
         log(warning)

@@ -1,7 +1,7 @@
 """Features read from --hidden-cache: a batch cache written by `cache-hidden`, or
 per-sample hidden-state files (speculators' layout). The target's decoder never runs while
 training; a run from sample files loads the whole target only to evaluate where it fits
-(`evaluates_whole_target`).
+(`evaluates_whole_target`). `cache_plan` tells which of the two a directory holds.
 """
 
 from __future__ import annotations
@@ -18,19 +18,43 @@ from dflash.config.devices import Placement
 from dflash.config.settings import DataConfig, TrainConfig
 from dflash.data.datasets import PackedDataset, pad_id
 from dflash.offline.hidden_cache import HiddenCacheReader, open_hidden_cache
-from dflash.offline.sample_cache import (
-    SampleCache,
-    SampleCacheError,
-    SampleRows,
-    SkipCounts,
-    open_sample_cache,
-    sample_datasets,
-)
+from dflash.offline.sample_cache import cache_format, open_sample_cache, sample_datasets
+from dflash.offline.sample_file import SampleCacheError
 from dflash.offline.sample_reader import SampleCacheReader
 from dflash.run.estimate import EstimateError, device_memory_bytes, geometry_for_spec
 from dflash.run.progress import BufferedLog
-from dflash.run.target_features import FeatureSource, Forward, Log
+from dflash.run.target_features import (
+    FeaturePlan,
+    FeatureSource,
+    Forward,
+    HeldRows,
+    Log,
+    resolve_layer_ids,
+)
 from dflash.target.model import TargetModel
+
+
+def cache_plan(cfg: TrainConfig, directory: Path) -> FeaturePlan:
+    """--hidden-cache `directory`: the target stays on the host, as loaded; per-sample
+    files (refused unless --packing docs) hold the rows too, and load only the target's
+    embedding, LM head and final norm unless it evaluates whole."""
+    if cache_format(directory) != "speculators":
+        return FeaturePlan(
+            lambda target, _: BatchCache(cfg, directory, resolve_layer_ids(cfg, target.num_layers)),
+            runs_target=False,
+        )
+    head_only = not evaluates_whole_target(cfg)
+    if cfg.data.packing != "docs":
+        raise SampleCacheError(
+            f"--hidden-cache {directory} holds one file per sample: each is a document "
+            "of its own, so --packing must be docs"
+        )
+    return FeaturePlan(
+        lambda target, log: SampleFiles(cfg, directory, target, log),
+        runs_target=False,
+        head_only=head_only,
+        has_rows=True,
+    )
 
 
 class _HiddenCacheSource(FeatureSource):
@@ -40,13 +64,10 @@ class _HiddenCacheSource(FeatureSource):
     runs_target = False
     target_phase = names.TARGET_READ
 
-    def __init__(self, cfg: TrainConfig, directory: Path) -> None:
-        super().__init__(cfg)
+    def __init__(self, cfg: TrainConfig, directory: Path, layer_ids: list[int]) -> None:
+        super().__init__(cfg, layer_ids)
         self.directory = directory
         self._reader: HiddenCacheReader | SampleCacheReader | None = None
-
-    def load_device(self, placement: Placement) -> torch.device:
-        return torch.device("cpu")
 
     def bytes_counter(self) -> Callable[[], int] | None:
         return lambda: 0 if self._reader is None else self._reader.bytes_read
@@ -82,70 +103,45 @@ class SampleFiles(_HiddenCacheSource):
     --format speculators`): the samples are the rows and the target's decoder never runs
     while training. Only its embedding, LM head and final norm load, unless the run
     evaluates in process and the whole target fits in half the host's memory: then it
-    loads whole, for the evaluations alone (τ while training, and the final one)."""
+    loads whole, for the evaluations alone (τ while training, and the final one).
+    Opened, it has checked the files against the target and read their rows."""
 
-    has_rows = True
-
-    def __init__(self, cfg: TrainConfig, directory: Path) -> None:
-        super().__init__(cfg, directory)
-        self.head_only = not evaluates_whole_target(cfg)
-        if cfg.data.packing != "docs":
-            raise SampleCacheError(
-                f"--hidden-cache {directory} holds one file per sample: each is a document "
-                "of its own, so --packing must be docs"
-            )
-        self._cache: SampleCache | None = None
-        self._rows: SampleRows | None = None
-
-    @property
-    def cache(self) -> SampleCache:
-        if self._cache is None:
-            raise RuntimeError("SampleFiles.open must run before the samples are read")
-        return self._cache
-
-    def open(self, target: TargetModel, log: Log) -> None:
-        d = self.cfg.data
-        self._cache = open_sample_cache(
-            self.directory,
+    def __init__(self, cfg: TrainConfig, directory: Path, target: TargetModel, log: Log) -> None:
+        d = cfg.data
+        self.cache = open_sample_cache(
+            directory,
             target=target,
-            layer_ids=self.cfg.target.layer_ids,
-            soft_labels=self.cfg.loss.use_soft_labels,
+            layer_ids=cfg.target.layer_ids,
+            soft_labels=cfg.loss.use_soft_labels,
             strict=d.strict_cache,
         )
-        log(self._cache.describe())
+        super().__init__(cfg, directory, self.cache.layer_ids)
+        log(self.cache.describe())
         if target.head_only:
             log(
                 f"target {target.spec}: only its embedding, LM head and final norm are loaded "
                 "(the decoder stays unallocated); evaluation needs the whole target: run "
                 "`dflash-train eval` where it fits"
             )
-        elif self.cfg.run.eval_prompts:
+        elif cfg.run.eval_prompts:
             log(
                 f"target {target.spec}: loaded whole for the evaluations alone (it fits in "
                 "half the host's memory); its decoder never runs for training rows "
                 "(--eval-prompts 0 loads only its embedding, LM head and final norm)"
             )
         if d.source != DataConfig.source:
-            unread = f"--data {d.source} is not read"
-            log(f"data: the rows are the samples of {self.directory}; {unread}")
-
-    def layer_ids(self, target: TargetModel) -> list[int]:
-        return self.cache.layer_ids
-
-    def rows(
-        self, target: TargetModel, rows_per_batch: int, held: BufferedLog
-    ) -> tuple[PackedDataset, PackedDataset]:
-        d = self.cfg.data
-        train, heldout, self._rows = sample_datasets(
+            log(f"data: the rows are the samples of {directory}; --data {d.source} is not read")
+        held = BufferedLog(log)  # the data's report, once dflash.run.rows has checked them
+        train, heldout, self._sample_rows = sample_datasets(
             self.cache,
             seq_len=d.seq_len,
-            batch_size=rows_per_batch,
-            seed=self.cfg.run.seed,
+            batch_size=d.batch_size * cfg.optim.grad_accum,  # as the data file's rows
+            seed=cfg.run.seed,
             heldout_fraction=d.heldout_fraction,
             pad_id=pad_id(target.tokenizer),
             log=held,
         )
-        return train, heldout
+        self.rows = HeldRows(train, heldout, held)
 
     def forwards(
         self,
@@ -156,23 +152,19 @@ class SampleFiles(_HiddenCacheSource):
         batches: tuple[int, int | None],
         all_devices: bool = True,
     ) -> list[tuple[torch.device, Forward]]:
-        if self._rows is None:
-            raise RuntimeError("SampleFiles.rows must run before the target stage is built")
         norm = target.final_norm() if self.cfg.loss.use_soft_labels else None
-        self._reader = SampleCacheReader(self.cache, dataset, self._rows, norm)
+        self._reader = SampleCacheReader(self.cache, dataset, self._sample_rows, norm)
         return [(torch.device("cpu"), self._reader.read)]
 
     def eval_skipped(self, target: TargetModel) -> str | None:
         return "the target was loaded without its decoder" if target.head_only else None
 
     def summary(self) -> dict[str, Any]:
-        if self._cache is None:
-            return {}
-        return {"hidden_cache_skipped": dataclasses.asdict(self._cache.skipped)}  # by why
+        return {"hidden_cache_skipped": dataclasses.asdict(self.cache.skipped)}  # by why
 
     def skipped_counter(self) -> Callable[[], dict[str, int]] | None:
-        def counts() -> dict[str, int]:  # every reason, zero before the cache opens
-            return dataclasses.asdict(SkipCounts() if self._cache is None else self._cache.skipped)
+        def counts() -> dict[str, int]:  # every reason
+            return dataclasses.asdict(self.cache.skipped)
 
         return counts
 

@@ -223,7 +223,7 @@ def target_runs(cfg: TrainConfig) -> bool:
     """Whether the target's decoder runs in this process while training, said by the
     config alone (for the estimates of a dry run, before any cache need exist): every
     source read from --hidden-cache or streamed from a vLLM engine answers False, as
-    `dflash.run.features.feature_source(cfg).runs_target` would."""
+    `dflash.run.features.feature_plan(cfg).runs_target` would."""
     return cfg.data.hidden_cache is None and cfg.target.engine != "vllm"
 
 

@@ -40,7 +40,7 @@ from dflash.offline.sample_cache import SAMPLES_DIR, sample_files
 from dflash.offline.sample_writer import write_sample_cache, write_sample_plan
 from dflash.run.build import open_target
 from dflash.run.rows import training_rows
-from dflash.run.target_features import FeatureSource
+from dflash.run.target_features import resolve_layer_ids
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.served import CompletionClient, ServerSettings, TokenizerTarget
 
@@ -70,10 +70,10 @@ def write_run_cache(
     # The live target's features, as a `train` run without --hidden-cache reads them; no
     # cast under `auto` on a CPU (run_precision): `train --hidden-cache` under auto reads
     # the states with its target as loaded, fp32 there.
-    features = FeatureSource(cfg)
-    target, layer_ids = open_target(cfg, features, device, log, load_on=on, head_only=not whole)
+    target = open_target(cfg, device, log, load_on=on, head_only=not whole)
+    layer_ids = resolve_layer_ids(cfg, target.num_layers)
     log(f"precision: target in {str(dtype).removeprefix('torch.')}")
-    train, heldout = training_rows(cfg, target, log, features)
+    train, heldout = training_rows(cfg, target, log)
     start_s = time.perf_counter()
     if samples_only:
         with _writes(output_dir):

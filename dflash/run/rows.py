@@ -10,8 +10,6 @@ target's weights load, and `training_rows` then takes them as they are.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import tracing
 from dflash import names
 from dflash.config.settings import TrainConfig
@@ -23,25 +21,13 @@ from dflash.data.tokenizer import Tokenizer
 from dflash.log import Log, say
 from dflash.offline.regenerate import embedded_regeneration, regenerated_corpus
 from dflash.run.progress import BufferedLog, live_log
-from dflash.run.target_features import FeatureSource
+from dflash.run.target_features import FeaturePlan, FeatureSource, HeldRows
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.geometry import TargetError
 from dflash.target.model import TargetModel, check_mask_token_unused
 
 
-@dataclass
-class RowsBeforeTarget:
-    """A data file's rows, read and checked from the target's tokenizer before its
-    weights load."""
-
-    train: PackedDataset
-    heldout: PackedDataset
-    held: BufferedLog  # the data's report, printed once the mask token is chosen too
-
-
-def rows_before_target(
-    cfg: TrainConfig, features: FeatureSource, log: Log = say
-) -> RowsBeforeTarget | None:
+def rows_before_target(cfg: TrainConfig, features: FeaturePlan, log: Log = say) -> HeldRows | None:
     """Data that cannot train (no learnable tokens, most conversations dropped, an
     explicit mask id it uses) is refused before the target's weights load, minutes for a
     large one: a data file's rows need only the tokenizer. None where the rows need the
@@ -57,7 +43,7 @@ def rows_before_target(
     held = BufferedLog(log)
     train, heldout = _read_rows(cfg, tokenizer, held, log)
     _check_rows(cfg, train, heldout, None)
-    return RowsBeforeTarget(train, heldout, held)
+    return HeldRows(train, heldout, held)  # the report printed once the mask token is chosen
 
 
 def training_rows(
@@ -65,21 +51,24 @@ def training_rows(
     target: TargetModel,
     log: Log = say,
     features: FeatureSource | None = None,
-    before_target: RowsBeforeTarget | None = None,
+    before_target: HeldRows | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
     """Train and held-out rows of a run (`cache-hidden` cuts its batches here too); an
     explicit mask token the data uses is refused, none at all is chosen from the data.
     `--data embedded` trains on the target's own continuations of the corpus
     (regenerated once, cached); `features` that hold rows (per-sample hidden-state
-    files) give them; `before_target` rows were read and checked before the target loaded
-    (`rows_before_target`): only the mask token is left to choose."""
+    files) read them as they opened; `before_target` rows were read and checked before
+    the target loaded (`rows_before_target`): only the mask token is left to choose."""
+    own = None if features is None else features.rows
     if before_target is not None:
         train, heldout, held = before_target.train, before_target.heldout, before_target.held
         _mask_from_data(cfg, target, train, heldout)
     else:
-        held = BufferedLog(log)  # the data's report, once the data can train: else the Error alone
-        source = features if features is not None and features.has_rows else None
-        train, heldout = _read_rows(cfg, target.tokenizer, held, log, target, source)
+        if own is not None:
+            train, heldout, held = own.train, own.heldout, own.held
+        else:
+            held = BufferedLog(log)  # the data's report, once it can train: else the Error alone
+            train, heldout = _read_rows(cfg, target.tokenizer, held, log, target)
         _check_rows(cfg, train, heldout, target)
     held.release()
     return train, heldout
@@ -91,15 +80,12 @@ def _read_rows(
     held: BufferedLog,
     log: Log,
     target: TargetModel | None = None,
-    features: FeatureSource | None = None,
 ) -> tuple[PackedDataset, PackedDataset]:
     """The (train, held-out) rows, unchecked, in batches of --batch-size x --grad-accum:
-    the `features`' own, the `target`'s continuations (--data embedded) or, before the
-    target loads (`target` None) or after, the data file's."""
+    the `target`'s continuations (--data embedded) or, before the target loads (`target`
+    None) or after, the data file's."""
     d = cfg.data
     rows = d.batch_size * cfg.optim.grad_accum  # the step splits it into micro-batches
-    if target is not None and features is not None:
-        return features.rows(target, rows, held)
     if target is not None and d.source == EMBEDDED:
         with tracing.phase(names.DATA_REGENERATE):
             path = embedded_regeneration(target, d.heldout_fraction, live_log(log))

@@ -1,6 +1,7 @@
 """Features streamed by a vLLM engine through a bounded spool (`--target-engine vllm`):
 the engine and the spool's reader are dflash.run.streamed; this is the feature source
-that starts them and answers the run's questions about them.
+that starts them and answers the run's questions about them (`streamed_plan`: its
+checks, and its spool taken, before the target loads).
 """
 
 from __future__ import annotations
@@ -12,61 +13,73 @@ from typing import Any
 import torch
 
 from dflash import names
+from dflash.config.checks import parse_size
 from dflash.config.devices import Placement
 from dflash.config.settings import TrainConfig
 from dflash.data.datasets import PackedDataset
 from dflash.files import write_text_atomic
-from dflash.offline.spool import Spool, SpoolError, parse_size
+from dflash.offline.spool import Spool, SpoolError
 from dflash.run import streamed
 from dflash.run.cached_features import evaluates_whole_target
-from dflash.run.target_features import FeatureSource, Forward, Log
+from dflash.run.target_features import FeaturePlan, FeatureSource, Forward, Log, resolve_layer_ids
 from dflash.target.model import TargetModel
+
+
+def streamed_plan(cfg: TrainConfig) -> FeaturePlan:
+    """--target-engine vllm, checked before the target loads (--packing, --spool-size,
+    the engine's python) with its spool taken: the target stays on the host, its
+    embedding, LM head and final norm alone unless it evaluates whole."""
+    if cfg.data.packing != "docs":
+        raise SpoolError(
+            "--target-engine vllm streams one sample per document: --packing must be docs"
+        )
+    bound = parse_size(cfg.target.spool_size)
+    one = streamed.smallest_sample_bytes(cfg)
+    if one is not None and bound < 2 * one:
+        raise SpoolError(
+            f"--spool-size {cfg.target.spool_size} ({bound:,} bytes) is smaller than "
+            f"one sample of --seq-len {cfg.data.seq_len}: {one:,} bytes, twice that while "
+            "vLLM's file is converted"
+        )
+    # Under torchrun: this rank's rows, engine, spool folder, plan and log.
+    rank, world_size = streamed.rank_and_world()
+    output_dir = Path(cfg.run.output_dir)
+    given = Path(cfg.target.spool_dir) if cfg.target.spool_dir else output_dir / "spool"
+    spool = Spool(given, rank=rank if world_size > 1 else None)
+    try:  # last: it starts a python (seconds)
+        streamed.check_vllm_python(cfg.target.vllm_python)
+    except SpoolError:
+        spool.close()
+        raise
+    return FeaturePlan(
+        lambda target, log: StreamedSamples(cfg, spool, bound, target, log),
+        runs_target=False,
+        head_only=not evaluates_whole_target(cfg),
+    )
 
 
 class StreamedSamples(FeatureSource):
     """Features from a vLLM engine through the spool: the target's decoder never runs in
     this process (its embedding, LM head and final norm load, or the whole target for
-    evaluations where it fits, as with per-sample files)."""
+    evaluations where it fits, as with per-sample files). `forwards` starts the engine."""
 
     runs_target = False
     target_phase = names.TARGET_READ
 
-    def __init__(self, cfg: TrainConfig) -> None:
-        super().__init__(cfg)
-        if cfg.data.packing != "docs":
-            raise SpoolError(
-                "--target-engine vllm streams one sample per document: --packing must be docs"
-            )
-        self.bound = parse_size(cfg.target.spool_size)
-        one = streamed.smallest_sample_bytes(cfg)
-        if one is not None and self.bound < 2 * one:
-            raise SpoolError(
-                f"--spool-size {cfg.target.spool_size} ({self.bound:,} bytes) is smaller than "
-                f"one sample of --seq-len {cfg.data.seq_len}: {one:,} bytes, twice that while "
-                "vLLM's file is converted"
-            )
-        self.output_dir = Path(cfg.run.output_dir)
-        # Under torchrun: this rank's rows, engine, spool folder, plan and log.
+    def __init__(
+        self, cfg: TrainConfig, spool: Spool, bound: int, target: TargetModel, log: Log
+    ) -> None:
+        super().__init__(cfg, resolve_layer_ids(cfg, target.num_layers))
+        self.spool, self.bound = spool, bound
         self.rank, self.world_size = streamed.rank_and_world()
-        self.plan, self.log = streamed.rank_files(self.output_dir, self.rank, self.world_size)
-        given = Path(cfg.target.spool_dir) if cfg.target.spool_dir else self.output_dir / "spool"
-        self.spool = Spool(given, rank=self.rank if self.world_size > 1 else None)
-        try:  # last: it starts a python (seconds)
-            streamed.check_vllm_python(cfg.target.vllm_python)
-        except SpoolError:
-            self.spool.close()
-            raise
-        self.head_only = not evaluates_whole_target(cfg)
+        self.plan, self.log = streamed.rank_files(
+            Path(cfg.run.output_dir), self.rank, self.world_size
+        )
         self._reader: streamed.SpoolReader | None = None
         self._engine: streamed.Engine | None = None
-
-    def load_device(self, placement: Placement) -> torch.device:
-        return torch.device("cpu")
-
-    def open(self, target: TargetModel, log: Log) -> None:
         log(
-            f"target engine: vLLM ({self.cfg.target.vllm_python}) writes the hidden states "
-            f"into {self.spool.directory}, at most {self.bound:,} bytes; its output in "
+            f"target engine: vLLM ({cfg.target.vllm_python}) writes the hidden states "
+            f"into {spool.directory}, at most {bound:,} bytes; its output in "
             f"{self.log}; the target's decoder layers never run here"
             + (f" (rank {self.rank}'s, one engine per rank)" if self.world_size > 1 else "")
         )

@@ -1,5 +1,10 @@
 """The features of the live target, and the contract every feature source keeps.
 
+A source comes in two steps, each a type: a `FeaturePlan`, decided from the config
+before the target loads (how it loads), whose `open` gives the `FeatureSource` once it
+has loaded, opened: its layers and any rows of its own are known, and the target
+stage's `forwards` is all that is left to build.
+
 `FeatureSource` is the live target: one target per target thread computes each batch's
 features (`capture_fn`). The sources that never run the target's decoder while training
 (dflash.run.cached_features, dflash.run.streamed_features) override what differs; the
@@ -9,6 +14,7 @@ choice among them is dflash.run.features.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,37 +57,33 @@ def resolve_layer_ids(cfg: TrainConfig, num_layers: int) -> list[int]:
     return choose_target_layers(cfg.target.layer_ids, num_layers, cfg.drafter.num_layers)
 
 
-class FeatureSource:
-    """The live target: one target per target thread computes each batch's features.
+@dataclass
+class HeldRows:
+    """Train and held-out rows, and the data's report held until they are checked
+    (dflash.run.rows prints it then)."""
 
-    Thread contract: built and opened on the run's thread before any stage starts; the
+    train: PackedDataset
+    heldout: PackedDataset
+    held: BufferedLog
+
+
+class FeatureSource:
+    """The live target, opened: one target per target thread computes each batch's
+    features.
+
+    Thread contract: opened on the run's thread before any stage starts; the
     `bytes_counter` is read from the observer's thread."""
 
     runs_target = True
     """The target's decoder runs while training (its FLOPs count, its stage forwards)."""
-    head_only = False
-    """Only the target's embedding, LM head and final norm are ever used."""
-    has_rows = False
-    """The source holds the training rows itself (`rows`), not the data file."""
     target_phase = names.TARGET_FORWARD
+    rows: HeldRows | None = None
+    """The training rows when the source holds them itself (per-sample files), read
+    as it opened; None: the data file's."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, layer_ids: list[int]) -> None:
         self.cfg = cfg
-
-    def load_device(self, placement: Placement) -> torch.device:
-        """Where the target's weights load."""
-        return placement.target
-
-    def open(self, target: TargetModel, log: Log) -> None:
-        """Checks the source against the loaded target and says what it is."""
-
-    def layer_ids(self, target: TargetModel) -> list[int]:
-        return resolve_layer_ids(self.cfg, target.num_layers)
-
-    def rows(
-        self, target: TargetModel, rows_per_batch: int, held: BufferedLog
-    ) -> tuple[PackedDataset, PackedDataset]:
-        raise NotImplementedError(f"{type(self).__name__} has no rows of its own")
+        self.layer_ids = layer_ids  # those that feed the drafter
 
     def forwards(
         self,
@@ -129,6 +131,34 @@ class FeatureSource:
     def summary(self) -> dict[str, Any]:
         """What summary.json records of the source."""
         return {}
+
+
+@dataclass(frozen=True)
+class FeaturePlan:
+    """Where a run's features will come from, decided from its config before the target
+    loads (dflash.run.features.feature_plan): how the target loads, and `open`, the
+    source opened on the loaded target (it checks itself against it and says what it
+    is)."""
+
+    open: Callable[[TargetModel, Log], FeatureSource]
+    runs_target: bool = True
+    """The target's decoder runs while training: it loads where it computes, cast to
+    the dtype --precision gives there; else on the host, as loaded."""
+    head_only: bool = False
+    """Only the target's embedding, LM head and final norm load."""
+    has_rows: bool = False
+    """The opened source holds the training rows itself (`FeatureSource.rows`)."""
+
+    def load_device(self, placement: Placement) -> torch.device:
+        """Where the target's weights load."""
+        return placement.target if self.runs_target else torch.device("cpu")
+
+
+def live_target(cfg: TrainConfig) -> FeaturePlan:
+    """The live target's plan: it loads where it computes, and its decoder runs."""
+    return FeaturePlan(
+        lambda target, _: FeatureSource(cfg, resolve_layer_ids(cfg, target.num_layers))
+    )
 
 
 def _quiet(_: str) -> None:
