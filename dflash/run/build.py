@@ -84,10 +84,6 @@ class Run:
         return MaskToken(config.mask_token_id, config.mask_token_source)
 
     @property
-    def target_device(self) -> torch.device:
-        return self.placement.target
-
-    @property
     def drafter_device(self) -> torch.device:
         return self.placement.drafter
 

@@ -211,11 +211,6 @@ def tokens_per_step(shape: StepShape) -> int:
     return shape.batch_size * shape.seq_len * shape.grad_accum
 
 
-def seconds_at(shape: StepShape, flops_per_s: float) -> float:
-    """Step time at a sustained rate (e.g. 0.4 * peak): a lower bound for planning."""
-    return estimate_step(shape).total_flops / max(flops_per_s, math.ulp(1.0))
-
-
 # ------------------------------------------------------------- a run's config
 
 

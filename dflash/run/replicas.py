@@ -73,7 +73,7 @@ class GatheredTrainer(DrafterTrainer):
         super().__init__(drafter, source.cfg, source.device)
         self.source, self.main = source, main
         self.guard = source.guard  # one non-finite count: the source's
-        self.weights_step = self.state_step = source.step_count
+        self.state_step = source.step_count  # the step the AdamW state was gathered after
 
     def _due(self, step: int) -> tuple[bool, bool]:
         """(the weights, the AdamW state) are read after `step`."""
@@ -94,7 +94,6 @@ class GatheredTrainer(DrafterTrainer):
             self.drafter.load_state_dict(model)
             if optim is not None:
                 load_full_optimizer_state(self.drafter, self.optimizer, optim)
-        self.weights_step = step
         if state:
             self.state_step = step
         self.step_count = step

@@ -446,10 +446,6 @@ class TargetModel(nn.Module):
         return DynamicCache()
 
     @staticmethod
-    def cache_len(cache: Cache) -> int:
-        return cache.seq_len() if isinstance(cache, KVCache) else cache.get_seq_length()
-
-    @staticmethod
     def crop_cache(cache: Cache, length: int) -> None:
         """Forget every cached position from `length` on (after a rejected draft)."""
         if isinstance(cache, KVCache):
