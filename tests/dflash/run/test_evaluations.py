@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.config.settings import ConfigError, RunConfig
+from dflash.config.schema import ConfigError
+from dflash.config.settings import RunConfig
 from dflash.drafter.io import load_drafter
 from dflash.eval.evaluate import evaluate_tau
 from dflash.run import pipelined

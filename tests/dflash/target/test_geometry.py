@@ -5,9 +5,9 @@ import torch
 
 from dflash.drafter.model import DFlashDrafter, DrafterConfig
 from dflash.nn.rope import RopeError, RopeSpec, rope_from_config
-from dflash.target.geometry import geometry_from_hf_config
+from dflash.target.geometry import TargetError, geometry_from_hf_config
 from dflash.target.load import load_target
-from dflash.target.model import TargetError, check_mask_token_unused, resolve_mask_token
+from dflash.target.model import check_mask_token_unused, resolve_mask_token
 from tests.dflash.hf_fixtures import SPARE_ROWS, llama3_config, qwen3_config, save_hf_target
 
 POSITIONS = torch.tensor([[0, 1, 7, 63, 64, 200, 1000, 4000]])

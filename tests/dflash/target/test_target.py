@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from dflash.data.tokenizer import MASK_ID
+from dflash.target.geometry import TargetError
 from dflash.target.load import load_target, wrap_tiny
 from dflash.target.model import (
-    TargetError,
     TargetModel,
     default_target_layers,
     last_layer_warning,
