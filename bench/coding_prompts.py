@@ -3,7 +3,7 @@ training prompts made from the Python standard library's own functions, and Huma
 164 problems as held-out evaluation prompts, both as chat JSONL in the same wording.
 
     python bench/coding_prompts.py train OUT.jsonl [--count N] [--seed S] [--packages]
-    python bench/coding_prompts.py humaneval OUT.jsonl
+    python bench/coding_prompts.py humaneval OUT.jsonl [--count N]
 
 A training prompt is a stdlib function's (or public method's) signature and docstring,
 the shape of a HumanEval problem (signature, docstring, body to write), so the drafter
@@ -108,7 +108,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("which", choices=["train", "humaneval"])
     parser.add_argument("output", type=Path)
-    parser.add_argument("--count", type=int, default=600)
+    parser.add_argument(
+        "--count",
+        type=int,
+        help="prompts at most (default: train 600, humaneval all 164: a smaller count is "
+        "the first problems, for a quick run of the recipe)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--packages",
@@ -118,7 +123,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.which == "humaneval":
-        codes = humaneval_problems()
+        codes = humaneval_problems()[: args.count]
     else:
         codes = stdlib_functions()
         random.Random(args.seed).shuffle(codes)
@@ -127,7 +132,7 @@ def main() -> None:
             more = [c for c in dict.fromkeys(package_functions()) if c not in seen]
             random.Random(args.seed).shuffle(more)
             codes += more
-        codes = codes[: args.count]
+        codes = codes[: 600 if args.count is None else args.count]
     args.output.write_text("".join(_message(code) + "\n" for code in codes))
     print(f"{len(codes)} prompts in {args.output}")
 
