@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 FILE_MODE = 0o644
 RECORD_SUFFIX = ".run.json"
@@ -202,7 +201,7 @@ def write_text_atomic(path: Path | str, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
 
-def write_json_atomic(path: Path | str, payload: Any) -> None:
+def write_json_atomic(path: Path | str, payload: object) -> None:
     """`path` holds `payload` as indented JSON, replaced atomically."""
     write_text_atomic(path, json.dumps(payload, indent=2) + "\n")
 

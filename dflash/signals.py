@@ -17,9 +17,11 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# What signal.signal hands back: the earlier handler, a default's number, or None (not
+# set from Python).
+Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
 
 
 def leave_dead_terminal() -> list[int]:
@@ -53,7 +55,7 @@ class TrainingInterrupted(SystemExit):
     A SystemExit, so a command that lets it propagate exits with that code.
     """
 
-    def __init__(self, signum: int, summary: dict[str, Any] | None):
+    def __init__(self, signum: int, summary: dict[str, object] | None):
         super().__init__(128 + signum)
         self.signum, self.summary = signum, summary
 
@@ -77,7 +79,7 @@ class _Handlers:
     earlier ones back."""
 
     def __init__(self) -> None:
-        self._saved: dict[int, Any] = {}
+        self._saved: dict[int, Handler] = {}
 
     def _install(self, handler: Callable[[int, FrameType | None], None]) -> None:
         if threading.current_thread() is threading.main_thread():

@@ -17,13 +17,16 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from dflash.errors import DFlashError
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 BACKENDS = ("auto", "dense", "grouped", "flex")
 FLEX_TILE = 128  # flex attention's query/key tile
@@ -207,9 +210,9 @@ class _FlexState:
 
     def __init__(self) -> None:
         self.usable = True
-        self.fn: Callable[..., Any] | None = None
+        self.fn: Callable[..., Any] | None = None  # Any: compile keeps no signature
 
-    def compiled(self) -> Callable[..., Any]:
+    def compiled(self) -> Callable[..., Any]:  # Any: flex_attention's, compiled
         if self.fn is None:
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -278,7 +281,7 @@ def _as_indices(tiles: Tensor) -> tuple[Tensor, Tensor]:
     return counts[:, None], order[:, None]
 
 
-def flex_block_mask(layout: BlockLayout, q_len: int, kv_len: int) -> Any:
+def flex_block_mask(layout: BlockLayout, q_len: int, kv_len: int) -> BlockMask:
     """The flex BlockMask of `layout`, built from tile bounds (never a [Q, T+Q] grid)."""
     from torch.nn.attention.flex_attention import BlockMask
 

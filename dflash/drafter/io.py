@@ -25,6 +25,7 @@ from dflash.errors import first_line
 from dflash.files import replacing, write_json_atomic
 from dflash.log import Log
 from dflash.nn.rope import RopeError, RopeSpec, rope_from_config
+from dflash.summary import JSON
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.model import TargetModel, last_layer_warning
 
@@ -34,10 +35,10 @@ FORMAT_VERSION = 1
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def hf_config(cfg: DrafterConfig, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def hf_config(cfg: DrafterConfig, dtype: torch.dtype = torch.float32) -> JSON:
     """config.json of a drafter: Qwen3 geometry + the DFlash fields the loaders read."""
     dtype_name = _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
-    config: dict[str, Any] = {
+    config: JSON = {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
@@ -74,13 +75,13 @@ def hf_config(cfg: DrafterConfig, dtype: torch.dtype = torch.float32) -> dict[st
     return config
 
 
-def _require(data: dict[str, Any], key: str, where: Path) -> Any:
+def _require(data: JSON, key: str, where: Path) -> Any:  # Any: a JSON value, any type
     if key not in data or data[key] is None:
         raise DrafterError(f"{where} is not a DFlash drafter config: it has no {key!r}")
     return data[key]
 
 
-def config_from_hf(data: dict[str, Any], where: Path, metadata: dict[str, Any]) -> DrafterConfig:
+def config_from_hf(data: JSON, where: Path, metadata: JSON) -> DrafterConfig:
     """DrafterConfig of a config.json (ours or a published DFlash drafter's)."""
     if ARCHITECTURE not in (data.get("architectures") or []):
         raise DrafterError(
@@ -130,9 +131,9 @@ def save_drafter(
     drafter: DFlashDrafter,
     directory: Path | str,
     *,
-    training_config: dict[str, Any] | None = None,
+    training_config: JSON | None = None,
     data_fingerprint: str | None = None,
-    extra: dict[str, Any] | None = None,
+    extra: JSON | None = None,
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Write config.json, model.safetensors and dflash_train.json; each replaced atomically.
@@ -275,7 +276,7 @@ def init_drafter_from(drafter: DFlashDrafter, directory: Path | str) -> DrafterC
     return saved
 
 
-def saved_chat_template_kwargs(directory: Path | str) -> dict[str, Any]:
+def saved_chat_template_kwargs(directory: Path | str) -> JSON:
     """The --chat-template-kwargs the drafter was trained with ({} when none or unknown)."""
     try:
         meta = json.loads((Path(directory) / METADATA_FILE).read_text())

@@ -7,10 +7,13 @@ use their own `DynamicCache`; `crop_hf_cache` hides the API change of its crop.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 class KVCache:
@@ -43,7 +46,7 @@ class KVCache:
         self.values = [v[:, :, :length] for v in self.values]
 
 
-def crop_hf_cache(cache: Any, length: int) -> None:
+def crop_hf_cache(cache: DynamicCache, length: int) -> None:
     """Crop a transformers Cache to `length` positions (4.x takes the length, 5.x the
     negative number of positions to drop)."""
     import transformers

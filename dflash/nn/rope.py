@@ -21,6 +21,9 @@ from torch import Tensor
 
 from dflash.errors import DFlashError
 
+# Any: a value of a config's rope dict (a float, an int, a str), read as its key needs it.
+RopeDict = dict[str, Any]
+
 
 class RopeError(DFlashError):
     """Rotary parameters this project cannot reproduce; the message names the value."""
@@ -37,7 +40,7 @@ class RopeSpec:
 
     theta: float = 10000.0
     rope_type: str = "default"
-    scaling: dict[str, Any] = field(default_factory=dict)
+    scaling: RopeDict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.theta > 0:
@@ -52,25 +55,25 @@ class RopeSpec:
                 f"partial_rotary_factor {self.scaling['partial_rotary_factor']} is not supported"
             )
 
-    def rope_scaling(self) -> dict[str, Any] | None:
+    def rope_scaling(self) -> RopeDict | None:
         """The 4.x `rope_scaling` dict (None for plain rope)."""
         if self.rope_type == "default":
             return None
         return {"rope_type": self.rope_type, **self.scaling}
 
-    def rope_parameters(self) -> dict[str, Any]:
+    def rope_parameters(self) -> RopeDict:
         """The transformers 5 `rope_parameters` dict."""
         return {"rope_type": self.rope_type, "rope_theta": self.theta, **self.scaling}
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> RopeDict:
         return {"theta": self.theta, "rope_type": self.rope_type, "scaling": dict(self.scaling)}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RopeSpec:
+    def from_dict(cls, data: RopeDict) -> RopeSpec:
         return cls(float(data["theta"]), str(data["rope_type"]), dict(data.get("scaling", {})))
 
 
-def _split_rope_dict(params: dict[str, Any], theta: float | None) -> RopeSpec:
+def _split_rope_dict(params: RopeDict, theta: float | None) -> RopeSpec:
     params = dict(params)
     rope_type = str(params.pop("rope_type", params.pop("type", "default")) or "default")
     base = params.pop("rope_theta", None)
@@ -78,7 +81,7 @@ def _split_rope_dict(params: dict[str, Any], theta: float | None) -> RopeSpec:
     return RopeSpec(float(base if base is not None else 10000.0), rope_type, params)
 
 
-def rope_from_config(config: Any) -> RopeSpec:
+def rope_from_config(config: object) -> RopeSpec:
     """RopeSpec of a Hugging Face config object or config.json dict (4.x or 5.x layout)."""
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     theta = get("rope_theta", None)
@@ -98,7 +101,7 @@ def _default_inv_freq(theta: float, head_dim: int) -> Tensor:
     return 1.0 / (theta**exponents)  # [Hd/2]
 
 
-def _llama3_inv_freq(inv_freq: Tensor, scaling: dict[str, Any]) -> Tensor:
+def _llama3_inv_freq(inv_freq: Tensor, scaling: RopeDict) -> Tensor:
     """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between."""
     factor = float(scaling["factor"])
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -52,7 +52,15 @@ from dflash.objective.noise import NoiseSchedule
 from dflash.target.model import TargetOutput
 from dflash.train.optim import GradAccumulator, NonFiniteGuard, grad_norm, nonfinite
 
-PhaseFn = Callable[[str], AbstractContextManager[Any]]
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.trace import Link
+    from torch.optim.optimizer import StateDict
+
+PhaseFn = Callable[[str], AbstractContextManager[object]]
+# Any: a logged step's figures as StepMetrics.read gives them (floats, ints, None, a list
+# of floats), to which the run adds its own (stage rates, evaluations) before one JSON line.
+Figures = dict[str, Any]
 
 
 def null_phase(name: str) -> AbstractContextManager[None]:
@@ -75,11 +83,11 @@ class StepResult:
     lr: float  # the rate this step used (host-side schedule, no sync)
     # chunked_loss.block_metrics, grad_norm, and "nonfinite": NonFiniteGuard.state
     metrics: dict[str, Tensor] = field(default_factory=dict)
-    figures: dict[str, Any] | None = None  # host values, on logged steps (step_metrics)
-    context: Any = None  # on logged steps: the OTel context of its drafter.step span, if any
+    figures: Figures | None = None  # host values, on logged steps (step_metrics)
+    context: Context | None = None  # on logged steps: its drafter.step span's OTel context
     # Where the caller records it (the pipeline's replica 0): an OTel Link to its
     # drafter.step span, for the checkpoint and eval spans that follow it.
-    link: Any = None
+    link: Link | None = None
 
 
 def micro_batches(num_rows: int, grad_accum: int) -> list[slice]:
@@ -131,7 +139,7 @@ class DrafterTrainer:
         """The drafter's own block size: at run time the one owner of that fact."""
         return self.drafter.config.block_size
 
-    def _autocast(self) -> AbstractContextManager[Any]:
+    def _autocast(self) -> AbstractContextManager[object]:
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
@@ -218,11 +226,11 @@ class DrafterTrainer:
                 self.last_loss = self.grad_sync(*self.accumulator.take())
         return out
 
-    def check_figures(self, figures: dict[str, Any]) -> None:
+    def check_figures(self, figures: Figures) -> None:
         """On a logged step: DivergedError once --max-bad-steps bad steps came in a row."""
         self.guard.check(figures.get("diverged_at_step"))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         last = None if self.last_loss is None else float(self.last_loss)
         return {
             "optimizer": self.optimizer.state_dict(),
@@ -232,7 +240,7 @@ class DrafterTrainer:
             "guard": self.guard.state_dict(),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: StateDict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         # The restored lr came from the saved run's schedule; a resume with another

@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from dflash import names
 from dflash.files import write_text_atomic
-from dflash.train.step import StepResult
+from dflash.train.step import Figures, StepResult
 
 
 def tau_estimate(accuracy_per_position: list[float]) -> float:
@@ -73,7 +72,7 @@ class StepMetrics:
             or step in (self.first_step + 1, self.total_steps)
         )
 
-    def read(self, step: int, result: StepResult) -> dict[str, Any]:
+    def read(self, step: int, result: StepResult) -> Figures:
         """The step's figures, with one device-to-host transfer."""
         m = result.metrics
         parts = [result.loss.reshape(1).float(), m["grad_norm"].reshape(1).float()]
@@ -100,7 +99,7 @@ class StepMetrics:
             "diverged_at_step": int(values[5]) or None,
         }
 
-    def write(self, figures: dict[str, Any]) -> None:
+    def write(self, figures: Figures) -> None:
         """Appends one JSON line to metrics.jsonl (when the run has an output file)."""
         if self.path is None:
             return
@@ -108,7 +107,7 @@ class StepMetrics:
             f.write(json.dumps(figures) + "\n")
 
 
-def amend_line(path: Path, step: int, figures: dict[str, Any]) -> None:
+def amend_line(path: Path, step: int, figures: Figures) -> None:
     """Adds `figures` to metrics.jsonl's line of `step` when it is the last one (the final
     evaluation joins the last step's line), else appends a line of its own."""
     lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
@@ -132,7 +131,7 @@ class StageRates:
         self._read = read
         self._last: tuple[float, Mapping[str, int]] = (0.0, {})
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> Figures:
         """{"time_s": ..., "tokens_per_s": {stage: rate since the previous call}}."""
         now_s, tokens = self._read()
         then_s, before = self._last
@@ -145,7 +144,7 @@ class StageRates:
         return {"time_s": round(now_s, 3), "tokens_per_s": rates}
 
 
-def span_attributes(figures: dict[str, Any]) -> dict[str, Any]:
+def span_attributes(figures: Figures) -> Figures:
     """The attributes a logged step's `drafter.step` span carries."""
     return {
         names.METRIC_LOSS: figures["loss"],
