@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# mypy on the packages it holds to strict rules (pyproject's [tool.mypy]: tracing/ and
-# dflash/config/; the other dflash modules they import are read, not reported), with the
-# project's pinned dependencies. mypy lives in a small venv of its own, cached, so the
-# project's dependency pins (and the large venv keyed by them) do not move with it.
+# mypy on the packages it holds to strict rules (pyproject's [tool.mypy]: tracing/,
+# dflash/config/ and the dflash modules listed there; the other dflash modules they import
+# are read, not reported), with the project's pinned dependencies. mypy lives in a small
+# venv of its own, cached, so the project's dependency pins (and the large venv keyed by
+# them) do not move with it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/bootstrap.sh
