@@ -33,7 +33,7 @@ from dflash.config.settings import config_from_options
 from dflash.offline.spool import spool_bytes
 from dflash.run.rows import rows_before_target
 from dflash.run.streamed import stream_plan
-from dflash.run.target_features import FeatureSource
+from dflash.run.target_features import live_target
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.vllm]
 
@@ -397,7 +397,7 @@ def test_torchrun_ranks_stream_disjoint_rows_that_together_are_the_plan(
             "output_dir": str(tmp_path / "plan"),
         }
     )
-    rows = rows_before_target(cfg, FeatureSource(cfg), log=lambda _: None)
+    rows = rows_before_target(cfg, live_target(cfg), log=lambda _: None)
     assert rows is not None
     _, lines = stream_plan(rows.train, 0, 2 * TORCHRUN_STEPS - 1)
     whole = [_sample(json.loads(line)) for line in lines]
