@@ -15,7 +15,8 @@ from dflash.eval.walk import WalkRow, prepare_walk, walk_cycles, walk_tau
 from dflash.nn.kvcache import KVCache
 from dflash.objective.blocks import block_labels, build_blocks, select_anchors
 from dflash.objective.reference import dflash_loss
-from dflash.target.generation import GenerationError, generate, greedy_generate
+from dflash.target.decoding import GenerationError
+from dflash.target.generation import generate, greedy_generate
 from dflash.target.load import wrap_tiny
 from dflash.target.model import TargetModel
 from dflash.target.tiny import TinyLM, TinyLMConfig

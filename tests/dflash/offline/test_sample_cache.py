@@ -19,12 +19,11 @@ from safetensors.torch import load_file, save_file
 from dflash import names
 from dflash.cli import cli
 from dflash.offline.sample_cache import (
-    SampleCacheError,
     cache_format,
     open_sample_cache,
     sample_datasets,
 )
-from dflash.offline.sample_file import SampleFile
+from dflash.offline.sample_file import SampleCacheError, SampleFile
 from dflash.offline.sample_reader import SampleCacheReader
 from dflash.run import pipelined as pipeline
 from dflash.target.load import wrap_tiny

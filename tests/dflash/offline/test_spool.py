@@ -20,13 +20,13 @@ from safetensors.torch import save_file
 
 import tracing
 from dflash import names
+from dflash.config.checks import parse_size
 from dflash.offline.sample_file import SampleFile
 from dflash.offline.spool import (
     RAW_DIR,
     EngineDied,
     Spool,
     SpoolError,
-    parse_size,
     sample_bytes,
     sample_path,
     spool_bytes,
