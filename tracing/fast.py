@@ -21,9 +21,8 @@ import dis
 import os
 import random
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
@@ -49,11 +48,12 @@ from opentelemetry.trace import (
     TraceFlags,
     TraceState,
 )
+from opentelemetry.util.types import Attributes, AttributeValue
 
 from tracing.clock import now_ns
 
 _UNSET = Status(StatusCode.UNSET)
-_NO_ATTRIBUTES: Mapping[str, Any] = MappingProxyType({})  # as the SDK's: empty, not None
+_NO_ATTRIBUTES: Mapping[str, AttributeValue] = MappingProxyType({})  # as the SDK's: empty, not None
 # W3C random-trace-id flag: the API has it and the SDK's Tracer sets it from 1.42 on
 # (the two are released together, pinned to each other); 0 before.
 RANDOM_FLAG: int = getattr(TraceFlags, "RANDOM_TRACE_ID", 0)
@@ -137,11 +137,11 @@ class FastSpan(trace.Span):
         name: str,
         parent: SpanContext | None,
         trace_id: int,
-        trace_state: Any,
-        attributes: dict[str, Any] | None,
+        trace_state: TraceState | None,
+        attributes: dict[str, AttributeValue] | None,
         start_time: int,
         flags: TraceFlags,
-        metrics_end: Any,
+        metrics_end: Callable[[], None],
         links: Sequence[Link] = (),
     ) -> None:
         self._tracer, self.name, self.parent, self.trace_id = tracer, name, parent, trace_id
@@ -163,17 +163,19 @@ class FastSpan(trace.Span):
     def is_recording(self) -> bool:
         return self.end_time is None
 
-    def set_attribute(self, key: str, value: Any) -> None:
+    def set_attribute(self, key: str, value: AttributeValue) -> None:
         if self.end_time is None:
             if self.attributes is None:
                 self.attributes = {}
             self.attributes[key] = value
 
-    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+    def set_attributes(self, attributes: Mapping[str, AttributeValue]) -> None:
         for key, value in attributes.items():
             self.set_attribute(key, value)
 
-    def add_event(self, name: str, attributes: Any = None, timestamp: int | None = None) -> None:
+    def add_event(
+        self, name: str, attributes: Attributes = None, timestamp: int | None = None
+    ) -> None:
         if self.end_time is None:
             limits = self._tracer.limits
             event_attributes = BoundedAttributes(
@@ -184,7 +186,7 @@ class FastSpan(trace.Span):
                 self.events = BoundedList(limits.max_events)
             self.events.append(event)
 
-    def add_link(self, context: SpanContext, attributes: Any = None) -> None:
+    def add_link(self, context: SpanContext, attributes: Attributes = None) -> None:
         """A link added after the start, kept as the SDK's Span keeps one."""
         if self.end_time is None:
             links = self.links
@@ -207,13 +209,13 @@ class FastSpan(trace.Span):
     def record_exception(
         self,
         exception: BaseException,
-        attributes: Any = None,
+        attributes: Attributes = None,
         timestamp: int | None = None,
         escaped: bool = False,
     ) -> None:
         """The event the SDK's `Span.record_exception` adds (same attribute names)."""
         module, qualname = type(exception).__module__, type(exception).__qualname__
-        values = {
+        values: dict[str, AttributeValue] = {
             "exception.type": f"{module}.{qualname}" if module != "builtins" else qualname,
             "exception.message": str(exception),
             "exception.stacktrace": "".join(traceback.format_exception(exception)),
@@ -228,7 +230,7 @@ class FastSpan(trace.Span):
             return
         self.end_time = now_ns() if end_time is None else end_time
         tracer, limits = self._tracer, self._tracer.limits
-        attributes: Mapping[str, Any] | None = self.attributes
+        attributes: Attributes = self.attributes
         most = limits.max_span_attributes  # None: unlimited (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT)
         if attributes and (
             (most is not None and len(attributes) > most) or limits.max_span_attribute_length
@@ -283,7 +285,7 @@ class FastTracer:
         self,
         name: str,
         context: Context | None = None,
-        attributes: dict[str, Any] | None = None,
+        attributes: dict[str, AttributeValue] | None = None,
         start_time: int | None = None,
         links: Sequence[Link] | None = None,
     ) -> trace.Span:

@@ -52,8 +52,8 @@ _OFFSET_NS = EPOCH_OFFSET_NS
 # Phase._mode: what `__exit__` has to undo (identity-compared small ints).
 _PLAIN, _SPAN, _DEVICE = 0, 1, 2
 F = TypeVar("F", bound=Callable[..., object])
-# Any: an SDK Tracer or tracing.fast's FastTracer (no common base), used by their shared
-# start_span.
+# Any: an SDK Tracer, tracing.fast's FastTracer or telemetry's counting wrapper of the
+# application's tracer (no common base), used by their shared start_span.
 PhaseTracer = Any
 # Any: clean_value's answer, an OTel attribute value (str, bool, int, float, a tuple of
 # one) or the _DROP sentinel, set on a span as it is.

@@ -26,14 +26,16 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any
+from typing import Any, TypedDict
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import OsResourceDetector, ProcessResourceDetector, Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.util.types import AttributeValue
 
 from tracing import spans
 from tracing.config import TracingConfig, warn_once
@@ -116,7 +118,8 @@ class _CountingTracer:
     def __init__(self, tracer: trace.Tracer) -> None:
         self._tracer, self.sampled = tracer, 0
 
-    def start_span(self, name: str, context: Any = None, **options: Any) -> trace.Span:
+    def start_span(self, name: str, context: Context | None = None, **options: Any) -> trace.Span:
+        # Any: the keywords of the SDK Tracer's start_span, forwarded as they are
         span = self._tracer.start_span(name, context, **options)
         if span.get_span_context().trace_flags.sampled:
             self.sampled += 1  # under the GIL: a race loses one count, never breaks
@@ -136,7 +139,9 @@ class _Provider(TracerProvider):
 
     def _set_tracer_configurator(self, **kwargs: Any) -> None:
         """The SDK's (private, experimental) tracer configuration changes whether a
-        tracer records: from here on its Tracer, which asks, records the phases."""
+        tracer records: from here on its Tracer, which asks, records the phases.
+        Any: the keywords of that private signature, forwarded as they are (its
+        configurator type is private to the SDK and may change between releases)."""
         super()._set_tracer_configurator(**kwargs)
         if self.telemetry is not None:
             self.telemetry._use(self.get_tracer(SCOPE.name, SCOPE.version))
@@ -168,7 +173,7 @@ def detected_resource() -> Resource:
     pid = os.getpid()
     if _detected is not None and _detected[0] == pid:
         return _detected[1]
-    attributes: dict[str, Any] = {}
+    attributes: dict[str, str] = {}
     with contextlib.suppress(OSError):
         attributes["host.name"] = socket.gethostname()
     if machine := platform.machine():
@@ -190,7 +195,7 @@ def build_resource(cfg: TracingConfig) -> Resource:
     the application's placement of the rank (world size, local and node rank, device,
     config hash) beside its rank; under all of them, `detected_resource()`."""
     ns = cfg.attribute_namespace
-    explicit: dict[str, Any] = {f"{ns}.rank": cfg.rank, f"{ns}.run.id": cfg.run_id}
+    explicit: dict[str, AttributeValue] = {f"{ns}.rank": cfg.rank, f"{ns}.run.id": cfg.run_id}
     placement = {
         "world_size": cfg.world_size,
         "local_rank": cfg.local_rank,
@@ -203,13 +208,25 @@ def build_resource(cfg: TracingConfig) -> Resource:
         explicit["service.name"] = cfg.service_name
     resource = detected_resource().merge(Resource.create(explicit))
     named = resource.attributes
-    fallback: dict[str, Any] = {"service.instance.id": _instance_id}
+    fallback: dict[str, str] = {"service.instance.id": _instance_id}
     if cfg.service_version:
         fallback["service.version"] = cfg.service_version
     fallback = {key: value for key, value in fallback.items() if key not in named}
     if cfg.default_service_name and str(named.get("service.name")).startswith("unknown_service"):
         fallback["service.name"] = cfg.default_service_name
     return _HashOnceResource(resource.merge(Resource(fallback)))
+
+
+class _RuntimeArgs(TypedDict, total=False):
+    """The keywords of `spans.Runtime` that `setup` chose, beside its stats and tracer."""
+
+    level_rank: int
+    clock: DeviceClock | None
+    sync: bool
+    resolver: EventResolver | None
+    propagate: bool
+    stop_exceptions: tuple[type[BaseException], ...]
+    hooks: tuple[object, ...]
 
 
 class Telemetry:
@@ -225,8 +242,8 @@ class Telemetry:
         self.counter: SpanCounter | None = None
         self.resolver: EventResolver | None = None
         self.cuda_timing = "off"  # the device timing in force (off after a fallback)
-        self.tracer: Any = None
-        self._runtime_args: dict[str, Any] = {}
+        self.tracer: spans.PhaseTracer = None  # None: phases record no span
+        self._runtime_args: _RuntimeArgs = {}
         self._report: ShutdownReport | None = None
         self._shutdown_lock = threading.Lock()
         self._hook_errors_before = spans.HOOK_ERRORS.count
@@ -249,7 +266,7 @@ class Telemetry:
             return self.provider.sampler.get_description()
         return "none" if self.provider is None else "the provider's"
 
-    def _use(self, tracer: Any) -> None:
+    def _use(self, tracer: spans.PhaseTracer) -> None:
         """Phases record through `tracer` from now on."""
         self.tracer = tracer
         with _lock:
@@ -334,7 +351,7 @@ class Telemetry:
             logger.warning("%s", report.summary())
 
 
-def _application_provider() -> Any:
+def _application_provider() -> trace.TracerProvider | None:
     """The global TracerProvider when the application has set one, else None."""
     provider = trace.get_tracer_provider()
     if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
@@ -410,7 +427,10 @@ def _choose_tracer(
     processors: Sequence[SpanProcessor],
     install_global: bool,
 ) -> None:
-    """Sets telemetry.provider, .tracer and .exporters (module docstring: which provider)."""
+    """Sets telemetry.provider, .tracer and .exporters (module docstring: which provider).
+    Any: `provider` is the API's TracerProvider or the SDK's; the branches that add
+    processors or read its sampler are reached with the SDK's alone (`own`, isinstance),
+    which mypy cannot follow."""
     if provider is None and not exporters and not processors:
         provider = _application_provider()
     own = provider is None
