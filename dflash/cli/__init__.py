@@ -13,9 +13,12 @@ command line's own imports, and `cli` is looked up on first use.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from dflash.cli.startup import entering, install_startup_handlers
+
+if TYPE_CHECKING:
+    import click
 
 __all__ = ["cli", "main"]
 
@@ -32,7 +35,7 @@ def main() -> None:
         entering("shut-down")  # exit handlers (telemetry flushes) run after this
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> click.Group:
     if name == "cli":
         from dflash.cli.app import cli  # deferred: main installs signal handlers first
 

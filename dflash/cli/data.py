@@ -6,7 +6,7 @@ import dataclasses
 import math
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -22,12 +22,16 @@ from dflash.cli.options import (
 )
 from dflash.cli.startup import exiting_at_once
 from dflash.config.commands import DeviceConfig, InspectDataConfig, ServerConfig
+from dflash.config.schema import Value
 from dflash.log import say
 from dflash.offline.config import (
     CacheHiddenConfig,
     RegenerateConfig,
     RegenerateJobConfig,
 )
+
+if TYPE_CHECKING:
+    from dflash.offline.regenerate import RegenProgress, RegenReport
 
 
 class _RegenBar:
@@ -37,13 +41,13 @@ class _RegenBar:
     EVERY_S = 5.0
 
     def __init__(self) -> None:
-        self.bar: Any = None
+        self.bar: Any = None  # Any: click's ProgressBar, a class of its private _termui_impl
         self.done = 0
         self.started = time.monotonic()
         self.last_line = -math.inf
         self.first_done: int | None = None
 
-    def __call__(self, p: Any) -> None:
+    def __call__(self, p: RegenProgress) -> None:
         rate = f"{p.tokens_per_s:,.0f} tokens/s"
         if sys.stderr.isatty():
             if self.bar is None:
@@ -111,7 +115,7 @@ REGENERATE = Command(
 
 @click.command("regenerate")
 @REGENERATE
-def regenerate_command(config_file: str | None, **given: Any) -> None:
+def regenerate_command(config_file: str | None, **given: Value) -> None:
     """Regenerate training data with the target's own replies (the recommended recipe)."""
     debug = bool(given["debug"])
     settings = report_errors(debug, lambda: REGENERATE.resolve(config_file, given))
@@ -131,7 +135,7 @@ def regenerate_command(config_file: str | None, **given: Any) -> None:
     check_cache_dir()
     bar = _RegenBar()
 
-    def go() -> Any:
+    def go() -> RegenReport:
         served = None if server.server is None else server_settings(server, job.concurrency)
         try:
             return regenerate_data(
@@ -154,7 +158,7 @@ def regenerate_command(config_file: str | None, **given: Any) -> None:
             from dflash.observe.command_trace import command_trace  # deferred: torch
             from dflash.run.offline import regenerate_data  # deferred: torch, so --help is quick
 
-        def traced() -> Any:
+        def traced() -> RegenReport:
             with command_trace("regenerate", cfg.telemetry, say):
                 return go()
 
@@ -188,7 +192,7 @@ CACHE_HIDDEN = Command(
 
 @click.command("cache-hidden")
 @CACHE_HIDDEN
-def cache_hidden_command(config_file: str | None, **given: Any) -> None:
+def cache_hidden_command(config_file: str | None, **given: Value) -> None:
     """Run the target once over the training batches and write their hidden states, for
     `train --hidden-cache DIR` with the same target, layer and data options."""
     debug = bool(given["debug"])
@@ -203,7 +207,7 @@ def cache_hidden_command(config_file: str | None, **given: Any) -> None:
         with exiting_at_once():
             from dflash.run.offline import write_run_cache  # deferred: torch
 
-        def go() -> Any:
+        def go() -> str:
             return write_run_cache(
                 cfg,
                 job.output,
@@ -230,7 +234,7 @@ INSPECT_DATA = Command(
 
 @click.command("inspect-data")
 @INSPECT_DATA
-def inspect_data_command(config_file: str | None, **given: Any) -> None:
+def inspect_data_command(config_file: str | None, **given: Value) -> None:
     """Show the training rows as the drafter will see them: the learned tokens inside
     ⟦ ⟧, where each document begins, what packing cut or dropped. Only the target's
     tokenizer loads, so a chat template is checked in seconds before a long run."""
@@ -243,7 +247,7 @@ def inspect_data_command(config_file: str | None, **given: Any) -> None:
     with exiting_at_once():
         from dflash.run.inspect import inspect_data  # deferred: torch
 
-    def go() -> Any:
+    def go() -> dict[str, int]:
         return inspect_data(settings.run, job.rows, job.json, log=click.echo)
 
     report_errors(debug, go)

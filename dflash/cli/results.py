@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 import click
 
@@ -24,6 +23,7 @@ from dflash.cli.options import (
 )
 from dflash.cli.startup import exiting_at_once
 from dflash.config.commands import DeviceConfig, ExportConfig, ServerConfig
+from dflash.config.schema import Value
 from dflash.eval.config import EvalConfig, EvalJobConfig
 from dflash.log import say
 from dflash.observe.report import write_report
@@ -73,7 +73,7 @@ def _decoding(settings: ResolvedOptions) -> EvalConfig:
 
 @click.command("eval")
 @EVAL
-def eval_command(config_file: str | None, **given: Any) -> None:
+def eval_command(config_file: str | None, **given: Value) -> None:
     """Speculative decoding with KV caches: τ (per-prompt mean and pooled), acceptance
     per block position, and the wall-clock speedup against plain greedy decoding; with
     --server, the same figures as the serving engine measures them."""
@@ -166,7 +166,7 @@ EXPORT = Command({"export": ExportConfig}, "drafter output num_target_layers deb
 
 @click.command("export")
 @EXPORT
-def export_command(config_file: str | None, **given: Any) -> None:
+def export_command(config_file: str | None, **given: Value) -> None:
     """Convert an older run's drafter into the standard DFlash format serving engines load."""
     debug = bool(given["debug"])
     export = report_errors(debug, lambda: EXPORT.resolve(config_file, given)).get(ExportConfig)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import click
 
 from dflash.cli.options import Command, InputError, check_cache_dir, report_errors
 from dflash.cli.startup import exiting_at_once
+from dflash.config.schema import Value
 from dflash.config.settings import options
 from dflash.errors import first_line
 from dflash.log import say
@@ -27,7 +26,7 @@ TRAIN = Command(
 
 @click.command()
 @TRAIN
-def train(config_file: str | None, **given: Any) -> None:
+def train(config_file: str | None, **given: Value) -> None:
     """Train a drafter: final drafter in OUTPUT_DIR/drafter/, figures in summary.json."""
     debug = bool(given.get("debug"))
     cfg = report_errors(debug, lambda: TRAIN.resolve(config_file, given).run)
@@ -81,7 +80,7 @@ PREPARE_TARGET = Command(
 
 @click.command("prepare-target")
 @PREPARE_TARGET
-def prepare_target(config_file: str | None, **given: Any) -> None:
+def prepare_target(config_file: str | None, **given: Value) -> None:
     """Prepare (train or download) and cache a target so that `train` starts at once."""
     debug = bool(given["debug"])
     spec = report_errors(debug, lambda: PREPARE_TARGET.resolve(config_file, given)).run.target.spec

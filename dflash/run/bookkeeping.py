@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 import torch
+from opentelemetry.context import Context
 from opentelemetry.trace import Link
 
 import tracing
@@ -31,7 +31,7 @@ from dflash.run.finish import RunStats, save_checkpoint_or_fail
 from dflash.run.folder import METRICS_FILE
 from dflash.run.progress import Progress
 from dflash.target.model import TargetOutput
-from dflash.train.step import DrafterTrainer, PhaseFn, StepResult
+from dflash.train.step import DrafterTrainer, Figures, PhaseFn, StepResult
 from dflash.train.step_metrics import StageRates, StepMetrics, span_attributes
 
 
@@ -180,7 +180,7 @@ class StepBookkeeping:
         weights they saved or measured."""
         return [] if self.last_step is None else [self.last_step]
 
-    def _log_step(self, figures: dict[str, Any], context: Any = None) -> None:
+    def _log_step(self, figures: Figures, context: Context | None = None) -> None:
         """A logged step: metrics.jsonl (rank 0), the metrics signal and the step's event
         (every rank; `context`: its drafter.step span's, so the event names its trace)."""
         drafter_mfu = None

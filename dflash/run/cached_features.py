@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -31,6 +30,7 @@ from dflash.run.target_features import (
     Log,
     resolve_layer_ids,
 )
+from dflash.summary import JSON
 from dflash.target.model import TargetModel
 
 
@@ -88,8 +88,13 @@ class BatchCache(_HiddenCacheSource):
     ) -> list[tuple[torch.device, Forward]]:
         # Soft labels come from the cached final-norm states, as online: never logits.
         soft = self.cfg.loss.use_soft_labels
-        args = {"target": target, "dataset": dataset, "layer_ids": layer_ids}
-        reader = open_hidden_cache(self.directory, **args, with_final_norm=soft)
+        reader = open_hidden_cache(
+            self.directory,
+            target=target,
+            dataset=dataset,
+            layer_ids=layer_ids,
+            with_final_norm=soft,
+        )
         first, last = batches
         if last is not None:
             reader.covers(last)
@@ -107,11 +112,11 @@ class SampleFiles(_HiddenCacheSource):
     Opened, it has checked the files against the target and read their rows."""
 
     def __init__(self, cfg: TrainConfig, directory: Path, target: TargetModel, log: Log) -> None:
-        d = cfg.data
+        d, wanted = cfg.data, cfg.target.layer_ids
         self.cache = open_sample_cache(
             directory,
             target=target,
-            layer_ids=cfg.target.layer_ids,
+            layer_ids=None if wanted is None else list(wanted),
             soft_labels=cfg.loss.use_soft_labels,
             strict=d.strict_cache,
         )
@@ -159,7 +164,7 @@ class SampleFiles(_HiddenCacheSource):
     def eval_skipped(self, target: TargetModel) -> str | None:
         return "the target was loaded without its decoder" if target.head_only else None
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> JSON:
         return {"hidden_cache_skipped": dataclasses.asdict(self.cache.skipped)}  # by why
 
     def skipped_counter(self) -> Callable[[], dict[str, int]] | None:

@@ -149,13 +149,13 @@ def _memory(s: StepShape) -> dict[str, float]:
     queue = rows_all * (s.k * d + (d if s.soft_labels else 0)) * s.target_bytes
     if s.soft_labels and s.loss_chunk_size is None:
         queue += rows_all * g.vocab_size * s.target_bytes  # dense soft labels ship logits
-    target_act = rows_all * (4 * d + 2 * i) * s.target_bytes
+    target_act: float = rows_all * (4 * d + 2 * i) * s.target_bytes
     if s.document_masks:  # one layer's [T, T] mask, and its fp32 scores off the GPU kernels
         per_row = s.seq_len * s.seq_len
         target_act += (
             rows_all / s.seq_len * per_row * (1 + (4 * g.num_heads if s.attention != "flex" else 0))
         )
-    per_layer = q * (10 * d + 4 * i) + rows_t * 2 * g.num_kv_heads * g.head_dim
+    per_layer: float = q * (10 * d + 4 * i) + rows_t * 2 * g.num_kv_heads * g.head_dim
     if s.attention != "flex":  # scores and probabilities kept in fp32
         per_layer += q * g.num_heads * s.keys_per_query() * 4 / s.activation_bytes
     layers = s.drafter_layers
@@ -314,7 +314,7 @@ def dry_run_lines(cfg: TrainConfig) -> list[str]:
     device when this machine has none; no weights are loaded."""
     geometry, source = geometry_for_spec(cfg.target.spec)
     try:
-        device = decide_placement(cfg.pipeline).drafter
+        device: torch.device | str = decide_placement(cfg.pipeline).drafter
     except DeviceError:  # devices of another machine: estimate for their kind
         device = cfg.pipeline.drafter_devices[0]
     accum = cfg.optim.grad_accum

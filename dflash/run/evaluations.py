@@ -22,7 +22,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -35,6 +34,7 @@ from dflash.drafter.model import DFlashDrafter
 from dflash.errors import DFlashError
 from dflash.eval.evaluate import evaluate_tau
 from dflash.eval.walk import WalkRow, prepare_walk, walk_tau
+from dflash.summary import JSON
 from dflash.target.model import TargetModel
 
 BUDGET_SHARE = 0.10  # of the training time: what the default's evaluations may cost
@@ -42,7 +42,7 @@ WALK_SHARE = 0.5  # of that budget, at most, for serving walks: they never starv
 EVAL_KEYS = ("tau", "tau_pooled", "acceptance_per_position", "tau_without_repeats")
 
 
-def eval_keys(figures: dict[str, Any]) -> dict[str, Any]:
+def eval_keys(figures: JSON) -> JSON:
     """A final evaluation's figures under the names a metrics.jsonl line gives them."""
     return {f"eval_{key}": figures[key] for key in EVAL_KEYS if figures.get(key) is not None}
 
@@ -63,7 +63,7 @@ class TrainingEvals:
     drafter: DFlashDrafter
     prompts: list[list[int]]
     layer_ids: list[int] = field(default_factory=list)
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[JSON] = field(default_factory=list)
     spent_s: float = 0.0
     walk_spent_s: float = 0.0
     best: Best | None = None
@@ -132,9 +132,7 @@ class TrainingEvals:
         cost_s = self._last_walk_s
         return self._fits(cost_s, train_s) and self.walk_spent_s + cost_s <= share
 
-    def on_logged_step(
-        self, step: int, train_s: float, links: Sequence[object] = ()
-    ) -> dict[str, Any]:
+    def on_logged_step(self, step: int, train_s: float, links: Sequence[object] = ()) -> JSON:
         """The figures a logged step gains: the decoding's when due, else the serving
         walk's where the budget leaves room for it (never at the last step: the final
         evaluation measures it). `links`: to the step's span (tracing.phase's `links`)."""
@@ -144,7 +142,7 @@ class TrainingEvals:
             return self.walk(step, links)
         return {}
 
-    def walk(self, step: int, links: Sequence[object] = ()) -> dict[str, Any]:
+    def walk(self, step: int, links: Sequence[object] = ()) -> JSON:
         """The serving walk's τ of the drafter now: walk_* figures of a logged step (the
         target's continuations are computed at the first call, inside its cost)."""
         start_s = time.perf_counter()
@@ -166,7 +164,7 @@ class TrainingEvals:
         self.walk_spent_s += now_s - start_s
         return {"walk_tau": result.tau, "walk_tau_pooled": result.tau_pooled}
 
-    def evaluate(self, step: int, links: Sequence[object] = ()) -> dict[str, Any]:
+    def evaluate(self, step: int, links: Sequence[object] = ()) -> JSON:
         """τ of the drafter now: the eval_* figures of `step`'s metrics.jsonl line."""
         start_s = time.perf_counter()
         attributes = {names.STEP: step}
@@ -187,7 +185,7 @@ class TrainingEvals:
         self.record(step, figures)
         return figures
 
-    def record(self, step: int, figures: dict[str, Any], final: bool = False) -> None:
+    def record(self, step: int, figures: JSON, final: bool = False) -> None:
         """One evaluation in the history; the best one's weights kept with --keep-best."""
         self.history.append({"step": step, **figures})
         tau = figures.get("eval_tau")
@@ -198,11 +196,11 @@ class TrainingEvals:
             weights = trainable_weights(self.drafter)
         self.best = Best(step, float(tau), weights)
 
-    def summary(self, train_s: float) -> dict[str, Any]:
+    def summary(self, train_s: float) -> JSON:
         """What summary.json records of the evaluations while training."""
         during = [h for h in self.history if "eval_s" in h]
         share = self.spent_s / train_s if train_s > 0 else None
-        out: dict[str, Any] = {
+        out: JSON = {
             "evaluations": len(during),
             "walk_seconds": round(self.walk_spent_s, 3),
             "seconds": round(self.spent_s, 3),

@@ -15,7 +15,6 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -38,7 +37,7 @@ from dflash.run.engine import measure_with_vllm
 from dflash.run.evaluations import eval_keys, trainable_weights
 from dflash.run.folder import EVAL_PROMPTS_FILE, METRICS_FILE
 from dflash.run.progress import format_summary
-from dflash.summary import Evaluation, ServedFigures, Summary
+from dflash.summary import JSON, Evaluation, ServedFigures, Summary
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.served import TokenizerTarget
 from dflash.train.optim import DivergedError
@@ -58,11 +57,17 @@ class RunStats:
 def save_drafter_dir(run: Run, directory: Path, dtype: torch.dtype | None = None) -> Path:
     """The standard DFlash directory of the run's drafter, with the run's metadata;
     weights in `dtype` (None: as trained)."""
-    extra: dict[str, Any] = {"step": run.step}
+    extra: JSON = {"step": run.step}
     if run.initialized_from is not None:
         extra["initialized_from"] = str(run.initialized_from)
-    provenance = {"training_config": run.cfg.to_dict(), "data_fingerprint": run.data_fingerprint}
-    return save_drafter(run.drafter, directory, **provenance, extra=extra, dtype=dtype)
+    return save_drafter(
+        run.drafter,
+        directory,
+        training_config=run.cfg.to_dict(),
+        data_fingerprint=run.data_fingerprint,
+        extra=extra,
+        dtype=dtype,
+    )
 
 
 def save_run_checkpoint(run: Run) -> Path:
@@ -218,14 +223,17 @@ def _measure_with_vllm(run: Run, log: Log) -> ServedFigures:
     cfg = run.cfg.run
     prompts = heldout_prompts(run.heldout_data, cfg.eval_prompts, cfg.eval_prompt_tokens)
     target = TokenizerTarget(run.cfg.target.spec, run.target.tokenizer)
-    engine = {
-        "drafter_dir": run.output_dir / "drafter",
-        "block_size": run.drafter.config.block_size,
-        "max_new_tokens": cfg.eval_new_tokens,
-        "stop_token_ids": tuple(run.target.stop_token_ids),
-        "log_dir": run.output_dir,
-    }
-    return measure_with_vllm(cfg.vllm_command, target, prompts=prompts, log=log, **engine)
+    return measure_with_vllm(
+        cfg.vllm_command,
+        target,
+        drafter_dir=run.output_dir / "drafter",
+        block_size=run.drafter.config.block_size,
+        prompts=prompts,
+        max_new_tokens=cfg.eval_new_tokens,
+        stop_token_ids=tuple(run.target.stop_token_ids),
+        log_dir=run.output_dir,
+        log=log,
+    )
 
 
 def build_summary(
@@ -235,8 +243,8 @@ def build_summary(
     *,
     evaluation: tuple[Evaluation, float] | None = None,
     interrupted: str | None = None,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    extra: JSON | None = None,
+) -> JSON:
     """summary.json of a finished (`evaluation` given) or interrupted run, as written.
     `extra`: the pipeline's blocks (`pipeline`, `verdict`, `telemetry`)."""
     return make_summary(
@@ -251,7 +259,7 @@ def make_summary(
     *,
     evaluation: tuple[Evaluation, float] | None = None,
     interrupted: str | None = None,
-    extra: dict[str, Any] | None = None,
+    extra: JSON | None = None,
 ) -> Summary:
     """The typed summary of a finished or interrupted run (see build_summary)."""
     last = stats.losses[-1] if stats.losses else run.trainer.last_loss
@@ -313,14 +321,14 @@ def _last_tau_estimate(path: Path) -> float | None:
     return _finite_or_none(value) if isinstance(value, (int, float)) else None
 
 
-def _finite_or_none(value: Any) -> float | None:
+def _finite_or_none(value: float | torch.Tensor | None) -> float | None:
     if value is None:
         return None
     number = float(value)
     return number if math.isfinite(number) else None
 
 
-def write_summary(run: Run, summary: dict[str, Any], log: Log) -> None:
+def write_summary(run: Run, summary: JSON, log: Log) -> None:
     write_json_atomic(run.output_dir / "summary.json", summary)
     log(format_summary(summary))
 
@@ -331,7 +339,7 @@ def finish_run(
     log: Log = say,
     started_s: float | None = None,
     phase: PhaseFn = null_phase,
-) -> dict[str, Any]:
+) -> JSON:
     """complete_run, then the summary printed and in summary.json."""
     evaluation = complete_run(run, phase, log)
     started = started_s if started_s is not None else time.perf_counter()

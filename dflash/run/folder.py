@@ -95,9 +95,9 @@ class FolderLock:
             if _still_there(fd, self.path):
                 break
             os.close(fd)  # its holder removed it as we opened it: lock the new one
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
         self._fd = fd
 
     def release(self) -> None:

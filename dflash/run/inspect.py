@@ -8,7 +8,6 @@ packing dropped or cut.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import numpy as np
 
@@ -21,6 +20,7 @@ from dflash.data.tokenizer import Tokenizer
 from dflash.errors import DFlashError
 from dflash.files import write_failure, write_output
 from dflash.log import Log, say
+from dflash.summary import JSON
 from dflash.target import load as target_load
 
 
@@ -37,7 +37,7 @@ def inspect_data(
     rows: int = 3,
     json_path: str | None = None,
     log: Log = say,
-) -> dict[str, Any]:
+) -> dict[str, int]:
     """Prints the first `rows` training rows (learned spans marked, document boundaries
     shown) and the packing report; `json_path` gets every training document as
     {"text", "tokens", "loss_mask"}. Returns the counts."""
@@ -54,8 +54,16 @@ def inspect_data(
     corpus = load_corpus(
         source, tokenizer, d.heldout_fraction, d.keep_cut_replies, d.chat_rendering
     )
-    split = {"heldout_fraction": d.heldout_fraction, "packing": d.packing, "log": log}
-    train, _ = datasets_from_corpus(corpus, tokenizer, d.seq_len, d.batch_size, seed, **split)
+    train, _ = datasets_from_corpus(
+        corpus,
+        tokenizer,
+        d.seq_len,
+        d.batch_size,
+        seed,
+        heldout_fraction=d.heldout_fraction,
+        packing=d.packing,
+        log=log,
+    )
     pack = corpus.report.pack
     learned = int(train.mask.sum())
     counts = {
@@ -102,7 +110,7 @@ def render_row(tokenizer: Tokenizer, data: PackedDataset, index: int) -> str:
     return "".join(out).lstrip("\n")
 
 
-def _document(tokenizer: Tokenizer, doc: Document) -> dict[str, Any]:
+def _document(tokenizer: Tokenizer, doc: Document) -> JSON:
     """A training document as --json writes it: its text, tokens and loss mask."""
     text = _decode(tokenizer, doc.ids.tolist())
     return {"text": text, "tokens": doc.ids.tolist(), "loss_mask": doc.mask.astype(int).tolist()}

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -41,6 +40,7 @@ from dflash.offline.sample_writer import write_sample_cache, write_sample_plan
 from dflash.run.build import open_target
 from dflash.run.rows import training_rows
 from dflash.run.target_features import resolve_layer_ids
+from dflash.summary import JSON
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.served import CompletionClient, ServerSettings, TokenizerTarget
 
@@ -94,9 +94,16 @@ def write_run_cache(
             rate = done * train.seq_len / max(time.perf_counter() - start_s, 1e-9)
             log(f"cache-hidden: {done}/{of} rows, {rate:,.0f} tokens/s")
 
-        options = {"layer_ids": layer_ids, "with_last_layer": True, "progress": rows_done}
         with _writes(output_dir):
-            out = write_sample_cache(target, train, heldout, output_dir, **options)
+            out = write_sample_cache(
+                target,
+                train,
+                heldout,
+                output_dir,
+                layer_ids=layer_ids,
+                with_last_layer=True,
+                progress=rows_done,
+            )
         files = sample_files(out)
         size = sum(p.stat().st_size for p in files.values())
         aux = [i + 1 for i in layer_ids]
@@ -111,13 +118,23 @@ def write_run_cache(
         rate = done * tokens_per_batch / max(time.perf_counter() - start_s, 1e-9)
         log(f"cache-hidden: {done}/{of} batches, {rate:,.0f} tokens/s")
 
-    held = {"layer_ids": layer_ids, "with_final_norm": soft}  # what the cache holds
-    shards = {"num_batches": total, "batches_per_shard": batches_per_shard}
-    write_hidden_cache(target, train, output_dir, **held, **shards, progress=progress, log=log)
-    reader = open_hidden_cache(output_dir, target=target, dataset=train, **held)
+    write_hidden_cache(
+        target,
+        train,
+        output_dir,
+        layer_ids=layer_ids,
+        num_batches=total,
+        with_final_norm=soft,  # what the cache holds, with layer_ids
+        batches_per_shard=batches_per_shard,
+        progress=progress,
+        log=log,
+    )
+    reader = open_hidden_cache(
+        output_dir, target=target, dataset=train, layer_ids=layer_ids, with_final_norm=soft
+    )
     tokens = reader.num_batches * reader.dataset.batch_size * reader.dataset.seq_len
-    size = f"{tokens:,} tokens, {reader.total_bytes / 2**20:,.1f} MiB"
-    return f"cache-hidden: {reader.num_batches} batches ({size}) in {output_dir}"
+    amount = f"{tokens:,} tokens, {reader.total_bytes / 2**20:,.1f} MiB"
+    return f"cache-hidden: {reader.num_batches} batches ({amount}) in {output_dir}"
 
 
 @contextmanager
@@ -143,7 +160,7 @@ def regenerate_data(
     *,
     progress: Callable[[RegenProgress], None] | None = None,
     log: Log = say,
-    chat_template_kwargs: dict[str, Any] | None = None,
+    chat_template_kwargs: JSON | None = None,
     server: ServerSettings | None = None,
     precision: str = "auto",
 ) -> RegenReport:

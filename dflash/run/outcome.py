@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import signal
 from pathlib import Path
-from typing import Any
 
 import tracing
 from dflash.errors import first_line
@@ -25,6 +24,7 @@ from dflash.run.checkpoint import CheckpointError, SaveError
 from dflash.run.finish import build_summary, complete_run, save_checkpoint_or_fail, write_summary
 from dflash.run.wiring import WiredRun
 from dflash.signals import Interrupted, TrainingInterrupted
+from dflash.summary import JSON
 
 logger = get_logger("run")
 
@@ -41,7 +41,7 @@ def log_failure(exc: BaseException) -> None:
         exc._dflash_logged = True  # type: ignore[attr-defined]
 
 
-def _pipeline_figures(wired: WiredRun, world_size: int) -> dict[str, Any]:
+def _pipeline_figures(wired: WiredRun, world_size: int) -> JSON:
     snap = wired.pipe.snapshot()
     return {
         "target_devices": [str(d) for d in wired.placement.targets],
@@ -63,7 +63,7 @@ def end_training(
     started_s: float,
     signum: int | None,
     stuck: list[str],
-) -> dict[str, Any]:
+) -> JSON:
     """The end of `wired`'s training (`signum`: the stop signal that ended it; `stuck`:
     the threads still running): the summary, or the failed stage's PipelineError, or
     TrainingInterrupted once the checkpoint and the summary are written."""
@@ -115,7 +115,7 @@ def end_training(
     return summary
 
 
-def _summary_sections(figures: dict[str, Any], telemetry: dict[str, Any] | None) -> dict[str, Any]:
+def _summary_sections(figures: JSON, telemetry: JSON | None) -> JSON:
     if telemetry is None:
         return {"pipeline": figures}
     telemetry = dict(telemetry)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import tracing
 from dflash import names
@@ -27,6 +27,7 @@ from dflash.run.outcome import end_training, log_failure
 from dflash.run.start import RankSetup, start_run
 from dflash.run.wiring import share_cpu_cores, wire_run
 from dflash.signals import Interrupted, SignalStop, TrainingInterrupted
+from dflash.summary import JSON
 
 __all__ = ["DEFAULT_STALL_TIMEOUT_S", "PipelineError", "TrainingInterrupted", "run_pipeline"]
 
@@ -34,7 +35,7 @@ __all__ = ["DEFAULT_STALL_TIMEOUT_S", "PipelineError", "TrainingInterrupted", "r
 DEFAULT_STALL_TIMEOUT_S = 600.0
 
 
-def run_training(cfg: TrainConfig, log: Log = say) -> dict[str, Any]:
+def run_training(cfg: TrainConfig, log: Log = say) -> JSON:
     """`dflash-train train`: tracing set up from cfg.telemetry, then `run_pipeline`.
 
     Under torchrun the process group starts first: every rank's telemetry carries
@@ -43,16 +44,17 @@ def run_training(cfg: TrainConfig, log: Log = say) -> dict[str, Any]:
     info = start.info
     try:
         output_dir = Path(cfg.run.output_dir)
-        run_info = {"run_id": shared_run_id(info.world_size), "output_dir": output_dir}
-        # The resource says where this rank ran: its devices, the config's hash.
-        where = {"local_rank": info.local_rank, "devices": start.placement.drafters}
-        reporting = start_reporting(cfg.telemetry.report_to, run_info["run_id"], log, info.is_main)
+        run_id = shared_run_id(info.world_size)
+        reporting = start_reporting(cfg.telemetry.report_to, run_id, log, info.is_main)
         observer = start_observer(
             cfg.telemetry,
             info.rank,
             info.world_size,
-            **run_info,
-            **where,
+            run_id=run_id,
+            output_dir=output_dir,
+            # The resource says where this rank ran: its devices, the config's hash.
+            local_rank=info.local_rank,
+            devices=start.placement.drafters,
             log=log,
             config=cfg.to_dict(),
             exporters=reporting.span_exporters(),
@@ -92,7 +94,7 @@ def run_pipeline(
     progress_stream: IO[str] | None = None,
     stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
     reporting: Reporting | None = None,
-) -> dict[str, Any]:
+) -> JSON:
     """Train `cfg` with the pipeline; the summary dict.
 
     Under torchrun every rank calls this; rank 0 alone writes config.json,

@@ -12,12 +12,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import IO
 
 from dflash.config.settings import TrainConfig
 from dflash.log import Log
 from dflash.objective.noise import NoiseSchedule
 from dflash.observe.report import tau_notes
+from dflash.summary import JSON
 
 
 class BufferedLog:
@@ -88,12 +89,12 @@ def format_run_config(cfg: TrainConfig, target_desc: str, device: str) -> str:
     )
 
 
-def _loss_text(summary: dict[str, Any]) -> str:
+def _loss_text(summary: JSON) -> str:
     loss = summary.get("final_loss")
     return f"{loss:.4f}" if isinstance(loss, float) else "n/a (no finished step)"
 
 
-def format_summary(summary: dict[str, Any]) -> str:
+def format_summary(summary: JSON) -> str:
     """Human summary of summary.json's figures."""
     tau = summary.get("tau")
     tau_txt = f"{tau:.3f}" if isinstance(tau, float) else "n/a"
@@ -118,7 +119,7 @@ def _format_eta(seconds: float) -> str:
     return f"{seconds // 60}:{seconds % 60:02d}"
 
 
-def _tau_figures(figures: dict[str, Any]) -> str:
+def _tau_figures(figures: JSON) -> str:
     """The per-block chain τ of the training anchors and, on an evaluated step, the held-out
     τ (the figure the engine will measure), after the independent-positions estimate."""
     text = ""
@@ -140,7 +141,7 @@ class Progress:
         self,
         total_steps: int,
         start_step: int = 0,
-        stream: TextIO | None = None,
+        stream: IO[str] | None = None,
         interval_s: float = 10.0,
         log: Log | None = None,
     ) -> None:
@@ -167,7 +168,7 @@ class Progress:
         isatty = getattr(self.stream, "isatty", None)
         return bool(isatty and isatty())
 
-    def update(self, step: int, num_tokens: int, figures: dict[str, Any] | None = None) -> None:
+    def update(self, step: int, num_tokens: int, figures: JSON | None = None) -> None:
         """Record that `step` (1-based, global) trained `num_tokens`; `figures` (loss,
         tau_estimate) are given on logged steps."""
         self.tokens += num_tokens

@@ -8,7 +8,7 @@ each step leaves behind (dflash.run.bookkeeping) with the pipeline.
 from __future__ import annotations
 
 import time
-from typing import IO, Any
+from typing import IO
 
 from dflash.config.settings import TrainConfig
 from dflash.log import Log, say
@@ -19,12 +19,13 @@ from dflash.run.finish import finish_run
 from dflash.run.progress import Progress
 from dflash.run.replicas import move_target_out, target_forwards
 from dflash.run.start import RankSetup, log_startup, start_run
+from dflash.summary import JSON
 from dflash.train.step import null_phase
 
 
 def train_reference(
     cfg: TrainConfig, log: Log = say, progress_stream: IO[str] | None = None
-) -> dict[str, Any]:
+) -> JSON:
     """Trains `cfg` in this thread on the first target and drafter device; the summary."""
     started_s = time.perf_counter()
     start = start_run(cfg, DistInfo())  # one process: no rank, no group
@@ -40,7 +41,7 @@ def _train(
     log: Log,
     progress_stream: IO[str] | None,
     started_s: float,
-) -> dict[str, Any]:
+) -> JSON:
     placement = start.placement
     run = build_run(cfg, placement, log)
     log_startup(run, log, f"target {placement.target}, drafter {placement.drafter}")

@@ -18,12 +18,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflash.data.datasets import Batch
 from dflash.pipeline.distributed import shard_module, sync_initial_weights
 from dflash.run.build import Run, drafter_on
 from dflash.run.checkpoint import (
@@ -35,6 +36,9 @@ from dflash.run.checkpoint import (
 from dflash.run.target_features import Forward
 from dflash.target.model import TargetOutput, frozen_parts
 from dflash.train.step import DrafterTrainer
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import StateDict
 
 
 @dataclass
@@ -81,7 +85,7 @@ class GatheredTrainer(DrafterTrainer):
         state = run.checkpoint_due(step) or step >= run.steps
         return state or step % run.log_every == 0, state
 
-    def after_optimizer_step(self, *_: Any) -> None:
+    def after_optimizer_step(self, *_: object) -> None:
         """The source optimizer's post-step hook (step_count counts this step next)."""
         step = self.source.step_count + 1
         weights, state = self._due(step)
@@ -98,7 +102,7 @@ class GatheredTrainer(DrafterTrainer):
             self.state_step = step
         self.step_count = step
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> StateDict:
         if self.state_step != self.source.step_count:
             raise CheckpointError(
                 f"step {self.source.step_count}: the sharded drafter's state was last gathered "
@@ -165,7 +169,7 @@ def move_target_out(target_out: TargetOutput, device: torch.device) -> TargetOut
 
 def move_features_to(
     device: torch.device,
-) -> Callable[[Any, TargetOutput], tuple[Any, TargetOutput]]:
+) -> Callable[[Batch, TargetOutput], tuple[Batch, TargetOutput]]:
     """The drafter loop's move: the batch stays on the host (the step moves it after
     drawing its anchors there), the features go to `device`."""
     return lambda batch, target_out: (batch, move_target_out(target_out, device))

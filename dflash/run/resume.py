@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import tracing
 from dflash import names
@@ -29,6 +28,7 @@ from dflash.run.checkpoint import (
     resolve_checkpoint,
     restore_rng_state,
 )
+from dflash.summary import JSON
 from dflash.train.step import DrafterTrainer
 
 # What batch i is made of: a resume with another value would continue on other batches.
@@ -53,7 +53,7 @@ def checkpoint_to_resume(cfg: TrainConfig, output_dir: Path) -> Checkpoint | Non
     return resume
 
 
-def _check_resume_compatible(cfg: TrainConfig, saved: dict[str, Any], path: Path) -> None:
+def _check_resume_compatible(cfg: TrainConfig, saved: JSON, path: Path) -> None:
     """A checkpoint continues only the same drafter on the same target and data (the
     hidden-state cache may come or go: it holds the same batches' features). A key the
     checkpoint lacks predates its option, whose default keeps the behaviour of then."""
@@ -111,7 +111,7 @@ def restore(
 
 def check_init_settings(cfg: TrainConfig, saved: DrafterConfig, where: str) -> None:
     """Before the target loads: a warm start's drafter against what this run's flags name."""
-    pairs: list[tuple[str, str, Any, Any]] = [
+    pairs: list[tuple[str, str, object, object]] = [
         ("--drafter-layers", "num_hidden_layers", saved.num_layers, cfg.drafter.num_layers)
     ]
     named = (  # (flag, the saved config's key and attribute, this run's value or None)

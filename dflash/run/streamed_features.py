@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -22,6 +21,7 @@ from dflash.offline.spool import Spool, SpoolError
 from dflash.run import streamed
 from dflash.run.cached_features import evaluates_whole_target
 from dflash.run.target_features import FeaturePlan, FeatureSource, Forward, Log, resolve_layer_ids
+from dflash.summary import JSON
 from dflash.target.model import TargetModel
 
 
@@ -126,7 +126,7 @@ class StreamedSamples(FeatureSource):
     def eval_skipped(self, target: TargetModel) -> str | None:
         return "the target was loaded without its decoder" if target.head_only else None
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> JSON:
         reader = self._reader
         return {
             "spool_bytes_bound": self.bound,

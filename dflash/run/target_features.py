@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -24,6 +23,7 @@ from dflash.config.devices import Placement
 from dflash.config.settings import TrainConfig
 from dflash.data.datasets import Batch, PackedDataset
 from dflash.run.progress import BufferedLog
+from dflash.summary import JSON
 from dflash.target import load as target_load  # by module: tests swap load_target
 from dflash.target.model import TargetModel, TargetOutput, choose_target_layers
 
@@ -128,7 +128,7 @@ class FeatureSource:
     def stop(self) -> None:
         """Ends what the source started (an engine), once the pipeline has stopped reading."""
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> JSON:
         """What summary.json records of the source."""
         return {}
 

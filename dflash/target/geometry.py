@@ -47,7 +47,7 @@ class TargetGeometry:
         return self.num_layers * self.layer_params() + 2 * self.vocab_size * self.hidden_size
 
 
-def text_config(config: Any) -> Any:
+def text_config(config: object) -> object:
     """The language model's part of a config (multimodal configs nest it)."""
     if isinstance(config, Mapping):
         return config.get("text_config") or config
@@ -55,12 +55,12 @@ def text_config(config: Any) -> Any:
     return get_text() if callable(get_text) else config
 
 
-def geometry_from_hf_config(config: Any) -> TargetGeometry:
+def geometry_from_hf_config(config: object) -> TargetGeometry:
     """The geometry of a transformers config object or a config.json mapping (4.x or 5.x
     rotary layout); TargetError naming the key when one is missing or unusable."""
     cfg = text_config(config)
 
-    def get(key: str, default: Any = None) -> Any:
+    def get(key: str, default: object = None) -> Any:  # Any: a config's value, any type
         value = cfg.get(key) if isinstance(cfg, Mapping) else getattr(cfg, key, None)
         return default if value is None else value
 

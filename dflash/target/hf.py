@@ -11,10 +11,9 @@ import json
 import re
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlparse
+from urllib.parse import ParseResult, urlparse
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -140,7 +139,7 @@ def _some(names: list[str], shown: int = 3) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def check_loading_info(spec: str, loading: dict[str, Any]) -> None:
+def check_loading_info(spec: str, loading: Mapping[str, Iterable[object]]) -> None:
     """A weights file with a tensor missing (transformers would initialize it at random
     and train on) or with tensors the model does not have is refused, naming them."""
     found = []
@@ -342,7 +341,7 @@ def _probe_hub(endpoint: str, timeout_s: float) -> str | None:
     return outcome[0] if outcome else f"{host}: no answer within {timeout_s:g} s"
 
 
-def _hub_connection(url: Any, timeout_s: float) -> http.client.HTTPConnection:
+def _hub_connection(url: ParseResult, timeout_s: float) -> http.client.HTTPConnection:
     """A connection to the hub as huggingface_hub would make it: through the proxy of
     HTTPS_PROXY/HTTP_PROXY (tunnelled) unless NO_PROXY names the host."""
     host = url.hostname or "huggingface.co"
@@ -358,13 +357,13 @@ def _hub_connection(url: Any, timeout_s: float) -> http.client.HTTPConnection:
     return connection
 
 
-def _as_ids(value: Any) -> list[int]:
+def _as_ids(value: int | list[int] | tuple[int, ...] | None) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def hf_stop_token_ids(tokenizer: Tokenizer, generation_config: Any) -> tuple[int, ...]:
+def hf_stop_token_ids(tokenizer: Tokenizer, generation_config: object) -> tuple[int, ...]:
     """EOS of the tokenizer plus the generation config's EOS ids (chat models list several)."""
     ids = _as_ids(getattr(tokenizer, "eos_token_id", None))
     ids += _as_ids(getattr(generation_config, "eos_token_id", None))

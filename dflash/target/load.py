@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from dflash.config.devices import resolve_precision
-from dflash.data.tokenizer import ByteTokenizer, encode_texts
+from dflash.data.tokenizer import ByteTokenizer, Tokenizer, encode_texts
 from dflash.errors import first_line
 from dflash.target.geometry import TargetError
 from dflash.target.hf import (
@@ -142,7 +141,7 @@ def check_finite_states(target: TargetModel) -> None:
     )
 
 
-def load_tokenizer(spec: str) -> Any:
+def load_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer of a target without its weights (builtin:tiny: the byte tokenizer)."""
     if spec.startswith(BUILTIN_PREFIX):
         return ByteTokenizer()

@@ -8,7 +8,7 @@ drafters of these targets name their mask token explicitly.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +16,9 @@ from dflash.nn.rope import RopeSpec
 from dflash.target.geometry import TargetGeometry, geometry_from_hf_config
 from dflash.target.hf import hf_stop_token_ids
 from dflash.target.model import TargetModel
+
+if TYPE_CHECKING:
+    from transformers import Qwen3Config
 
 QWEN3_8B = TargetGeometry(
     hidden_size=4096,
@@ -46,7 +49,7 @@ TINY_QWEN3 = TargetGeometry(
 KNOWN_SHAPES = {"Qwen/Qwen3-8B": QWEN3_8B}
 
 
-def qwen3_config(geometry: TargetGeometry, dtype: torch.dtype = torch.float32) -> Any:
+def qwen3_config(geometry: TargetGeometry, dtype: torch.dtype = torch.float32) -> Qwen3Config:
     """The `transformers.Qwen3Config` of a geometry (untied embedding and LM head)."""
     from transformers import Qwen3Config  # deferred: transformers is an optional dependency
 
