@@ -125,14 +125,17 @@ def main() -> None:
     if args.which == "humaneval":
         codes = humaneval_problems()[: args.count]
     else:
+        count = 600 if args.count is None else args.count
         codes = stdlib_functions()
         random.Random(args.seed).shuffle(codes)
-        if args.packages:
+        # Parsing every installed package takes minutes: only when the standard
+        # library's stubs are too few for --count.
+        if args.packages and count > len(codes):
             seen = set(codes)
             more = [c for c in dict.fromkeys(package_functions()) if c not in seen]
             random.Random(args.seed).shuffle(more)
             codes += more
-        codes = codes[: 600 if args.count is None else args.count]
+        codes = codes[:count]
     args.output.write_text("".join(_message(code) + "\n" for code in codes))
     print(f"{len(codes)} prompts in {args.output}")
 

@@ -11,7 +11,8 @@
 # 5. judge      bench/learning_run.py serves the drafter in vLLM and measures τ on
 #               HumanEval and on the run's held-out prompts: WORK/judge.jsonl
 #
-# Sizes from the environment: PROMPTS (training prompts, 2400), STEPS (2900), HUMANEVAL
+# Sizes from the environment: PROMPTS (training prompts, 7200:
+# the standard library's stubs, then the installed packages'), STEPS (4000), HUMANEVAL
 # (the first N of HumanEval's 164 problems, all of them), EVAL_PROMPTS (the held-out
 # prompts training's final evaluation decodes and vLLM judges again; unset: the recipe's
 # 16, the slowest part of a tiny run's training). VLLM is a python with vLLM
@@ -26,8 +27,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 work=${1:-runs/smollm2-recipe}
-PROMPTS=${PROMPTS:-2400}
-STEPS=${STEPS:-2900}
+PROMPTS=${PROMPTS:-7200}
+STEPS=${STEPS:-4000}
 HUMANEVAL=${HUMANEVAL:-164}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
 mkdir -p "$work"
@@ -92,7 +93,7 @@ if [ -f prompts.done ]; then
   skip prompts prompts.done
 else
   begin "prompts: $PROMPTS for training, $HUMANEVAL of HumanEval"
-  python "$root/bench/coding_prompts.py" train train.jsonl --count "$PROMPTS"
+  python "$root/bench/coding_prompts.py" train train.jsonl --count "$PROMPTS" --packages
   python "$root/bench/coding_prompts.py" humaneval humaneval.jsonl --count "$HUMANEVAL"
   touch prompts.done
   took prompts
