@@ -2,6 +2,7 @@
 test files run as torchrun workers."""
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,16 @@ def script_env(**extra: str) -> dict[str, str]:
     first on the path, as pytest has it, so `tests.dflash...` imports resolve."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
+def run_torchrun_script(script: str, *args: str, nproc: int = 2) -> None:
+    """Run the test file `script` as `nproc` torchrun workers with `args`; the workers'
+    output is the failure's message."""
+    command = [*torchrun_command(nproc), script, *args]
+    proc = subprocess.run(
+        command, env=script_env(), capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
 
 def write_corpus(directory):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,10 @@ from dflash import names
 from dflash.pipeline.distributed import SpanIds
 from dflash.run.pipelined import run_training
 from tests.dflash.app_fixtures import (  # noqa: F401 - fixture
-    script_env,
+    run_torchrun_script,
     small_cfg,
     small_target_everywhere,
     tiny_target,
-    torchrun_command,
 )
 
 STEPS = 4
@@ -168,14 +166,6 @@ def test_span_ids_survive_a_float32_sum_of_every_ranks_words() -> None:
         assert seen == {0: from_2, 1: from_0 + from_2, 2: from_0}
 
 
-def _launch(mode: str, out_dir: Path) -> None:
-    command = [*torchrun_command(2), __file__, mode, str(out_dir)]
-    proc = subprocess.run(
-        command, env=script_env(), capture_output=True, text=True, timeout=600, check=False
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 @pytest.mark.parametrize(("mode", "per_rank"), [("replicated", 2), ("sharded", 1)])
@@ -183,7 +173,7 @@ def test_updates_link_every_ranks_batches(tmp_path: Path, mode: str, per_rank: i
     """2 gloo ranks: each rank's update of step s links to the drafter.step span of every
     replica of step s but its own, on both ranks: the ids of the spans in the other
     rank's trace file, with that span's step and batch id and the rank."""
-    _launch(mode, tmp_path)
+    run_torchrun_script(__file__, mode, str(tmp_path))
     trace_file = tmp_path / "spans.jsonl"
     files = {0: trace_file, 1: trace_file.with_name(trace_file.name + ".rank1")}
     spans = {rank: _spans(path) for rank, path in files.items()}

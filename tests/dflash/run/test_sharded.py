@@ -22,11 +22,11 @@ from dflash.run.estimate import EstimateError, dry_run_lines
 from dflash.run.size_checks import check_sharding
 from dflash.train.step import DrafterTrainer
 from tests.dflash.app_fixtures import (  # noqa: F401 - fixture
+    run_torchrun_script,
     script_env,
     small_cfg,
     small_target_everywhere,
     tiny_target,
-    torchrun_command,
 )
 
 STEPS = 4
@@ -37,20 +37,12 @@ LOSS_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 1e-5
 
 
-def _launch(mode: str, out_dir: Path) -> None:
-    command = [*torchrun_command(2), __file__, mode, str(out_dir)]
-    proc = subprocess.run(
-        command, env=script_env(), capture_output=True, text=True, timeout=600, check=False
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("tiny_target")
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_sharded_losses_equal_ddp_and_resume_on_one_rank(tmp_path: Path) -> None:
     for mode in ("ddp", "fsdp"):
-        _launch(mode, tmp_path / mode)
+        run_torchrun_script(__file__, mode, str(tmp_path / mode))
     losses = {m: json.loads((tmp_path / m / "losses0.json").read_text()) for m in ("ddp", "fsdp")}
     assert len(losses["ddp"]) == len(losses["fsdp"]) == STEPS
     diff = max(abs(a - b) for a, b in zip(losses["ddp"], losses["fsdp"], strict=True))
