@@ -81,9 +81,12 @@ def format_loss_config(cfg: TrainConfig) -> str:
 
 def format_run_config(cfg: TrainConfig, target_desc: str, device: str) -> str:
     """Which model, data and budget the run uses, on one line."""
+    # With a hidden cache the rows are its samples and --data is never read.
+    cache = cfg.data.hidden_cache
+    data = f"hidden cache {cache}" if cache else f"data {cfg.data.source}"
     return (
         f"run: target {target_desc}, drafter {cfg.drafter.num_layers} layer(s), "
-        f"data {cfg.data.source}, {cfg.run.steps} steps × {cfg.data.batch_size} × "
+        f"{data}, {cfg.run.steps} steps × {cfg.data.batch_size} × "
         f"{cfg.data.seq_len} tokens, lr {cfg.optim.lr:g}, device {device}, "
         f"output {cfg.run.output_dir}"
     )

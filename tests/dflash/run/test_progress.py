@@ -5,7 +5,13 @@ import time
 import pytest
 
 from dflash.config.settings import config_from_options
-from dflash.run.progress import LineStream, Progress, format_loss_config, format_summary
+from dflash.run.progress import (
+    LineStream,
+    Progress,
+    format_loss_config,
+    format_run_config,
+    format_summary,
+)
 
 
 def figures(loss: float, tau: float = 1.5) -> dict:
@@ -67,6 +73,14 @@ def test_loss_line_names_every_setting(options, fragments) -> None:
     for fragment in fragments:
         assert fragment in line, line
     assert "\n" not in line
+
+
+def test_run_line_names_the_hidden_cache_not_the_unread_data() -> None:
+    online = format_run_config(config_from_options({"data": "corpus.txt"}), "builtin", "cpu")
+    assert "data corpus.txt," in online and "hidden cache" not in online, online
+    options = {"data": "corpus.txt", "hidden_cache": "cache/"}
+    cached = format_run_config(config_from_options(options), "builtin", "cpu")
+    assert "hidden cache cache/," in cached and "corpus.txt" not in cached, cached
 
 
 def test_summary_text() -> None:
