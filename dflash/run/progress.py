@@ -79,11 +79,14 @@ def format_loss_config(cfg: TrainConfig) -> str:
     )
 
 
-def format_run_config(cfg: TrainConfig, target_desc: str, device: str) -> str:
-    """Which model, data and budget the run uses, on one line."""
-    # With a hidden cache the rows are its samples and --data is never read.
+def format_run_config(
+    cfg: TrainConfig, target_desc: str, device: str, rows_in_cache: bool = False
+) -> str:
+    """Which model, data and budget the run uses, on one line. `rows_in_cache`: the
+    feature source holds the rows itself (per-sample files), so --data is never read;
+    a batch cache's rows are still --data's."""
     cache = cfg.data.hidden_cache
-    data = f"hidden cache {cache}" if cache else f"data {cfg.data.source}"
+    data = f"hidden cache {cache}" if rows_in_cache else f"data {cfg.data.source}"
     return (
         f"run: target {target_desc}, drafter {cfg.drafter.num_layers} layer(s), "
         f"{data}, {cfg.run.steps} steps × {cfg.data.batch_size} × "

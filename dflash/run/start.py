@@ -63,7 +63,8 @@ def log_startup(run: Run, log: Log, devices: str, telemetry_line: str | None = N
     log(format_loss_config(run.cfg))
     if telemetry_line is not None:
         log(telemetry_line)
-    log(format_run_config(run.cfg, f"{run.cfg.target.spec} layers {run.layer_ids}", devices))
+    target = f"{run.cfg.target.spec} layers {run.layer_ids}"
+    log(format_run_config(run.cfg, target, devices, rows_in_cache=run.features.rows is not None))
     log(run.trainer.precision_text)
     for line in estimate_for_config(run.cfg, run.target.geometry, run.placement.drafter):
         log(line)  # and a warning when it exceeds the device's memory: before the first step

@@ -78,9 +78,11 @@ def test_loss_line_names_every_setting(options, fragments) -> None:
 def test_run_line_names_the_hidden_cache_not_the_unread_data() -> None:
     online = format_run_config(config_from_options({"data": "corpus.txt"}), "builtin", "cpu")
     assert "data corpus.txt," in online and "hidden cache" not in online, online
-    options = {"data": "corpus.txt", "hidden_cache": "cache/"}
-    cached = format_run_config(config_from_options(options), "builtin", "cpu")
-    assert "hidden cache cache/," in cached and "corpus.txt" not in cached, cached
+    cfg = config_from_options({"data": "corpus.txt", "hidden_cache": "cache/"})
+    batches = format_run_config(cfg, "builtin", "cpu")  # a batch cache: --data's rows
+    assert "data corpus.txt," in batches and "hidden cache" not in batches, batches
+    samples = format_run_config(cfg, "builtin", "cpu", rows_in_cache=True)
+    assert "hidden cache cache/," in samples and "corpus.txt" not in samples, samples
 
 
 def test_summary_text() -> None:
