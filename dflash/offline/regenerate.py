@@ -221,6 +221,8 @@ class _Decoder:
                 for i, new in zip(part, outs, strict=True):
                     results[i] = new
                     self.new_tokens += len(new)
+                if self.on_batch is not None:  # the progress line's tokens/s counts these
+                    self.on_batch(self.new_tokens)
         return results
 
 
@@ -581,7 +583,7 @@ def _regenerate_embedded(
     partial = path.with_name(f".{path.stem}.partial.jsonl")
     what = "the target's own continuations of the embedded corpus"
     log(f"data: {what}, generated once ({target.spec}; cached as {path})")
-    step = [0.0]
+    step = [1.0]  # from the first window written: batches report before any is
 
     def progress(p: RegenProgress) -> None:
         if p.lines_done >= step[0] or p.lines_done == p.lines_total:

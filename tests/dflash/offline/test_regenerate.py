@@ -268,6 +268,8 @@ def test_the_embedded_default_is_regenerated_once_per_target_and_recipe(
     lines: list[str] = []
     path = regen_mod.embedded_regeneration(target, 0.05, lines.append)
     assert any("generated once" in line for line in lines) and path.parent.name == "regen"
+    rates = [line.rsplit(", ", 1)[1] for line in lines if " windows, " in line]
+    assert rates and all(r.endswith(" tokens/s") and r != "0 tokens/s" for r in rates), rates
     direct = tmp_path / "direct.jsonl"
     regenerate(target, "embedded", direct, settings=dataclasses.replace(recipe))
     assert path.read_text() == direct.read_text()
