@@ -12,7 +12,7 @@
 #               HumanEval and on the run's held-out prompts: WORK/judge.jsonl
 #
 # Sizes from the environment: PROMPTS (training prompts, 7200:
-# the standard library's stubs, then the installed packages'), STEPS (3600), HUMANEVAL
+# the standard library's stubs, then the installed packages'), STEPS (3700), HUMANEVAL
 # (the first N of HumanEval's 164 problems, all of them), EVAL_PROMPTS (the held-out
 # prompts training's final evaluation decodes and vLLM judges again; unset: the recipe's
 # 16, the slowest part of a tiny run's training). VLLM is a python with vLLM
@@ -28,7 +28,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 work=${1:-runs/smollm2-recipe}
 PROMPTS=${PROMPTS:-7200}
-STEPS=${STEPS:-3600}
+STEPS=${STEPS:-3700}
 HUMANEVAL=${HUMANEVAL:-164}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
 mkdir -p "$work"
